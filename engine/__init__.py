@@ -1,0 +1,41 @@
+"""RoundPipe: train models far larger than GPU memory by streaming layers from host memory.
+
+Public API (the seeds' contract): RoundPipe, AutoRoundPipe, RoundPipeRunConfig,
+wrap_model_to_roundpipe, GradScaler; engine.optim.Adam; engine.context's
+save_for_recompute / get_recompute_data / doing_recompute.
+"""
+
+from __future__ import annotations
+
+from .context import doing_recompute, get_recompute_data, save_for_recompute
+from .errors import ConfigError, DeviceError, RoundPipeError, StepError
+from .roundpipe import AutoRoundPipe, RoundPipe
+from .run_config import RoundPipeRunConfig
+from .scheduler import ModelExecutePlan
+
+__all__ = [
+    "AutoRoundPipe",
+    "ConfigError",
+    "DeviceError",
+    "ModelExecutePlan",
+    "RoundPipe",
+    "RoundPipeError",
+    "RoundPipeRunConfig",
+    "StepError",
+    "doing_recompute",
+    "get_recompute_data",
+    "save_for_recompute",
+]
+
+try:  # written alongside; exported once present
+    from .grad_scaler import GradScaler  # noqa: F401
+
+    __all__.append("GradScaler")
+except ImportError:  # pragma: no cover
+    pass
+try:
+    from .wrapper import wrap_model_to_roundpipe  # noqa: F401
+
+    __all__.append("wrap_model_to_roundpipe")
+except ImportError:  # pragma: no cover
+    pass

@@ -1,0 +1,87 @@
+"""Per-layer and per-parameter state shared by the device threads and the optimizer thread.
+
+The step protocol (staleness one). For every layer, two events:
+
+    main thread            optimizer thread (step k)              device threads (iteration k+1)
+    step(): clear both --> copy optim -> model params (w[k]) --> set param_copied --> uploads wait
+                           fold model grads -> optim grads   --> set grad_copied  --> grad downloads wait
+                           step_fn (w[k] -> w[k+1])          ... runs while iteration k+1 computes
+
+so iteration k+1 computes with w[k], the weights from before step k was applied, and never
+sees a mix of two versions: w[k+1] reaches the model params only at the start of step k+1
+(or at once with a synchronous step, or at synchronize()).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from .threads import AnnotatedEvent
+
+__all__ = ["LayerAttribute", "ParamAttribute"]
+
+
+class LayerAttribute:
+    """Events that order one layer's uploads and gradient downloads against the optimizer."""
+
+    def __init__(self, layer_id: int) -> None:
+        self.layer_id = layer_id
+        self.param_copied = AnnotatedEvent(f"layer{layer_id}.param_copied", set_=True)
+        self.grad_copied = AnnotatedEvent(f"layer{layer_id}.grad_copied", set_=True)
+
+
+class ParamAttribute:
+    """Host-side companions of one model parameter.
+
+    Attributes:
+        owner_layer: The first layer that uses the parameter; its LayerAttribute's events
+            guard this parameter (tied weights are used by several layers).
+        optim: The optimizer-side copy (fp32 master when `optim_dtype` asks for it); what
+            `parameters()` yields inside a step_fn.
+        grad_host: Gradients downloaded since the last step (model dtype, pinned on CUDA);
+            meaningful only while `grad_pending`.
+        grad_pending: `grad_host` holds gradients the optimizer has not folded in yet.
+    """
+
+    def __init__(self, param: nn.Parameter, owner_layer: int, optim_dtype: torch.dtype) -> None:
+        self.owner_layer = owner_layer
+        self.optim: nn.Parameter | None = None
+        if param.requires_grad:
+            master = param.detach().to(optim_dtype, copy=True)
+            self.optim = nn.Parameter(master, requires_grad=True)
+        self.grad_host: torch.Tensor | None = None
+        self.grad_pending = False
+        self.grad_event: torch.cuda.Event | None = None  # completes the last grad download
+        self.lock = threading.Lock()
+
+    @classmethod
+    def get(cls, t: torch.Tensor) -> ParamAttribute:
+        """The ParamAttribute attached to `t`."""
+        return t._rp_attr  # type: ignore[attr-defined,no-any-return]
+
+    @classmethod
+    def has(cls, t: torch.Tensor) -> bool:
+        """Whether `t` has a ParamAttribute."""
+        return hasattr(t, "_rp_attr")
+
+    @classmethod
+    def set(cls, t: nn.Parameter, layer_id: int, optim_dtype: torch.dtype) -> ParamAttribute:
+        """Attach a new ParamAttribute to `t` (owned by `layer_id`)."""
+        attr = cls(t, layer_id, optim_dtype)
+        t._rp_attr = attr  # type: ignore[attr-defined]
+        return attr
+
+    def fold_grad(self) -> None:
+        """Add the pending host gradient into the optimizer-side gradient."""
+        if not self.grad_pending or self.optim is None or self.grad_host is None:
+            self.grad_pending = False
+            return
+        g = self.grad_host
+        if self.optim.grad is None:
+            self.optim.grad = g.to(self.optim.dtype, copy=True)
+        else:
+            self.optim.grad.add_(g.to(self.optim.dtype))
+        self.grad_pending = False

@@ -1,0 +1,226 @@
+"""Splitting argument trees into micro-batches and merging outputs back.
+
+Chunk specs are those of `torch.distributed.pipelining.microbatch`: `TensorChunkSpec(dim)`
+splits a tensor along `dim`, `_Replicate` (or a non-tensor) gives every micro-batch the
+same value. `guess_split_spec` infers them: tensors whose dim 0 is the batch size are
+chunked, everything else is replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+from torch.utils import _pytree as pytree
+
+from .errors import ConfigError
+
+__all__ = [
+    "AvgReducer",
+    "RoundPipePackedData",
+    "TensorChunkSpec",
+    "avg_reducer",
+    "guess_split_spec",
+    "merge_outputs",
+    "split_args_kwargs",
+    "split_label",
+]
+
+
+class RoundPipePackedData(list):  # type: ignore[type-arg]
+    """Per-micro-batch outputs kept apart (merge_output=False).
+
+    Passed as the input of another RoundPipe model, its micro-batches are used as they are,
+    without merging and re-splitting.
+    """
+
+    def __init__(self, data: list[Any], transfer_event: list[Any] | None = None) -> None:
+        super().__init__(data)
+        self.transfer_event = transfer_event or [None] * len(data)
+
+    def synchronize(self) -> None:
+        """Block until every hosted tensor has arrived."""
+        for ev in self.transfer_event:
+            if ev is not None:
+                ev.synchronize()
+
+
+def _is_chunkable(t: Any, batch: int | None) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 1 and (batch is None or t.size(0) == batch)
+
+
+def guess_split_spec(data: Any, expected_batchsize: int | None = None) -> tuple[Any, int | None]:
+    """Infer chunk specs for a pytree: `(spec tree, batch size or None)`.
+
+    Without `expected_batchsize`, the batch size is dim 0 of the first tensor with at
+    least one dimension; tensors with that dim 0 are chunked along it, others replicated.
+    """
+    leaves, spec = pytree.tree_flatten(data)
+    batch = expected_batchsize
+    if batch is None:
+        for leaf in leaves:
+            if _is_chunkable(leaf, None):
+                batch = leaf.size(0)
+                break
+    specs = [TensorChunkSpec(0) if _is_chunkable(x, batch) else _Replicate for x in leaves]
+    found = any(isinstance(s, TensorChunkSpec) for s in specs)
+    return pytree.tree_unflatten(specs, spec), (batch if found else None)
+
+
+def _split_leaves(
+    leaves: list[Any], specs: list[Any], num_microbatch: int, what: str
+) -> list[list[Any]]:
+    """Split flat leaves per their specs into `num_microbatch` flat lists."""
+    columns: list[list[Any]] = []
+    for leaf, s in zip(leaves, specs, strict=True):
+        if isinstance(s, TensorChunkSpec) and isinstance(leaf, torch.Tensor):
+            size = leaf.size(s.split_dim)
+            if size < num_microbatch:
+                raise ConfigError(
+                    f"cannot split {what} of size {size} along dim {s.split_dim} into "
+                    f"num_microbatch={num_microbatch} parts; use num_microbatch <= {size} "
+                    "or a larger batch"
+                )
+            columns.append(list(torch.tensor_split(leaf, num_microbatch, dim=s.split_dim)))
+        else:
+            columns.append([leaf] * num_microbatch)
+    return [[col[i] for col in columns] for i in range(num_microbatch)]
+
+
+def _specs_for(data: Any, spec: Any, batch_hint: int | None, what: str) -> tuple[list[Any], Any]:
+    leaves, tree = pytree.tree_flatten(data)
+    if spec is None:
+        guessed, _ = guess_split_spec(data, batch_hint)
+        specs = pytree.tree_flatten(guessed)[0]
+    else:
+        try:
+            specs = pytree.tree_flatten(spec)[0]
+        except Exception as exc:  # a malformed spec tree
+            raise ConfigError(f"{what}: the split spec does not mirror the data: {exc}") from exc
+        if len(specs) != len(leaves):
+            raise ConfigError(
+                f"{what}: the split spec has {len(specs)} leaves but the data has {len(leaves)}; "
+                "give one TensorChunkSpec or _Replicate per leaf"
+            )
+    return specs, (leaves, tree)
+
+
+def split_args_kwargs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int, split_input: Any
+) -> tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], int | None]:
+    """Split forward arguments into micro-batches: `([(args_i, kwargs_i)], batch size)`."""
+    if callable(split_input) and not isinstance(split_input, (tuple, list)):
+        parts = split_input(args, kwargs, num_microbatch)
+        if not isinstance(parts, Sequence) or len(parts) != num_microbatch:
+            raise ConfigError(
+                f"split_input returned {type(parts).__name__} of length "
+                f"{len(parts) if isinstance(parts, Sequence) else '?'}; it must return a list of "
+                f"num_microbatch={num_microbatch} (args, kwargs) pairs"
+            )
+        out = []
+        for p in parts:
+            if not (isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[1], dict)):
+                raise ConfigError("split_input must return (args tuple, kwargs dict) pairs")
+            out.append((tuple(p[0]), dict(p[1])))
+        return out, None
+    _, batch = guess_split_spec((args, kwargs))
+    specs, (leaves, tree) = _specs_for((args, kwargs), split_input, batch, "input")
+    if batch is None and split_input is None and num_microbatch > 1:
+        raise ConfigError(
+            f"no input tensor has a batch dimension to split into num_microbatch={num_microbatch} "
+            "parts; pass batched tensors, split_input, or num_microbatch=1"
+        )
+    rows = _split_leaves(leaves, specs, num_microbatch, "the input batch")
+    result = []
+    for row in rows:
+        a, k = pytree.tree_unflatten(row, tree)
+        result.append((tuple(a), dict(k)))
+    return result, batch
+
+
+def split_label(label: Any, num_microbatch: int, split_spec: Any, batch: int | None) -> list[Any]:
+    """Split the label like the inputs; a batch size that disagrees is an error."""
+    if label is None:
+        return [None] * num_microbatch
+    if callable(split_spec) and not isinstance(split_spec, (tuple, list)):
+        parts = split_spec(label, num_microbatch)
+        if not isinstance(parts, Sequence) or len(parts) != num_microbatch:
+            raise ConfigError(
+                f"split_label must return a list of num_microbatch={num_microbatch} labels"
+            )
+        return list(parts)
+    if split_spec is None and batch is not None:
+        for leaf in pytree.tree_leaves(label):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.size(0) != batch:
+                raise ConfigError(
+                    f"label batch size {leaf.size(0)} does not match the input batch size "
+                    f"{batch}; give labels with one row per input row (or pass split_label)"
+                )
+    specs, (leaves, tree) = _specs_for(label, split_spec, batch, "label")
+    return [
+        pytree.tree_unflatten(row, tree)
+        for row in _split_leaves(leaves, specs, num_microbatch, "the label")
+    ]
+
+
+def merge_outputs(outputs: list[Any], merge_output: Any) -> Any:
+    """Merge per-micro-batch outputs: concatenate batched tensors, keep equal values.
+
+    `merge_output` may be True (automatic), a callable over the list, or a spec tree of
+    TensorChunkSpec(dim) / _Replicate mirroring one output.
+    """
+    if callable(merge_output) and not isinstance(merge_output, (bool, tuple, list, dict)):
+        return merge_output(outputs)
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    tree = flat[0][1]
+    if any(t != tree for _, t in flat[1:]):
+        raise ConfigError(
+            "micro-batch outputs have different structures and cannot be merged; "
+            "pass merge_output=<callable> or merge_output=False"
+        )
+    specs: list[Any] | None = None
+    if merge_output is not True:
+        specs = pytree.tree_flatten(merge_output)[0]
+    merged: list[Any] = []
+    for j in range(len(flat[0][0])):
+        column = [leaves[j] for leaves, _ in flat]
+        s = specs[j] if specs is not None else None
+        merged.append(_merge_column(column, s))
+    return pytree.tree_unflatten(merged, tree)
+
+
+def _merge_column(column: list[Any], spec: Any) -> Any:
+    first = column[0]
+    if isinstance(first, torch.Tensor):
+        if spec is _Replicate:
+            return first
+        dim = spec.split_dim if isinstance(spec, TensorChunkSpec) else 0
+        if first.dim() == 0:
+            return torch.stack(column)
+        return torch.cat(column, dim=dim)
+    if all(c == first for c in column[1:]):
+        return first
+    return list(column)
+
+
+class AvgReducer:
+    """Running mean of scalar losses across micro-batches (reset by passing None)."""
+
+    def __init__(self) -> None:
+        self.sum: torch.Tensor | None = None
+        self.count = 0
+
+    def reduce(self, reduced_val: torch.Tensor | None, new_val: torch.Tensor) -> torch.Tensor:
+        """Fold `new_val` into the running mean and return the mean."""
+        if reduced_val is None:
+            self.sum, self.count = None, 0
+        self.sum = new_val.detach().clone() if self.sum is None else self.sum + new_val.detach()
+        self.count += 1
+        return self.sum / self.count
+
+
+avg_reducer = AvgReducer()
+
+SplitFn = Callable[..., list[Any]]

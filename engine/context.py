@@ -1,0 +1,107 @@
+"""Thread-local flags that tell layer code whether it runs a forward, a recompute or a step.
+
+`save_for_recompute(*data)` inside a layer's forward keeps data (tensors that do not require
+grad, or any Python objects) for the backward recompute of that layer, where
+`get_recompute_data()` returns it as a tuple and `doing_recompute()` is True.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .errors import RoundPipeError
+
+__all__ = [
+    "ForwardCtx",
+    "OptimizerCtx",
+    "RecomputeCtx",
+    "doing_optimizer",
+    "doing_recompute",
+    "flags",
+    "get_recompute_data",
+    "save_for_recompute",
+]
+
+flags = threading.local()
+
+
+def _get(name: str, default: Any = None) -> Any:
+    return getattr(flags, name, default)
+
+
+class ForwardCtx:
+    """Marks a layer's forward; `save_fn` receives what the layer saves for recompute."""
+
+    def __init__(self, save_fn: Callable[..., None] | None) -> None:
+        self.save_for_recompute = save_fn
+        self._prev: Any = None
+
+    def __enter__(self) -> ForwardCtx:
+        self._prev = _get("forward")
+        flags.forward = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        flags.forward = self._prev
+
+
+class RecomputeCtx:
+    """Marks the recompute of a layer; `recompute_data` is what its forward saved."""
+
+    def __init__(self, recompute_data: tuple[Any, ...] | None) -> None:
+        self.recompute_data = recompute_data
+        self._prev: Any = None
+
+    def __enter__(self) -> RecomputeCtx:
+        self._prev = _get("recompute")
+        flags.recompute = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        flags.recompute = self._prev
+
+
+class OptimizerCtx:
+    """Marks optimizer work: RoundPipe's parameters() yields the optimizer-side tensors."""
+
+    def __enter__(self) -> OptimizerCtx:
+        flags.optimizer_depth = _get("optimizer_depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        flags.optimizer_depth = _get("optimizer_depth", 1) - 1
+
+
+def doing_optimizer() -> bool:
+    """True inside an OptimizerCtx on this thread (e.g. in a step_fn)."""
+    return _get("optimizer_depth", 0) > 0
+
+
+def doing_recompute() -> bool:
+    """True while a layer's forward is being re-run for the backward pass."""
+    return _get("recompute") is not None
+
+
+def get_recompute_data() -> tuple[Any, ...]:
+    """Return what this layer saved with save_for_recompute, always as a tuple."""
+    ctx = _get("recompute")
+    if ctx is None:
+        raise RoundPipeError(
+            "get_recompute_data() is only valid during a recompute; check doing_recompute() first"
+        )
+    if ctx.recompute_data is None:
+        raise RoundPipeError("this layer saved nothing with save_for_recompute() in its forward")
+    return ctx.recompute_data
+
+
+def save_for_recompute(*data: Any) -> None:
+    """Keep `data` for this layer's recompute; a no-op when no backward will follow.
+
+    Tensors must not require grad. At most one call per layer and forward.
+    """
+    ctx = _get("forward")
+    if ctx is None or ctx.save_for_recompute is None:
+        return
+    ctx.save_for_recompute(*data)

@@ -1,0 +1,309 @@
+"""Devices from RP_DEVICES, each with its own streams and controller thread.
+
+`RP_DEVICES` is read once, when the first model is built:
+- `cuda`: every visible GPU (the default when CUDA is present);
+- `cuda:0,1`: those GPUs;
+- `cpu:N`: N virtual CPU devices (the default `cpu:1` without CUDA). Each has its own
+  controller thread and its own copies of uploaded tensors, so round-robin, transfers and
+  schedule run as on GPUs, with plain copies for transfers and no streams.
+
+On CUDA a device has four streams: `param_upstream` (layer uploads), `upstream`
+(activation uploads), `compute_stream` and `downstream` (downloads), ordered by events so
+copies overlap compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .errors import DeviceError
+from .threads import AnnotatedSemaphore, RoundPipeThread
+
+__all__ = [
+    "DeviceManager",
+    "Job",
+    "device_list",
+    "gc_collect",
+    "get_devices",
+    "get_min_gpu_memory",
+    "get_next_device",
+    "get_num_devices",
+    "parse_rp_devices",
+    "reset_devices",
+]
+
+log = logging.getLogger(__name__)
+
+device_list: list[DeviceManager] = []
+cur_device = 0
+_init_lock = threading.Lock()
+
+# Virtual CPU devices share one CPU RNG and one pool of cores: a stage's compute holds this
+# lock so the RNG states saved for recompute are not consumed by another device in between.
+cpu_compute_lock = threading.RLock()
+
+# How many jobs a device may have issued but not finished: the running one and one
+# prefetched, so GPU memory is bounded by two layer groups whatever the model's size.
+MAX_INFLIGHT_JOBS = 2
+
+
+def parse_rp_devices(value: str | None) -> list[torch.device]:
+    """Return the devices named by an RP_DEVICES value (see the module docstring)."""
+    spec = (value or "").strip().lower()
+    if not spec:
+        spec = "cuda" if torch.cuda.is_available() else "cpu:1"
+    if spec == "cpu":
+        spec = "cpu:1"
+    if spec.startswith("cpu:"):
+        try:
+            count = int(spec[4:])
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise DeviceError(
+                f"RP_DEVICES={value!r}: 'cpu:N' needs N >= 1 virtual devices, e.g. 'cpu:3'",
+                device=spec,
+            )
+        return [torch.device("cpu")] * count
+    if spec == "cuda" or spec.startswith("cuda:"):
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if available == 0:
+            raise DeviceError(
+                f"RP_DEVICES={value!r} asks for CUDA but no GPU is visible; "
+                "use 'cpu:N' or make a GPU visible (CUDA_VISIBLE_DEVICES)",
+                device=spec,
+            )
+        if spec == "cuda":
+            return [torch.device("cuda", i) for i in range(available)]
+        ids: list[int] = []
+        for part in spec[5:].split(","):
+            try:
+                ids.append(int(part))
+            except ValueError as exc:
+                raise DeviceError(
+                    f"RP_DEVICES={value!r}: expected GPU ids like 'cuda:0,1'", device=spec
+                ) from exc
+        for i in ids:
+            if not 0 <= i < available:
+                raise DeviceError(
+                    f"RP_DEVICES={value!r} names cuda:{i}, but only {available} GPU(s) are "
+                    f"visible (ids 0..{available - 1})",
+                    device=f"cuda:{i}",
+                )
+        if len(set(ids)) != len(ids):
+            raise DeviceError(f"RP_DEVICES={value!r} names a GPU twice", device=spec)
+        return [torch.device("cuda", i) for i in ids]
+    raise DeviceError(
+        f"RP_DEVICES={value!r} is not understood; use 'cuda', 'cuda:0,1' or 'cpu:N'",
+        device=spec,
+    )
+
+
+class Job:
+    """One unit of work queued on a device; `done` is set when it returned or failed."""
+
+    def __init__(self, fn: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
+        self.fn = fn
+        self.args = args
+        self.name = name
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class DeviceManager:
+    """Streams, a job queue and the controller thread of one (real or virtual) device."""
+
+    def __init__(self, id: int, device: torch.device) -> None:
+        self.id = id
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.name = f"cuda:{device.index}" if self.is_cuda else f"cpu-virtual:{id}"
+        if self.is_cuda:
+            self.param_upstream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+            self.upstream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+            self.compute_stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+            self.downstream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+        else:
+            self.param_upstream = self.upstream = self.compute_stream = self.downstream = None
+        self.shutdown = False
+        self.is_idle = AnnotatedSemaphore(f"{self.name}.is_idle", 1)
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._inflight: deque[torch.cuda.Event] = deque()
+        self.controller_thread = RoundPipeThread(self.controller, name=f"rp-device-{id}")
+        self.controller_thread.start()
+
+    # ---- jobs -------------------------------------------------------------------------
+    def submit(self, fn: Callable[..., None], *args: Any, name: str = "job") -> Job:
+        """Queue `fn(self, *args)` on this device's controller thread."""
+        job = Job(fn, args, name)
+        self._jobs.put(job)
+        return job
+
+    def controller(self) -> None:
+        """Run queued jobs in order until shut down."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job.fn(self, *job.args)
+            except BaseException as exc:  # handed to the main thread through the job
+                job.error = exc
+            finally:
+                job.done.set()
+
+    def shutdown_controller(self) -> None:
+        """Stop the controller thread after its queued jobs."""
+        self.shutdown = True
+        self._jobs.put(None)
+        self.controller_thread.join(timeout=10)
+
+    def throttle(self) -> None:
+        """Block until fewer than MAX_INFLIGHT_JOBS earlier jobs are unfinished on the GPU."""
+        while len(self._inflight) >= MAX_INFLIGHT_JOBS:
+            self._inflight.popleft().synchronize()
+
+    def job_issued(self) -> None:
+        """Record the end of the current job's GPU work (for `throttle`)."""
+        if self.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.compute_stream)
+            self._inflight.append(ev)
+
+    # ---- streams and events -----------------------------------------------------------
+    def on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
+        """Context that makes `stream` current (a no-op on virtual CPU devices)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(stream)
+
+    def record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """Record an event on `stream`; None (always complete) on CPU."""
+        if stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    @staticmethod
+    def wait_event(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
+        """Make `stream` wait for `event` on the GPU, without blocking the host."""
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    @staticmethod
+    def wait_stream(waiter: torch.cuda.Stream | None, wait_for: torch.cuda.Stream | None) -> None:
+        """Make `waiter` wait for everything queued so far on `wait_for`."""
+        if waiter is not None and wait_for is not None:
+            waiter.wait_stream(wait_for)
+
+    def mark_used(self, t: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """Tell the caching allocator that `t` is used on `stream` too."""
+        if stream is not None and t.is_cuda:
+            t.record_stream(stream)
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """Context for running layer code on this device."""
+        if self.is_cuda:
+            with torch.cuda.stream(self.compute_stream):
+                yield
+        else:
+            with cpu_compute_lock:
+                yield
+
+    # ---- RNG --------------------------------------------------------------------------
+    def get_rng_state(self) -> torch.Tensor:
+        """The RNG state layer code on this device draws from."""
+        if self.is_cuda:
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    @contextlib.contextmanager
+    def rng_restored(self, state: torch.Tensor | None) -> Iterator[None]:
+        """Run with the RNG set to `state`, then put the previous state back."""
+        if state is None:
+            yield
+            return
+        before = self.get_rng_state()
+        self._set_rng_state(state)
+        try:
+            yield
+        finally:
+            self._set_rng_state(before)
+
+    def _set_rng_state(self, state: torch.Tensor) -> None:
+        if self.is_cuda:
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+
+def get_devices() -> list[DeviceManager]:
+    """The device managers, created from RP_DEVICES on first use."""
+    if not device_list:
+        with _init_lock:
+            if not device_list:
+                devices = parse_rp_devices(os.environ.get("RP_DEVICES"))
+                device_list.extend(DeviceManager(i, d) for i, d in enumerate(devices))
+                log.info("RoundPipe devices: %s", ", ".join(d.name for d in device_list))
+    return device_list
+
+
+def reset_devices() -> None:
+    """Stop the device threads and forget the devices; RP_DEVICES is read again on next use.
+
+    For tests and notebooks that change RP_DEVICES; models built before keep working.
+    """
+    global cur_device
+    with _init_lock:
+        for dev in device_list:
+            dev.shutdown_controller()
+        device_list.clear()
+        cur_device = 0
+
+
+def get_next_device() -> DeviceManager:
+    """Round-robin over the devices."""
+    global cur_device
+    devices = get_devices()
+    dev = devices[cur_device % len(devices)]
+    cur_device = (cur_device + 1) % len(devices)
+    return dev
+
+
+def get_num_devices() -> int:
+    """Number of managed devices."""
+    return len(get_devices())
+
+
+def get_min_gpu_memory() -> float:
+    """Smallest free memory over the devices in GB (host memory for virtual CPU devices)."""
+    free: list[float] = []
+    for dev in get_devices():
+        if dev.is_cuda:
+            free_bytes, _ = torch.cuda.mem_get_info(dev.device)
+            free.append(free_bytes / 1e9)
+        else:
+            pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            free.append(pages / 1e9)
+    return min(free)
+
+
+def gc_collect() -> None:
+    """Return cached GPU memory of all devices to the driver."""
+    for dev in get_devices():
+        if dev.is_cuda:
+            with torch.cuda.device(dev.device):
+                torch.cuda.empty_cache()

@@ -1,0 +1,25 @@
+"""The exceptions the engine raises on purpose."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "DeviceError", "RoundPipeError", "StepError"]
+
+
+class RoundPipeError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class ConfigError(RoundPipeError, ValueError):
+    """A config value or argument is out of range or inconsistent with another."""
+
+
+class DeviceError(RoundPipeError):
+    """A device failed, does not exist, or ran out of memory; `device` says which."""
+
+    def __init__(self, message: str, *, device: str) -> None:
+        super().__init__(message)
+        self.device = device
+
+
+class StepError(RoundPipeError):
+    """A `step_fn` raised on the optimizer thread; the original is the `__cause__`."""

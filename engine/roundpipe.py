@@ -1,0 +1,781 @@
+"""RoundPipe and AutoRoundPipe: the model wrappers users train with."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .attribute import LayerAttribute, ParamAttribute
+from .batch import (
+    RoundPipePackedData,
+    TensorChunkSpec,
+    _Replicate,
+    guess_split_spec,
+    merge_outputs,
+    split_args_kwargs,
+    split_label,
+)
+from .context import OptimizerCtx, doing_optimizer
+from .device import DeviceManager, get_devices, get_next_device, get_num_devices
+from .errors import ConfigError, RoundPipeError
+from .memory import get_model_size, pin_module
+from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
+from .run import Act, RunState, backward_job, forward_job, fused_job
+from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+from .scheduler import ModelExecutePlan, RunType
+from .threads import AnnotatedEvent
+from .timer import ModelTimer
+from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers
+
+__all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase", "get_call_location"]
+
+log = logging.getLogger(__name__)
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def get_call_location(depth: int) -> str:
+    """'file:line' of the caller `depth` frames up."""
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        if frame is None or frame.f_back is None:
+            break
+        frame = frame.f_back
+    if frame is None:
+        return "roundpipe"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _default_loss(outputs: Any, labels: Any) -> Any:
+    return outputs
+
+
+class RoundPipeBase(nn.Module):
+    """What RoundPipe and AutoRoundPipe share: optimizer-side parameters and the step.
+
+    Every parameter gets a ParamAttribute with an optimizer-side copy (in `optim_dtype`,
+    default the parameter's dtype). Inside a step_fn (an OptimizerCtx) `parameters()` and
+    `named_parameters()` yield those copies, so any torch optimizer works.
+    """
+
+    def __init__(
+        self, model: nn.Module, name: str | None = None, optim_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.model = model
+        object.__setattr__(self, "name", name or get_call_location(3))
+        object.__setattr__(self, "original_model", None)
+        object.__setattr__(self, "optim_dtype", optim_dtype)
+        object.__setattr__(self, "layer_attrs", [])
+        object.__setattr__(self, "optim_updated", AnnotatedEvent("optim_updated", set_=True))
+        object.__setattr__(self, "_optim_ahead", False)  # optimizer copies newer than the model
+
+    # ---- attribute shim ----------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            for target in (self.__dict__.get("original_model"), self._modules.get("model")):
+                if target is not None and hasattr(target, name):
+                    return getattr(target, name)
+            raise
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_rp_initialized") and name not in self.__dict__:
+            orig = self.__dict__.get("original_model")
+            if (
+                orig is not None
+                and not isinstance(value, (nn.Module, nn.Parameter))
+                and hasattr(orig, name)
+            ):
+                setattr(orig, name, value)
+                return
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        orig = self.__dict__.get("original_model")
+        if self.__dict__.get("_rp_initialized") and orig is not None and hasattr(orig, name):
+            delattr(orig, name)
+            return
+        super().__delattr__(name)
+
+    def set_original_model(self, original_model: nn.Module) -> None:
+        """Attach the pre-wrap model so its attributes (config, ...) stay reachable."""
+        object.__setattr__(self, "original_model", original_model)
+
+    # ---- parameters ----------------------------------------------------------------------
+    def _attach_param_attributes(self, layers: list[nn.Module]) -> None:
+        """Give every parameter a ParamAttribute owned by the first layer using it."""
+        for j, layer in enumerate(layers):
+            for p in layer.parameters():
+                if not ParamAttribute.has(p):
+                    ParamAttribute.set(p, j, self.optim_dtype or p.dtype)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        """Model parameters; the optimizer-side copies inside a step_fn."""
+        if doing_optimizer():
+            return self.optim_parameters()
+        return super().parameters(recurse)
+
+    def named_parameters(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named model parameters; the optimizer-side copies inside a step_fn."""
+        if doing_optimizer():
+            return self.optim_named_parameters(prefix, remove_duplicate)
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named optimizer-side parameters (fp32 masters with optim_dtype=float32)."""
+        for name, p in super().named_parameters(prefix, True, remove_duplicate):
+            if ParamAttribute.has(p):
+                optim = ParamAttribute.get(p).optim
+                if optim is not None:
+                    yield name, optim
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        """Optimizer-side parameters: build the optimizer from these."""
+        for _, p in self.optim_named_parameters():
+            yield p
+
+    def _all_params(self) -> list[tuple[nn.Parameter, ParamAttribute]]:
+        out = []
+        for p in super().parameters(True):
+            if ParamAttribute.has(p):
+                out.append((p, ParamAttribute.get(p)))
+        return out
+
+    # ---- step ------------------------------------------------------------------------------
+    def _params_by_owner(self) -> list[list[tuple[nn.Parameter, ParamAttribute]]]:
+        owned: list[list[tuple[nn.Parameter, ParamAttribute]]] = [[] for _ in self.layer_attrs]
+        for p, pa in self._all_params():
+            owned[pa.owner_layer].append((p, pa))
+        return owned
+
+    def step(
+        self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
+    ) -> None:
+        """Run `step_fn(*args, **kwargs)` on the optimizer thread.
+
+        Asynchronous (default): return at once; the next iteration computes with the
+        weights from before this step (staleness one). Synchronous: wait, so the next
+        iteration uses the updated weights. An error in step_fn surfaces at the next call.
+        """
+        if not callable(step_fn):
+            raise ConfigError(f"step_fn must be callable, got {type(step_fn).__name__}")
+        check_optim_error()
+        for attr in self.layer_attrs:
+            attr.param_copied.clear()
+            attr.grad_copied.clear()
+        self.optim_updated.clear()
+        launch_optim_kernel(self._step_kernel, step_fn, args, kwargs, not is_async)
+        if not is_async:
+            synchronize_optim()
+
+    def _step_kernel(
+        self, step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], sync: bool
+    ) -> None:
+        """On the optimizer thread: publish w[k], take the gradients, then update."""
+        owned = self._params_by_owner()
+        try:
+            for attr, params in zip(self.layer_attrs, owned, strict=True):
+                if self._optim_ahead:
+                    for p, pa in params:
+                        if pa.optim is not None:
+                            p.data.copy_(pa.optim.data)
+                attr.param_copied.set()
+            object.__setattr__(self, "_optim_ahead", False)
+            for attr, params in zip(self.layer_attrs, owned, strict=True):
+                for _, pa in params:
+                    pa.fold_grad()
+                attr.grad_copied.set()
+            with OptimizerCtx():
+                step_fn(*args, **kwargs)
+            object.__setattr__(self, "_optim_ahead", True)
+            if sync:
+                self.sync_optim_param()
+        finally:
+            for attr in self.layer_attrs:
+                attr.param_copied.set()
+                attr.grad_copied.set()
+            self.optim_updated.set()
+
+    def sync_optim_param(self) -> None:
+        """Copy the optimizer-side weights into the model parameters (if newer)."""
+        if not self._optim_ahead:
+            return
+        for p, pa in self._all_params():
+            if pa.optim is not None:
+                p.data.copy_(pa.optim.data)
+        object.__setattr__(self, "_optim_ahead", False)
+
+    def synchronize(self) -> None:
+        """Wait for every step; then the model's parameters hold the latest weights and
+        `.grad` the gradients accumulated since the optimizer last zeroed them."""
+        synchronize_optim()
+        self.sync_optim_param()
+        for p, pa in self._all_params():
+            pa.fold_grad()
+            if pa.optim is not None and pa.optim.grad is not None:
+                p.grad = pa.optim.grad.detach().to(p.dtype, copy=True)
+            else:
+                p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient: pending host gradients, optimizer-side and model `.grad`."""
+        synchronize_optim()
+        for p, pa in self._all_params():
+            pa.grad_pending = False
+            if pa.optim is not None:
+                pa.optim.grad = None
+            p.grad = None
+
+
+class RoundPipe(RoundPipeBase):
+    """Runs an nn.Sequential (or any module, as one layer) with layers streamed from host memory.
+
+    Args:
+        model: The module; an nn.Sequential's children are the layers.
+        optim_dtype: dtype of the optimizer-side weights (e.g. torch.float32 for an fp16
+            model). Default: the parameters' dtype.
+        name: A name for traces and logs. Default: the caller's file:line.
+        model_run_config: Defaults for every call.
+        pin_model: 'alloc' (torch pinned memory, fastest transfers), 'register'
+            (cudaHostRegister in place, less host memory, CUDA only) or 'off'.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_dtype: torch.dtype | None = None,
+        name: str | None = None,
+        model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
+        pin_model: str = "alloc",
+    ) -> None:
+        if pin_model not in ("alloc", "register", "off"):
+            raise ConfigError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
+        if pin_model == "register" and not torch.cuda.is_available():
+            raise ConfigError(
+                "pin_model='register' uses cudaHostRegister and needs CUDA; "
+                "use pin_model='alloc' or 'off' without a GPU"
+            )
+        if not isinstance(model_run_config, RoundPipeRunConfig):
+            raise ConfigError("model_run_config must be a RoundPipeRunConfig")
+        super().__init__(model, name=name or get_call_location(2), optim_dtype=optim_dtype)
+        get_devices()  # parse RP_DEVICES now: a bad value fails at construction
+        if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
+            model.to("cpu")
+        layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
+        if not layers:
+            raise ConfigError("model is an empty nn.Sequential; give it at least one layer")
+        pin_module(model, pin_model)
+        object.__setattr__(self, "model_run_config", model_run_config)
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "num_layers", len(layers))
+        object.__setattr__(self, "layer_attrs", [LayerAttribute(i) for i in range(len(layers))])
+        object.__setattr__(self, "layer_size", [get_model_size(layer) / 1e9 for layer in layers])
+        object.__setattr__(self, "model_timer", ModelTimer([s * 1e9 for s in self.layer_size]))
+        self._attach_param_attributes(layers)
+        layer_params: list[list[tuple[nn.Parameter, ParamAttribute]]] = []
+        for layer in layers:
+            seen: set[int] = set()
+            lp = []
+            for p in layer.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    lp.append((p, ParamAttribute.get(p)))
+            layer_params.append(lp)
+        object.__setattr__(self, "layer_params", layer_params)
+        object.__setattr__(self, "_replicas", {})
+        object.__setattr__(self, "_replica_lock", threading.Lock())
+        object.__setattr__(self, "_plans", {})
+        object.__setattr__(self, "_rp_initialized", True)
+
+    # ---- device-side copies --------------------------------------------------------------
+    def _replica(self, dev: DeviceManager, layer_id: int) -> LayerReplica:
+        key = (dev.id, layer_id)
+        rep = self._replicas.get(key)
+        if rep is None:
+            with self._replica_lock:
+                rep = self._replicas.get(key)
+                if rep is None:
+                    rep = make_replica(self.layers[layer_id])
+                    self._replicas[key] = rep
+        return rep
+
+    def upload_group(
+        self,
+        dev: DeviceManager,
+        layer_ids: range,
+        run: RunState,
+        saved_buffers: dict[int, torch.Tensor] | None = None,
+    ) -> UploadedGroup:
+        """Upload a layer group to `dev` once the optimizer has published its weights."""
+        owners = sorted({pa.owner_layer for j in layer_ids for _, pa in self.layer_params[j]})
+        for o in owners:
+            run.wait(self.layer_attrs[o].param_copied)
+        replicas = [self._replica(dev, j) for j in layer_ids]
+        return upload_layers(dev, replicas, layer_ids, saved_buffers=saved_buffers)
+
+    # ---- planning ---------------------------------------------------------------------------
+    def _plan(self, run_type: RunType, cfg: FullRoundPipeRunConfig) -> ModelExecutePlan:
+        if cfg.execute_plan is not None:
+            cfg.execute_plan.check_valid(self.num_layers, run_type)
+            return cfg.execute_plan
+        updates = self.model_timer.updates
+        maturity = 0 if updates == 0 else (1 if updates < 3 else 2)
+        key = (run_type, get_num_devices(), maturity)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = ModelExecutePlan.auto(run_type, self)
+            self._plans[key] = plan
+            log.debug("%s: %s plan %s", self.name, run_type, plan)
+        return plan
+
+    # ---- inputs ------------------------------------------------------------------------------
+    def _split_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], cfg: FullRoundPipeRunConfig
+    ) -> tuple[list[Act], list[bool], int | None, list[Any] | None]:
+        """Micro-batches of the arguments, per-leaf requires_grad, batch size, chunk specs."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], RoundPipePackedData):
+            packed = args[0]
+            packed.synchronize()
+            rows = [((x,), {}) for x in packed]
+            specs = None
+            batch = None
+        else:
+            rows, batch = split_args_kwargs(args, kwargs, cfg.num_microbatch, cfg.split_input)
+            specs = None
+            if not callable(cfg.split_input) or isinstance(cfg.split_input, (tuple, list)):
+                if cfg.split_input is None:
+                    spec_tree, _ = guess_split_spec((args, kwargs))
+                else:
+                    spec_tree = cfg.split_input
+                specs = pytree.tree_flatten(spec_tree)[0]
+        acts = []
+        flags: list[bool] = []
+        for k, row in enumerate(rows):
+            leaves, tree = pytree.tree_flatten(row)
+            acts.append(Act(leaves, tree, None, is_args=True))
+            if k == 0:
+                flags = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
+        return acts, flags, batch, specs
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        *args: Any,
+        roundpipe_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
+        **kwargs: Any,
+    ) -> Any:
+        """Run the model over micro-batches; the output supports `.backward()` when grads are on.
+
+        Raises:
+            RuntimeError: requires_grad=True was asked for while gradients are disabled.
+        """
+        check_optim_error()
+        if not isinstance(roundpipe_run_config, RoundPipeRunConfig):
+            raise ConfigError("roundpipe_run_config must be a RoundPipeRunConfig")
+        if roundpipe_run_config.requires_grad and not torch.is_grad_enabled():
+            raise RoundPipeError(
+                "run_config.requires_grad=True but gradients are disabled (torch.no_grad()); "
+                "enable them or drop requires_grad"
+            )
+        cfg = FullRoundPipeRunConfig.resolve(
+            roundpipe_run_config, self.model_run_config, num_devices=get_num_devices()
+        )
+        acts, flags, _, specs = self._split_inputs(args, kwargs, cfg)
+        wants_grad = (
+            cfg.requires_grad
+            and torch.is_grad_enabled()
+            and (any(p.requires_grad for p, _ in self._all_params()) or any(flags))
+        )
+        run_type: RunType = "train" if wants_grad else "infer"
+        plan = self._plan(run_type, cfg)
+        run = RunState(self, cfg, plan, run_type, acts, flags)
+        for g in range(len(plan.fwd_plan)):
+            run.launch(get_next_device(), forward_job, g, name=f"fwd{g}")
+        run.join()
+        self.model_timer.update_times()
+        synchronize_optim()
+        outputs = [a.rebuild(a.leaves) for a in run.outputs if a is not None]
+        if cfg.merge_output is False:
+            return RoundPipePackedData(outputs)
+        merged = merge_outputs(outputs, cfg.merge_output)
+        if wants_grad:
+            merged = _attach_backward(self, run, merged, outputs, args, kwargs, specs, cfg)
+        return _to_device(merged, cfg.output_device)
+
+    def _run_backward(self, run: RunState) -> None:
+        """Backward of a 'train' run, once autograd delivers the output gradients."""
+        if run.backward_done:
+            raise RuntimeError("RoundPipe does not support backward twice through the same forward")
+        run.backward_done = True
+        check_optim_error()
+        first = len(run.plan.fwd_plan)
+        for b, layer_ids in enumerate(run.plan.bwd_plan):
+            run.claim_grads(first + b, layer_ids)
+        run.jobs = []
+        for b in range(len(run.plan.bwd_plan)):
+            run.launch(get_next_device(), backward_job, b, name=f"bwd{b}")
+        run.join()
+        self.model_timer.update_times()
+
+    def forward_backward(
+        self,
+        input_args: tuple[Any, ...] = (),
+        input_kwargs: dict[str, Any] | None = None,
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], Any] = _default_loss,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
+    ) -> Any:
+        """Forward and backward over every micro-batch, fused so stages interleave.
+
+        `loss_fn(outputs, label)` runs on the device per micro-batch and is backpropagated;
+        returns the sum of the losses over micro-batches (a list of sums when loss_fn returns
+        a sequence), and with `return_outputs` also the merged outputs.
+        """
+        check_optim_error()
+        if not torch.is_grad_enabled():
+            raise RoundPipeError(
+                "forward_backward needs gradients; it was called under torch.no_grad()"
+            )
+        if not isinstance(input_args, tuple):
+            input_args = (input_args,)
+        input_kwargs = dict(input_kwargs or {})
+        if not isinstance(run_config, RoundPipeRunConfig):
+            raise ConfigError("run_config must be a RoundPipeRunConfig")
+        cfg = FullRoundPipeRunConfig.resolve(
+            run_config, self.model_run_config, num_devices=get_num_devices()
+        )
+        acts, flags, batch, specs = self._split_inputs(input_args, input_kwargs, cfg)
+        labels = split_label(label, len(acts), cfg.split_label, batch)
+        plan = self._plan("fused", cfg)
+        run = RunState(
+            self,
+            cfg,
+            plan,
+            "fused",
+            acts,
+            flags,
+            labels=labels,
+            loss_fn=loss_fn,
+            return_outputs=return_outputs,
+        )
+        n_fwd = len(plan.fwd_plan)
+        run.claim_grads(n_fwd - 1, plan.fwd_plan[-1])
+        for b, layer_ids in enumerate(plan.bwd_plan):
+            run.claim_grads(n_fwd + b, layer_ids)
+        for g in range(n_fwd - 1):
+            run.launch(get_next_device(), forward_job, g, name=f"fwd{g}")
+        run.launch(get_next_device(), fused_job, name="fused")
+        for b in range(len(plan.bwd_plan)):
+            run.launch(get_next_device(), backward_job, b, name=f"bwd{b}")
+        run.join()
+        self.model_timer.update_times()
+        # The step before this iteration must end before the next step can start anyway;
+        # waiting here costs no overlap and surfaces a failed step_fn at this call.
+        synchronize_optim()
+        loss = _sum_losses(run)
+        if any(flags):
+            _backprop_to_inputs(run, input_args, input_kwargs, specs)
+        if not return_outputs:
+            return loss
+        outputs = [a.rebuild(a.leaves) for a in run.outputs if a is not None]
+        if cfg.merge_output is False:
+            return loss, RoundPipePackedData(outputs)
+        return loss, _to_device(merge_outputs(outputs, cfg.merge_output), cfg.output_device)
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return tree
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _sum_losses(run: RunState) -> Any:
+    per_mb = [a for a in run.losses if a is not None]
+    if not per_mb:
+        return None
+    if per_mb[0].tree:  # loss_fn returned a sequence: one sum per position
+        return [sum(a.leaves[k] for a in per_mb) for k in range(len(per_mb[0].leaves))]
+    total = per_mb[0].leaves[0]
+    for a in per_mb[1:]:
+        total = total + a.leaves[0]
+    return total
+
+
+def _merge_input_grads(
+    run: RunState, n_leaves: int, flags: list[bool], specs: list[Any] | None
+) -> list[torch.Tensor | None]:
+    """Per-leaf gradients of the original inputs from the per-micro-batch gradients."""
+    grads: list[torch.Tensor | None] = []
+    for k in range(n_leaves):
+        if not flags[k]:
+            grads.append(None)
+            continue
+        parts = [a.leaves[k] if a is not None else None for a in run.input_grads]
+        if any(p is None for p in parts):
+            grads.append(None)
+            continue
+        spec = specs[k] if specs is not None else TensorChunkSpec(0)
+        if isinstance(spec, TensorChunkSpec):
+            grads.append(torch.cat(parts, dim=spec.split_dim))
+        else:  # replicated: every micro-batch contributed
+            total = parts[0]
+            for p in parts[1:]:
+                total = total + p
+            grads.append(total)
+    return grads
+
+
+def _backprop_to_inputs(
+    run: RunState, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[Any] | None
+) -> None:
+    """Send the input gradients of forward_backward into the graph the inputs came from."""
+    leaves, _ = pytree.tree_flatten((args, kwargs))
+    flags = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
+    grads = _merge_input_grads(run, len(leaves), flags, specs)
+    pairs = [(t, g) for t, g, f in zip(leaves, grads, flags, strict=True) if f and g is not None]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g.to(t.device) for t, g in pairs])
+
+
+class _RoundPipeBackward(torch.autograd.Function):
+    """Connects a RoundPipe forward's outputs to autograd; backward runs the backward jobs."""
+
+    @staticmethod
+    def forward(ctx: Any, handle: dict[str, Any], tag: torch.Tensor, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.handle = handle
+        outs = handle["float_outputs"]
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:  # type: ignore[override]
+        h = ctx.handle
+        run: RunState = h["run"]
+        model: RoundPipe = h["model"]
+        per_mb_outputs: list[list[Any]] = h["per_mb_leaves"]
+        float_idx: list[int] = h["float_idx"]
+        out_specs: list[Any] = h["out_specs"]
+        m = run.num_microbatch
+        per_mb_grads: list[list[Any]] = [[None] * len(per_mb_outputs[0]) for _ in range(m)]
+        for g, k in zip(grad_outputs, float_idx, strict=True):
+            if g is None:
+                continue
+            column = [leaves[k] for leaves in per_mb_outputs]
+            spec = out_specs[k]
+            if spec is _Replicate:
+                per_mb_grads[0][k] = g
+                continue
+            if column[0].dim() == 0:
+                pieces = list(g.unbind(0))
+            else:
+                dim = spec.split_dim if isinstance(spec, TensorChunkSpec) else 0
+                pieces = list(torch.split(g, [c.size(dim) for c in column], dim=dim))
+            for i in range(m):
+                per_mb_grads[i][k] = pieces[i].contiguous()
+        run.grad_states = [Act(per_mb_grads[i], None, None) for i in range(m)]
+        model._run_backward(run)
+        grads = _merge_input_grads(run, len(h["input_leaves"]), h["input_flags"], h["input_specs"])
+        req = [g for g, f in zip(grads, h["input_flags"], strict=True) if f]
+        return (None, None, *req)
+
+
+def _attach_backward(
+    model: RoundPipe,
+    run: RunState,
+    merged: Any,
+    outputs: list[Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    specs: list[Any] | None,
+    cfg: FullRoundPipeRunConfig,
+) -> Any:
+    leaves, tree = pytree.tree_flatten(merged)
+    float_idx = [
+        k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    if not float_idx:
+        return merged
+    if callable(cfg.merge_output) and not isinstance(cfg.merge_output, (bool, tuple, list, dict)):
+        raise ConfigError(
+            "a merge_output callable cannot carry gradients back through forward(); "
+            "use forward_backward(), the automatic merge, or a chunk-spec tree"
+        )
+    out_specs = (
+        [True] * len(leaves)
+        if cfg.merge_output is True
+        else pytree.tree_flatten(cfg.merge_output)[0]
+    )
+    input_leaves, _ = pytree.tree_flatten((args, kwargs))
+    input_flags = [isinstance(t, torch.Tensor) and t.requires_grad for t in input_leaves]
+    handle = {
+        "run": run,
+        "model": model,
+        "float_outputs": [leaves[k] for k in float_idx],
+        "float_idx": float_idx,
+        "per_mb_leaves": [pytree.tree_flatten(o)[0] for o in outputs],
+        "out_specs": out_specs,
+        "input_leaves": input_leaves,
+        "input_flags": input_flags,
+        "input_specs": specs,
+    }
+    tag = torch.zeros((), requires_grad=True)
+    req_inputs = [t for t, f in zip(input_leaves, input_flags, strict=True) if f]
+    outs = _RoundPipeBackward.apply(handle, tag, *req_inputs)
+    new_leaves = list(leaves)
+    for k, o in zip(float_idx, outs, strict=True):
+        new_leaves[k] = o
+    return pytree.tree_unflatten(new_leaves, tree)
+
+
+class AutoRoundPipe(RoundPipeBase):
+    """Optimizer-side parameters and the asynchronous step over an arbitrary model.
+
+    The model runs as it is (its RoundPipe submodules stream their layers; the rest runs on
+    the host); every parameter, inside RoundPipe submodules or not, gets an optimizer-side
+    copy, and `step` updates them all on the optimizer thread.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        name: str | None = None,
+        optim_dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, name=name or get_call_location(2), optim_dtype=optim_dtype)
+        subs = [m for m in model.modules() if isinstance(m, RoundPipe)]
+        object.__setattr__(self, "_subs", subs)
+        # Parameters outside RoundPipe submodules form one pseudo-layer (owner 0 here).
+        object.__setattr__(self, "layer_attrs", [LayerAttribute(0)])
+        for p in model.parameters():
+            if not ParamAttribute.has(p):
+                ParamAttribute.set(p, 0, optim_dtype or p.dtype)
+        object.__setattr__(self, "_rp_initialized", True)
+
+    def _loose_params(self) -> list[tuple[nn.Parameter, ParamAttribute]]:
+        inside = {id(p) for s in self._subs for p in nn.Module.parameters(s)}
+        return [(p, pa) for p, pa in self._all_params() if id(p) not in inside]
+
+    @property
+    def module_param_uploaded_events(self) -> list[Any]:
+        return [a.param_copied for s in self._subs for a in s.layer_attrs] + [
+            self.layer_attrs[0].param_copied
+        ]
+
+    @property
+    def module_gradient_ready_events(self) -> list[Any]:
+        return [a.grad_copied for s in self._subs for a in s.layer_attrs] + [
+            self.layer_attrs[0].grad_copied
+        ]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model (after the optimizer published this iteration's weights)."""
+        check_optim_error()
+        self.layer_attrs[0].param_copied.wait()
+        self.layer_attrs[0].grad_copied.wait()
+        return self.model(*args, **kwargs)
+
+    def step(
+        self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
+    ) -> None:
+        """Like RoundPipe.step, over every parameter of the model."""
+        if not callable(step_fn):
+            raise ConfigError(f"step_fn must be callable, got {type(step_fn).__name__}")
+        check_optim_error()
+        # Host-side autograd left the loose gradients in .grad: hand them to the optimizer.
+        for p, pa in self._loose_params():
+            if p.grad is not None:
+                pa.grad_host = p.grad
+                pa.grad_pending = True
+                p.grad = None
+        events = [*self.module_param_uploaded_events, *self.module_gradient_ready_events]
+        for e in events:
+            e.clear()
+        self.optim_updated.clear()
+        launch_optim_kernel(self._auto_step_kernel, step_fn, args, kwargs, not is_async)
+        if not is_async:
+            synchronize_optim()
+
+    def _auto_step_kernel(
+        self, step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], sync: bool
+    ) -> None:
+        owners: list[RoundPipeBase] = [*self._subs, self]
+        try:
+            for owner in owners:
+                params = owner._params_by_owner() if owner is not self else [self._loose_params()]
+                for attr, group in zip(owner.layer_attrs, params, strict=True):
+                    if owner._optim_ahead:
+                        for p, pa in group:
+                            if pa.optim is not None:
+                                p.data.copy_(pa.optim.data)
+                    attr.param_copied.set()
+                object.__setattr__(owner, "_optim_ahead", False)
+                for attr, group in zip(owner.layer_attrs, params, strict=True):
+                    for _, pa in group:
+                        pa.fold_grad()
+                    attr.grad_copied.set()
+            with OptimizerCtx():
+                step_fn(*args, **kwargs)
+            for owner in owners:
+                object.__setattr__(owner, "_optim_ahead", True)
+            if sync:
+                for owner in owners:
+                    owner.sync_optim_param()
+        finally:
+            for e in [*self.module_param_uploaded_events, *self.module_gradient_ready_events]:
+                e.set()
+            self.optim_updated.set()
+
+    def synchronize(self) -> None:
+        """Wait for every step; loose parameters and RoundPipe submodules are brought up to date."""
+        synchronize_optim()
+        for s in self._subs:
+            s.sync_optim_param()
+        loose = self._loose_params()
+        if self._optim_ahead:
+            for p, pa in loose:
+                if pa.optim is not None:
+                    p.data.copy_(pa.optim.data)
+            object.__setattr__(self, "_optim_ahead", False)
+        for p, pa in self._all_params():
+            if p.grad is not None and id(p) in {id(q) for q, _ in loose}:
+                pa.grad_host, pa.grad_pending, p.grad = p.grad, True, None
+            pa.fold_grad()
+            p.grad = (
+                pa.optim.grad.detach().to(p.dtype, copy=True)
+                if pa.optim is not None and pa.optim.grad is not None
+                else None
+            )
+
+    def sync_optim_param(self) -> None:
+        """Copy every newer optimizer-side weight into the model."""
+        for s in self._subs:
+            s.sync_optim_param()
+        if self._optim_ahead:
+            for p, pa in self._loose_params():
+                if pa.optim is not None:
+                    p.data.copy_(pa.optim.data)
+            object.__setattr__(self, "_optim_ahead", False)

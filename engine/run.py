@@ -1,0 +1,529 @@
+"""One call's work: micro-batches through layer groups on the devices, recompute, backward.
+
+The main thread builds a RunState, queues one job per layer group on the next device in
+round-robin, and waits. A group starts micro-batch i once the group before it has finished
+micro-batch i (ModelTracker semaphores); the data itself travels through host memory with
+events, so a device never blocks on another device's stream.
+
+Jobs:
+- forward_job: forward of a group over all micro-batches (no autograd graph); keeps the
+  inputs (and RNG states) the backward will re-run from.
+- fused_job: forward + loss + backward of the last group, no recompute.
+- backward_job: re-runs a group's forward from its kept input ('stage': the whole group,
+  then one backward; 'layer': one layer at a time), backpropagates, and hands the input
+  gradient to the group before it.
+Parameter gradients are accumulated on the device over micro-batches and downloaded once per
+job into the host gradient buffer (ParamAttribute.grad_host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .attribute import ParamAttribute
+from .context import ForwardCtx, RecomputeCtx
+from .device import DeviceManager, Job
+from .errors import ConfigError, RoundPipeError
+from .scheduler import ModelExecutePlan, ModelTracker, RunType
+from .timer import IterTimer, annotate
+from .transfer import UploadedGroup, async_d2h, async_h2d, download_buffers, release_group
+
+if TYPE_CHECKING:
+    from .roundpipe import RoundPipe
+    from .run_config import FullRoundPipeRunConfig
+
+__all__ = [
+    "Act",
+    "RunAborted",
+    "RunState",
+    "backward_job",
+    "download_param_grads",
+    "forward_job",
+    "fused_job",
+]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class RunAborted(RoundPipeError):
+    """Another job of the same call failed; this one stopped early."""
+
+
+@dataclass
+class Act:
+    """A micro-batch's data on the host: flat leaves, their tree, the event that makes them valid."""
+
+    leaves: list[Any]
+    tree: Any
+    event: Any = None
+    is_args: bool = False  # (args, kwargs) of layer 0 rather than one layer output
+
+    def rebuild(self, leaves: list[Any]) -> Any:
+        return pytree.tree_unflatten(leaves, self.tree)
+
+
+def _flatten(obj: Any) -> tuple[list[Any], Any]:
+    return pytree.tree_flatten(obj)
+
+
+def _autocast_state() -> list[tuple[str, torch.dtype]]:
+    """The autocast settings of the calling thread (autocast is thread-local)."""
+    out = []
+    for dev in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(dev):
+            out.append((dev, torch.get_autocast_dtype(dev)))
+    return out
+
+
+class RunState:
+    """What the jobs of one call share."""
+
+    def __init__(
+        self,
+        model: RoundPipe,
+        cfg: FullRoundPipeRunConfig,
+        plan: ModelExecutePlan,
+        run_type: RunType,
+        inputs: list[Act],
+        input_requires_grad: list[bool],
+        *,
+        labels: list[Any] | None = None,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
+        return_outputs: bool = False,
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.plan = plan
+        self.run_type = run_type
+        self.num_microbatch = len(inputs)
+        self.enable_grad = run_type != "infer"
+        self.tracker = ModelTracker(plan, model.num_layers, cfg.recompute_grain)
+        self.states: list[Act] = list(inputs)
+        self.inputs = list(inputs)
+        self.input_requires_grad = input_requires_grad
+        self.labels = labels or [None] * self.num_microbatch
+        self.loss_fn = loss_fn
+        self.return_outputs = return_outputs
+        self.saved_inputs: dict[tuple[int, int], Act] = {}
+        self.rng_states: dict[tuple[int, int], torch.Tensor] = {}
+        self.recompute_data: dict[tuple[int, int], Act] = {}
+        self.saved_buffers: dict[int, torch.Tensor] = {}
+        self.grad_states: list[Act | None] = [None] * self.num_microbatch
+        self.losses: list[Act | None] = [None] * self.num_microbatch
+        self.outputs: list[Act | None] = [None] * self.num_microbatch
+        self.input_grads: list[Act | None] = [None] * self.num_microbatch
+        self.autocast = _autocast_state()
+        self.abort = threading.Event()
+        self.errors: list[BaseException] = []
+        self.grad_claims: dict[int, list[int]] = {}
+        self.grad_issued: dict[tuple[int, int], threading.Event] = {}
+        self.end_events: list[Any] = []
+        self.timers: list[IterTimer] = []
+        self.jobs: list[Job] = []
+        self._lock = threading.Lock()
+        self.backward_done = False
+
+    # ---- waiting with abort -------------------------------------------------------------
+    def wait(self, waitable: threading.Semaphore | threading.Event) -> None:
+        """Block on a semaphore or event, giving up when another job failed."""
+        while True:
+            ok = (
+                waitable.acquire(timeout=_POLL_S)
+                if isinstance(waitable, threading.Semaphore)
+                else waitable.wait(timeout=_POLL_S)
+            )
+            if ok:
+                return
+            if self.abort.is_set():
+                raise RunAborted("aborted because another job of this call failed")
+
+    def add_end_event(self, ev: Any) -> None:
+        if ev is not None:
+            with self._lock:
+                self.end_events.append(ev)
+
+    # ---- gradient ordering for parameters shared by several jobs -------------------------
+    def claim_grads(self, job_index: int, layer_ids: range) -> None:
+        """Register, in launch order, that a job will produce grads for these layers' params."""
+        seen: set[int] = set()
+        for j in layer_ids:
+            for p, _ in self.model.layer_params[j]:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                self.grad_claims.setdefault(id(p), []).append(job_index)
+                self.grad_issued[(id(p), job_index)] = threading.Event()
+
+    # ---- launching and finishing -----------------------------------------------------------
+    def launch(self, dev: DeviceManager, fn: Callable[..., None], *args: Any, name: str) -> None:
+        def guarded(d: DeviceManager, *a: Any) -> None:
+            try:
+                fn(d, self, *a)
+            except RunAborted:
+                raise
+            except BaseException as exc:
+                with self._lock:
+                    self.errors.append(exc)
+                self.abort.set()
+                raise
+
+        self.jobs.append(dev.submit(guarded, *args, name=name))
+
+    def join(self) -> None:
+        """Wait for every job and its device work; raise the first job error."""
+        for job in self.jobs:
+            job.done.wait()
+        if self.errors:
+            exc = self.errors[0]
+            raise exc
+        for ev in self.end_events:
+            ev.synchronize()
+        for t in self.timers:
+            t.flush()
+
+    # ---- micro-batch inputs ------------------------------------------------------------------
+    def wait_forward_input(self, group: int, mb: int) -> Act:
+        if group > 0:
+            self.wait(self.tracker.fwd_sem[group - 1])
+        return self.states[mb]
+
+
+@contextlib.contextmanager
+def _autocast(run: RunState) -> Any:
+    with contextlib.ExitStack() as stack:
+        for dev_type, dtype in run.autocast:
+            stack.enter_context(torch.autocast(dev_type, dtype=dtype))
+        yield
+
+
+def _requires_grad_leaves(leaves: list[Any], flags: list[bool] | None) -> list[bool]:
+    """Mark float tensors as needing grad (or per `flags` for the user's inputs)."""
+    out = []
+    for k, t in enumerate(leaves):
+        want = (
+            isinstance(t, torch.Tensor)
+            and (t.is_floating_point() or t.is_complex())
+            and (flags is None or flags[k])
+        )
+        if want:
+            t.requires_grad_(True)
+        out.append(want)
+    return out
+
+
+def _call_layer(module: torch.nn.Module, cur: Any, is_args: bool) -> Any:
+    if is_args:
+        args, kwargs = cur
+        return module(*args, **kwargs)
+    return module(cur)
+
+
+def _make_save_fn(run: RunState, dev: DeviceManager, layer_id: int, mb: int) -> Callable[..., None]:
+    def save(*data: Any) -> None:
+        key = (layer_id, mb)
+        if key in run.recompute_data:
+            raise RoundPipeError(
+                f"save_for_recompute was called twice in layer {layer_id}; call it at most once "
+                "per layer and forward"
+            )
+        leaves, tree = _flatten(data)
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise RoundPipeError(
+                    f"save_for_recompute in layer {layer_id} got a tensor that requires grad; "
+                    "save .detach()ed tensors"
+                )
+        host, ev = async_d2h(dev, leaves)
+        run.recompute_data[key] = Act(host, tree, ev)
+
+    return save
+
+
+def _recompute_ctx(run: RunState, dev: DeviceManager, layer_id: int, mb: int) -> RecomputeCtx:
+    saved = run.recompute_data.get((layer_id, mb))
+    if saved is None:
+        return RecomputeCtx(None)
+    leaves = async_h2d(dev, [saved.event], saved.leaves)
+    return RecomputeCtx(tuple(saved.rebuild(leaves)))
+
+
+def _run_forward_layers(
+    run: RunState,
+    dev: DeviceManager,
+    modules: list[torch.nn.Module],
+    layer_ids: range,
+    cur: Any,
+    is_args: bool,
+    mb: int,
+    *,
+    keep_for_backward: bool,
+) -> Any:
+    """Run layers on the device; keep inputs/RNG/saved data that a later recompute needs."""
+    tracker = run.tracker
+    for k, j in enumerate(layer_ids):
+        needs_input = keep_for_backward and tracker.backward_need_input(j)
+        if needs_input and k > 0:
+            leaves, tree = _flatten(cur)
+            host, ev = async_d2h(dev, leaves)
+            run.saved_inputs[(j, mb)] = Act(host, tree, ev, is_args=False)
+        if needs_input and run.cfg.preserve_rng_state:
+            run.rng_states[(j, mb)] = dev.get_rng_state()
+        save_fn = _make_save_fn(run, dev, j, mb) if keep_for_backward else None
+        with ForwardCtx(save_fn), annotate(f"{run.model.name}.fwd{j}.mb{mb}"):
+            cur = _call_layer(modules[k], cur, is_args and k == 0)
+    return cur
+
+
+def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
+    """Forward of one layer group over every micro-batch."""
+    layer_ids = run.plan.fwd_plan[group_id]
+    dev.throttle()
+    group = run.model.upload_group(dev, layer_ids, run)
+    timer = IterTimer(run.model.model_timer, "fwd", dev.is_cuda)
+    run.timers.append(timer)
+    last = group_id == len(run.plan.fwd_plan) - 1
+    try:
+        for mb in range(run.num_microbatch):
+            act = run.wait_forward_input(group_id, mb)
+            if run.enable_grad and run.tracker.backward_need_input(layer_ids.start):
+                run.saved_inputs[(layer_ids.start, mb)] = act
+            leaves = async_h2d(dev, [act.event], act.leaves)
+            with (
+                dev.compute(),
+                torch.no_grad(),
+                _autocast(run),
+                timer.time(layer_ids, dev.compute_stream),
+            ):
+                out = _run_forward_layers(
+                    run,
+                    dev,
+                    group.modules,
+                    layer_ids,
+                    act.rebuild(leaves),
+                    act.is_args,
+                    mb,
+                    keep_for_backward=run.enable_grad,
+                )
+            out_leaves, tree = _flatten(out)
+            host, ev = async_d2h(dev, out_leaves)
+            run.states[mb] = Act(host, tree, ev)
+            if last:
+                run.outputs[mb] = run.states[mb]
+                run.add_end_event(ev)
+            run.tracker.forward_notify(group_id)
+        download_buffers(dev, group, run.saved_buffers if run.enable_grad else None)
+    finally:
+        dev.job_issued()
+        release_group(group)
+
+
+def fused_job(dev: DeviceManager, run: RunState) -> None:
+    """Forward, loss and backward of the last layer group over every micro-batch."""
+    group_id = len(run.plan.fwd_plan) - 1
+    layer_ids = run.plan.fwd_plan[group_id]
+    dev.throttle()
+    group = run.model.upload_group(dev, layer_ids, run)
+    fwd_timer = IterTimer(run.model.model_timer, "fwd", dev.is_cuda)
+    bwd_timer = IterTimer(run.model.model_timer, "bwd", dev.is_cuda)
+    run.timers += [fwd_timer, bwd_timer]
+    assert run.loss_fn is not None
+    try:
+        for mb in range(run.num_microbatch):
+            act = run.wait_forward_input(group_id, mb)
+            leaves = async_h2d(dev, [act.event], act.leaves)
+            flags = _requires_grad_leaves(
+                leaves, run.input_requires_grad if group_id == 0 else None
+            )
+            label_leaves, label_tree = _flatten(run.labels[mb])
+            label_dev = pytree.tree_unflatten(async_h2d(dev, [], label_leaves), label_tree)
+            with dev.compute(), torch.enable_grad(), _autocast(run):
+                with timer_ctx(fwd_timer, layer_ids, dev):
+                    out = _run_forward_layers(
+                        run,
+                        dev,
+                        group.modules,
+                        layer_ids,
+                        act.rebuild(leaves),
+                        act.is_args,
+                        mb,
+                        keep_for_backward=False,
+                    )
+                    loss = run.loss_fn(out, label_dev)
+                losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
+                for item in losses:
+                    if not isinstance(item, torch.Tensor):
+                        raise ConfigError(
+                            f"loss_fn must return a tensor or a sequence of tensors, got {type(item).__name__}"
+                        )
+                differentiable = [x for x in losses if x.requires_grad]
+                with timer_ctx(bwd_timer, layer_ids, dev):
+                    if differentiable:
+                        total = (
+                            differentiable[0]
+                            if len(differentiable) == 1
+                            else torch.stack([x.sum() for x in differentiable]).sum()
+                        )
+                        if total.dim() != 0:
+                            total = total.sum()
+                        torch.autograd.backward(total)
+            loss_host, ev = async_d2h(dev, [x.detach() for x in losses])
+            run.losses[mb] = Act(loss_host, isinstance(loss, (list, tuple)), ev)
+            run.add_end_event(ev)
+            if run.return_outputs:
+                out_leaves, tree = _flatten(out)
+                host, oev = async_d2h(
+                    dev, [x.detach() if isinstance(x, torch.Tensor) else x for x in out_leaves]
+                )
+                run.outputs[mb] = Act(host, tree, oev)
+                run.add_end_event(oev)
+            grads = [t.grad if f else None for t, f in zip(leaves, flags, strict=True)]
+            ghost, gev = async_d2h(dev, grads)
+            if group_id == 0:
+                run.input_grads[mb] = Act(ghost, None, gev)
+                run.add_end_event(gev)
+            else:
+                run.grad_states[mb] = Act(ghost, None, gev)
+            run.tracker.fused_forward_notify()
+            del out, loss, losses, differentiable, leaves, grads
+        download_param_grads(dev, run, group, job_index=len(run.plan.fwd_plan) - 1)
+        download_buffers(dev, group, None)
+    finally:
+        dev.job_issued()
+        release_group(group)
+
+
+def timer_ctx(timer: IterTimer, layer_ids: range, dev: DeviceManager) -> Any:
+    return timer.time(layer_ids, dev.compute_stream)
+
+
+def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
+    """Recompute and backward of one backward group over every micro-batch."""
+    layer_ids = run.plan.bwd_plan[bwd_id]
+    dev.throttle()
+    group = run.model.upload_group(dev, layer_ids, run, saved_buffers=run.saved_buffers)
+    timer = IterTimer(run.model.model_timer, "bwd", dev.is_cuda)
+    run.timers.append(timer)
+    if bwd_id > 0:
+        upstream_done: threading.Semaphore | None = run.tracker.bwd_sem[bwd_id - 1]
+    elif run.run_type == "fused":
+        upstream_done = run.tracker.fused_fwd_sem
+    else:
+        upstream_done = None  # 'train': every output gradient is there before we start
+    first_group = layer_ids.start == 0
+    try:
+        for mb in range(run.num_microbatch):
+            if upstream_done is not None:
+                run.wait(upstream_done)
+            gout = run.grad_states[mb]
+            assert gout is not None
+            cur_grads = async_h2d(dev, [gout.event], gout.leaves)
+            with (
+                dev.compute(),
+                torch.enable_grad(),
+                _autocast(run),
+                timer.time(layer_ids, dev.compute_stream),
+            ):
+                if run.cfg.recompute_grain == "stage":
+                    steps = [layer_ids]
+                else:
+                    steps = [range(j, j + 1) for j in reversed(layer_ids)]
+                for sub in steps:
+                    inp = run.saved_inputs[(sub.start, mb)]
+                    leaves = async_h2d(dev, [inp.event], inp.leaves)
+                    is_first = sub.start == 0
+                    flags = _requires_grad_leaves(
+                        leaves, run.input_requires_grad if is_first else None
+                    )
+                    cur = inp.rebuild(leaves)
+                    modules = group.modules[
+                        sub.start - layer_ids.start : sub.stop - layer_ids.start
+                    ]
+                    with dev.rng_restored(run.rng_states.get((sub.start, mb))):
+                        for k, j in enumerate(sub):
+                            with (
+                                _recompute_ctx(run, dev, j, mb),
+                                annotate(f"{run.model.name}.re{j}.mb{mb}"),
+                            ):
+                                cur = _call_layer(modules[k], cur, inp.is_args and k == 0)
+                    outs, _ = _flatten(cur)
+                    pairs = [
+                        (o, g)
+                        for o, g in zip(outs, cur_grads, strict=False)
+                        if isinstance(o, torch.Tensor)
+                        and o.requires_grad
+                        and isinstance(g, torch.Tensor)
+                    ]
+                    if pairs:
+                        torch.autograd.backward(
+                            [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
+                        )
+                    cur_grads = [t.grad if f else None for t, f in zip(leaves, flags, strict=True)]
+                    del cur, outs, pairs, leaves
+            ghost, gev = async_d2h(dev, cur_grads)
+            if first_group:
+                run.input_grads[mb] = Act(ghost, None, gev)
+                run.add_end_event(gev)
+            else:
+                run.grad_states[mb] = Act(ghost, None, gev)
+            run.tracker.backward_notify(bwd_id)
+        download_param_grads(dev, run, group, job_index=len(run.plan.fwd_plan) + bwd_id)
+    finally:
+        dev.job_issued()
+        release_group(group)
+
+
+def download_param_grads(
+    dev: DeviceManager, run: RunState, group: UploadedGroup, *, job_index: int
+) -> None:
+    """Download the group's accumulated parameter gradients into the host buffers.
+
+    A parameter used by several jobs of this call (tied weights) is accumulated in launch
+    order: a later job waits for the earlier job's download, adds the host value on its
+    device, and downloads the sum. Before overwriting a host buffer, the job waits until
+    the optimizer has folded the previous iteration's gradients out of it (grad_copied).
+    """
+    attrs = run.model.layer_attrs
+    for host, holders in group.unique_params():
+        if not host.requires_grad:
+            continue
+        grads = [ph.grad for ph in holders if ph.grad is not None]
+        if not grads:
+            continue
+        with dev.compute():
+            g = grads[0]
+            for extra in grads[1:]:
+                g = g + extra
+        claims = run.grad_claims.get(id(host), [job_index])
+        pos = claims.index(job_index)
+        if pos > 0:
+            run.wait(run.grad_issued[(id(host), claims[pos - 1])])
+        pa = ParamAttribute.get(host)
+        run.wait(attrs[pa.owner_layer].grad_copied)
+        with pa.lock:
+            if pa.grad_pending and pa.grad_host is not None:
+                prev = async_h2d(dev, [pa.grad_event], [pa.grad_host])[0]
+                with dev.compute():
+                    g = g + prev
+            if pa.grad_host is None:
+                pa.grad_host = torch.empty(host.shape, dtype=host.dtype, pin_memory=dev.is_cuda)
+            dev.wait_stream(dev.downstream, dev.compute_stream)
+            with dev.on(dev.downstream):
+                pa.grad_host.copy_(g.detach(), non_blocking=dev.is_cuda)
+                dev.mark_used(g, dev.downstream)
+            ev = dev.record(dev.downstream)
+            pa.grad_event = ev
+            pa.grad_pending = True
+        run.add_end_event(ev)
+        issued = run.grad_issued.get((id(host), job_index))
+        if issued is not None:
+            issued.set()

@@ -1,0 +1,135 @@
+"""RoundPipeRunConfig: per-model and per-call run settings, and their merge."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .scheduler import ModelExecutePlan
+
+__all__ = ["FullRoundPipeRunConfig", "RoundPipeRunConfig"]
+
+RecomputeGrain = Literal["stage", "layer"]
+_GRAINS = ("stage", "layer")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundPipeRunConfig:
+    """Settings for running a RoundPipe model; None everywhere means "inherit".
+
+    Given at model level (`RoundPipe(model_run_config=...)`) and/or per call
+    (`forward(roundpipe_run_config=...)`, `forward_backward(run_config=...)`); a per-call
+    value wins, and a value unset at both levels takes the built-in default.
+
+    Attributes:
+        requires_grad: Keep what backward needs. Default: torch's grad mode.
+        output_device: Where merged outputs go. Default: the CPU.
+        preserve_rng_state: Restore the RNG state in recompute so dropout matches.
+            Default: True.
+        recompute_grain: 'stage' (recompute a backward stage, then backward it) or
+            'layer' (recompute and backward one layer at a time). Default: 'stage'.
+        num_microbatch: Micro-batches per call. Default: number of devices + 1.
+        split_input: How to split the inputs: a `(args_spec, kwargs_spec)` pair of
+            `torch.distributed.pipelining.microbatch` chunk specs (TensorChunkSpec(dim) or
+            _Replicate) mirroring the arguments, or a callable
+            `(args, kwargs, num_microbatch) -> [(args_i, kwargs_i), ...]`. Default: automatic.
+        split_label: The same for the label: a chunk-spec tree or a callable
+            `(label, num_microbatch) -> [label_i, ...]`. Default: automatic.
+        merge_output: How to merge micro-batch outputs: a chunk-spec tree, a callable
+            `[out_i, ...] -> out`, True (automatic) or False (return a RoundPipePackedData
+            that another RoundPipe model consumes without re-splitting). Default: automatic.
+        execute_plan: A ModelExecutePlan. Default: ModelExecutePlan.auto from timings.
+    """
+
+    requires_grad: bool | None = None
+    output_device: torch.device | str | None = None
+    preserve_rng_state: bool | None = None
+    recompute_grain: RecomputeGrain | None = None
+    num_microbatch: int | None = None
+    split_input: Any = None
+    split_label: Any = None
+    merge_output: Any = None
+    execute_plan: ModelExecutePlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.recompute_grain is not None and self.recompute_grain not in _GRAINS:
+            raise ConfigError(
+                f"run_config.recompute_grain must be 'stage' or 'layer', got {self.recompute_grain!r}"
+            )
+        if self.num_microbatch is not None and (
+            isinstance(self.num_microbatch, bool)
+            or not isinstance(self.num_microbatch, int)
+            or self.num_microbatch < 1
+        ):
+            raise ConfigError(
+                f"run_config.num_microbatch must be an int >= 1, got {self.num_microbatch!r}"
+            )
+        if self.output_device is not None:
+            try:
+                torch.device(self.output_device)
+            except (RuntimeError, TypeError) as exc:
+                raise ConfigError(
+                    f"run_config.output_device must name a torch device, got {self.output_device!r}"
+                ) from exc
+        if self.execute_plan is not None:
+            from .scheduler import ModelExecutePlan
+
+            if not isinstance(self.execute_plan, ModelExecutePlan):
+                raise ConfigError(
+                    "run_config.execute_plan must be a ModelExecutePlan, "
+                    f"got {type(self.execute_plan).__name__}"
+                )
+
+    def over(self, base: RoundPipeRunConfig) -> RoundPipeRunConfig:
+        """This config, with unset fields taken from `base`."""
+        merged = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in merged.items():
+            if value is None:
+                merged[name] = getattr(base, name)
+        return RoundPipeRunConfig(**merged)
+
+
+@dataclass(frozen=True, slots=True)
+class FullRoundPipeRunConfig:
+    """A per-call config over a model-level config, with every default resolved."""
+
+    requires_grad: bool
+    output_device: torch.device
+    preserve_rng_state: bool
+    recompute_grain: RecomputeGrain
+    num_microbatch: int
+    split_input: Any
+    split_label: Any
+    merge_output: Any
+    execute_plan: ModelExecutePlan | None
+
+    @classmethod
+    def resolve(
+        cls,
+        function_run_config: RoundPipeRunConfig,
+        model_run_config: RoundPipeRunConfig,
+        *,
+        num_devices: int,
+    ) -> FullRoundPipeRunConfig:
+        """Merge a per-call config with the model's baseline and fill the defaults."""
+        c = function_run_config.over(model_run_config)
+        return cls(
+            requires_grad=torch.is_grad_enabled() if c.requires_grad is None else c.requires_grad,
+            output_device=torch.device(c.output_device or "cpu"),
+            preserve_rng_state=True if c.preserve_rng_state is None else c.preserve_rng_state,
+            recompute_grain=c.recompute_grain or "stage",
+            num_microbatch=c.num_microbatch or num_devices + 1,
+            split_input=c.split_input,
+            split_label=c.split_label,
+            merge_output=True if c.merge_output is None else c.merge_output,
+            execute_plan=c.execute_plan,
+        )
+
+
+SplitFn = Callable[..., list[Any]]

@@ -1,0 +1,278 @@
+"""Which layer groups run, in what order: execution plans, the tracker, the backward rotation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from .errors import ConfigError
+from .threads import AnnotatedSemaphore
+
+if TYPE_CHECKING:
+    from .roundpipe import RoundPipe
+
+__all__ = [
+    "BackwardScheduleSimulator",
+    "ModelExecutePlan",
+    "ModelTracker",
+    "RunType",
+    "chunk_layer_params",
+]
+
+log = logging.getLogger(__name__)
+
+RunType = Literal["infer", "train", "fused"]
+
+
+class ModelExecutePlan:
+    """Layer groups for forward (`fwd_plan`) and backward (`bwd_plan`).
+
+    `fwd_plan` lists ascending ranges covering every layer in order. `bwd_plan` lists the
+    backward groups in execution order (last layers first), each range ascending:
+    - 'infer': no backward; `bwd_plan` is empty;
+    - 'train' (forward, then backward through autograd): `bwd_plan` covers every layer;
+    - 'fused' (forward_backward): the last forward group runs forward and backward in one
+      job, so `bwd_plan` covers the layers before it.
+    """
+
+    def __init__(self) -> None:
+        self.fwd_plan: list[range] = []
+        self.bwd_plan: list[range] = []
+
+    def __repr__(self) -> str:
+        def fmt(plan: list[range]) -> str:
+            return "[" + ", ".join(f"{r.start}-{r.stop - 1}" for r in plan) + "]"
+
+        return f"ModelExecutePlan(fwd={fmt(self.fwd_plan)}, bwd={fmt(self.bwd_plan)})"
+
+    @classmethod
+    def from_ranges(
+        cls, fwd_plan: Sequence[range], bwd_plan: Sequence[range] = ()
+    ) -> ModelExecutePlan:
+        """A plan from explicit ranges."""
+        plan = cls()
+        plan.fwd_plan = list(fwd_plan)
+        plan.bwd_plan = list(bwd_plan)
+        return plan
+
+    def check_valid(self, num_layers: int, run_type: RunType) -> None:
+        """Raise ConfigError unless the plans cover the layers exactly once, in order."""
+        if not self.fwd_plan:
+            raise ConfigError("execute_plan.fwd_plan is empty")
+        _check_cover(self.fwd_plan, 0, num_layers, "fwd_plan", ascending=True)
+        if run_type == "infer":
+            return
+        stop = num_layers if run_type == "train" else self.fwd_plan[-1].start
+        if stop == 0:
+            if self.bwd_plan:
+                raise ConfigError(
+                    "execute_plan.bwd_plan must be empty when one fused group covers all layers"
+                )
+            return
+        _check_cover(list(reversed(self.bwd_plan)), 0, stop, "bwd_plan", ascending=True)
+
+    @classmethod
+    def auto(
+        cls,
+        run_type: RunType,
+        /,
+        *models: RoundPipe,
+        min_stages: int | None = None,
+        upper_threshold: float = 1.1,
+        model_memory_limit: float | None = None,
+    ) -> ModelExecutePlan:
+        """A plan balanced on the models' measured (or size-estimated) layer times.
+
+        Stages are grown greedily up to `upper_threshold` times the slowest layer, lowered
+        until there are at least `min_stages` (default: the number of devices), and no
+        stage holds more than `model_memory_limit / 2` GB of parameters (default: 60% of
+        the smallest device's free memory), since the next stage is prefetched.
+        """
+        from .device import get_min_gpu_memory, get_num_devices
+
+        if not models:
+            raise ConfigError("ModelExecutePlan.auto needs at least one RoundPipe model")
+        n = models[0].num_layers
+        if any(m.num_layers != n for m in models):
+            raise ConfigError(
+                "ModelExecutePlan.auto: the models must have the same number of layers"
+            )
+        if min_stages is None:
+            min_stages = get_num_devices()
+        if model_memory_limit is None:
+            model_memory_limit = get_min_gpu_memory() * 0.6
+        fwd = [0.0] * n
+        bwd = [0.0] * n
+        mem = [0.0] * n
+        for m in models:
+            _, f, b = m.model_timer.get_estimate(run_type)
+            for i in range(n):
+                fwd[i] += f[i]
+                bwd[i] += b[i]
+                mem[i] += m.layer_size[i]
+        mem_cap = model_memory_limit / 2
+        plan = cls()
+        if run_type == "fused":
+            # The fused last group does forward and backward; size it on both.
+            fused_cost = [f + b for f, b in zip(fwd, bwd, strict=True)]
+            tail = _balanced_groups(fused_cost, mem, min(min_stages, n), upper_threshold, mem_cap)[
+                -1
+            ]
+            head = (
+                _balanced_groups(
+                    fwd[: tail.start], mem[: tail.start], min_stages, upper_threshold, mem_cap
+                )
+                if tail.start
+                else []
+            )
+            plan.fwd_plan = [*head, tail]
+            back = (
+                _balanced_groups(
+                    bwd[: tail.start], mem[: tail.start], min_stages, upper_threshold, mem_cap
+                )
+                if tail.start
+                else []
+            )
+            plan.bwd_plan = list(reversed(back))
+        else:
+            plan.fwd_plan = _balanced_groups(fwd, mem, min_stages, upper_threshold, mem_cap)
+            if run_type == "train":
+                plan.bwd_plan = list(
+                    reversed(_balanced_groups(bwd, mem, min_stages, upper_threshold, mem_cap))
+                )
+        plan.check_valid(n, run_type)
+        return plan
+
+
+def _check_cover(plan: list[range], start: int, stop: int, what: str, *, ascending: bool) -> None:
+    pos = start
+    for r in plan:
+        if not isinstance(r, range) or r.step != 1 or r.start != pos or r.stop <= r.start:
+            raise ConfigError(
+                f"execute_plan.{what} must be contiguous non-empty ranges covering layers "
+                f"{start}..{stop - 1} exactly once, got {plan}"
+            )
+        pos = r.stop
+    if pos != stop:
+        raise ConfigError(
+            f"execute_plan.{what} must cover layers {start}..{stop - 1} exactly once, got {plan}"
+        )
+
+
+def _greedy(cost: list[float], mem: list[float], cap: float, mem_cap: float) -> list[range]:
+    groups: list[range] = []
+    start, acc, acc_mem = 0, 0.0, 0.0
+    for i, (c, m) in enumerate(zip(cost, mem, strict=True)):
+        if i > start and (acc + c > cap or acc_mem + m > mem_cap):
+            groups.append(range(start, i))
+            start, acc, acc_mem = i, 0.0, 0.0
+        acc += c
+        acc_mem += m
+    groups.append(range(start, len(cost)))
+    return groups
+
+
+def _balanced_groups(
+    cost: list[float], mem: list[float], min_stages: int, upper_threshold: float, mem_cap: float
+) -> list[range]:
+    """Contiguous groups, each at most `upper_threshold` x the slowest layer, at least
+    `min_stages` of them where the layer count allows."""
+    n = len(cost)
+    if n == 0:
+        return []
+    slowest = max(max(cost), 1e-12)
+    cap = slowest * upper_threshold
+    groups = _greedy(cost, mem, cap, mem_cap)
+    want = min(min_stages, n)
+    if len(groups) >= want:
+        return groups
+    # Lower the cap until there are enough stages (bisection on the cap).
+    lo, hi = 0.0, cap
+    best = [range(i, i + 1) for i in range(n)]
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        trial = _greedy(cost, mem, mid, mem_cap)
+        if len(trial) >= want:
+            best, lo = trial, mid
+        else:
+            hi = mid
+    return best
+
+
+class ModelTracker:
+    """Counters that let a group start micro-batch i once the group before it finished it."""
+
+    def __init__(
+        self, execute_plan: ModelExecutePlan, num_layers: int, recompute_grain: str
+    ) -> None:
+        self.fwd_plan = execute_plan.fwd_plan
+        self.bwd_plan = execute_plan.bwd_plan
+        self.fwd_sem = [AnnotatedSemaphore(f"fwd_group{g}.done") for g in range(len(self.fwd_plan))]
+        self.bwd_sem = [AnnotatedSemaphore(f"bwd_group{g}.done") for g in range(len(self.bwd_plan))]
+        self.fused_fwd_sem = AnnotatedSemaphore("fused.forward_done")
+        if recompute_grain == "layer":
+            self._need_input = set(range(num_layers))
+        else:
+            self._need_input = {r.start for r in self.bwd_plan}
+
+    def backward_need_input(self, layer_id: int) -> bool:
+        """Whether the backward re-runs from this layer's input (so forward keeps it)."""
+        return layer_id in self._need_input
+
+    def forward_notify(self, layer_group_id: int) -> None:
+        """A forward group finished one more micro-batch."""
+        self.fwd_sem[layer_group_id].release()
+
+    def backward_notify(self, layer_group_id: int) -> None:
+        """A backward group finished one more micro-batch."""
+        self.bwd_sem[layer_group_id].release()
+
+    def fused_forward_notify(self) -> None:
+        """The fused group finished the forward part of one more micro-batch."""
+        self.fused_fwd_sem.release()
+
+
+class BackwardScheduleSimulator:
+    """Keeps the device rotation going across backward jobs launched by autograd.
+
+    Backward groups run on the next devices in the same round-robin as forward, so a
+    backward launched later by autograd continues where the forward left off; `reset`
+    starts a fresh rotation.
+    """
+
+    def __init__(self) -> None:
+        from .device import get_num_devices
+
+        self.n_devices = get_num_devices()
+        self.cur_device = 0
+        self.tags = [torch.zeros(()) for _ in range(self.n_devices)]
+
+    def get_next_tag(self) -> torch.Tensor:
+        """The tag of the next device in rotation."""
+        tag = self.tags[self.cur_device]
+        self.cur_device = (self.cur_device + 1) % self.n_devices
+        return tag
+
+    def update_current_tag(self, new_tag: torch.Tensor) -> None:
+        """Remember the tag produced by the latest backward."""
+        self.tags[(self.cur_device - 1) % self.n_devices] = new_tag
+
+    def reset(self) -> None:
+        """Start a new rotation."""
+        self.cur_device = 0
+
+
+def chunk_layer_params(
+    tensor_pair: list[tuple[torch.Tensor, torch.Tensor]], n_chunks: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Spread copy work over `n_chunks` with the greedy largest-first partition."""
+    chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(max(1, n_chunks))]
+    load = [0] * len(chunks)
+    for pair in sorted(tensor_pair, key=lambda p: -p[0].numel() * p[0].element_size()):
+        i = load.index(min(load))
+        chunks[i].append(pair)
+        load[i] += pair[0].numel() * pair[0].element_size()
+    return chunks

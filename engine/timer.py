@@ -1,0 +1,156 @@
+"""Per-layer timings that feed the automatic plan, and profiler annotations."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+__all__ = ["PROFILER_TYPE", "IterTimer", "ModelTimer", "annotate"]
+
+PROFILER_TYPE: str | None = os.environ.get("RP_PROFILER") or None
+"""'nvtx' to emit NVTX ranges (nsys), 'torch' for torch.profiler record_function ranges."""
+
+
+def annotate(name: str, color: str | None = None) -> contextlib.AbstractContextManager[object]:
+    """A named range in the profiler's timeline, or a null context when not profiling."""
+    if PROFILER_TYPE == "nvtx" and torch.cuda.is_available():
+        return torch.cuda.nvtx.range(name)
+    if PROFILER_TYPE == "torch":
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+Action = Literal["fwd", "re", "bwd"]
+
+
+class ModelTimer:
+    """Smoothed per-layer forward and backward times of one model.
+
+    Before any measurement the estimates are the layer sizes (bytes; backward
+    BACKWARD_MULTIPLIER x forward). Each finished job reports its per-layer times; the
+    first report of each kind is dropped (warm-up), later ones enter an exponential
+    moving average started from 0 and de-biased by `scale`.
+    """
+
+    SMOOTH_RATE = 0.3
+    BACKWARD_MULTIPLIER = 2.0
+    VERBOSE = False
+
+    def __init__(self, layer_sizes: list[float]) -> None:
+        self.n_layers = len(layer_sizes)
+        self._sizes = [max(s, 1.0) for s in layer_sizes]
+        self.stage: dict[str, int] = {"fwd": 0, "bwd": 0}
+        self.scale: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
+        self.estimate: dict[str, list[float]] = {
+            "fwd": [0.0] * self.n_layers,
+            "bwd": [0.0] * self.n_layers,
+        }
+        self._pending: dict[str, list[float | None]] = {
+            "fwd": [None] * self.n_layers,
+            "bwd": [None] * self.n_layers,
+        }
+        self._lock = threading.Lock()
+        self.updates = 0
+
+    def report(self, action: Literal["fwd", "bwd"], layer_times_ms: dict[int, float]) -> None:
+        """Record measured times (ms summed over micro-batches) for some layers."""
+        with self._lock:
+            for i, t in layer_times_ms.items():
+                prev = self._pending[action][i]
+                self._pending[action][i] = t if prev is None else prev + t
+
+    def update_times(self) -> bool:
+        """Fold reported times into the estimates; True when the estimates changed."""
+        changed = False
+        with self._lock:
+            for action in ("fwd", "bwd"):
+                pending = self._pending[action]
+                if any(p is None for p in pending):
+                    continue  # only complete iterations count
+                self._pending[action] = [None] * self.n_layers
+                if self.stage[action] == 0:
+                    self.stage[action] = 1  # drop the first (warm-up) measurement
+                    continue
+                r = self.SMOOTH_RATE
+                self.scale[action] = self.scale[action] * (1 - r) + r
+                self.estimate[action] = [
+                    e * (1 - r) + r * float(p)
+                    for e, p in zip(self.estimate[action], pending, strict=True)
+                ]  # type: ignore[arg-type]
+                self.stage[action] = 2
+                changed = True
+        if changed:
+            self.updates += 1
+        return changed
+
+    def get_estimate(
+        self, run_type: str
+    ) -> tuple[Literal["time", "memory"], list[float], list[float]]:
+        """`(source, forward per layer, backward per layer)`: ms when measured, else bytes."""
+        with self._lock:
+            if self.stage["fwd"] == 2 and (run_type == "infer" or self.stage["bwd"] == 2):
+                fwd = [e / self.scale["fwd"] for e in self.estimate["fwd"]]
+                if self.stage["bwd"] == 2:
+                    bwd = [e / self.scale["bwd"] for e in self.estimate["bwd"]]
+                else:
+                    bwd = [f * self.BACKWARD_MULTIPLIER for f in fwd]
+                return "time", fwd, bwd
+        return "memory", list(self._sizes), [s * self.BACKWARD_MULTIPLIER for s in self._sizes]
+
+
+class IterTimer:
+    """Collects one job's per-layer times and reports them to the ModelTimer when done.
+
+    On CUDA, times come from events on the compute stream (read once they completed, at
+    `flush`); on CPU from the wall clock.
+    """
+
+    def __init__(self, parent: ModelTimer, action: Literal["fwd", "bwd"], is_cuda: bool) -> None:
+        self.parent = parent
+        self.action = action
+        self.is_cuda = is_cuda
+        self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._wall: dict[int, float] = {}
+
+    @contextlib.contextmanager
+    def time(
+        self, layer_ids: range | list[int], stream: torch.cuda.Stream | None = None
+    ) -> Iterator[None]:
+        """Time a block that runs `layer_ids` (the time is split evenly among them)."""
+        ids = list(layer_ids)
+        if self.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            yield
+            end.record(stream)
+            for i in ids:
+                self._events.append((i, start, end))
+            self._split = len(ids)
+        else:
+            t0 = time.perf_counter()
+            yield
+            dt = (time.perf_counter() - t0) * 1000 / max(len(ids), 1)
+            for i in ids:
+                self._wall[i] = self._wall.get(i, 0.0) + dt
+
+    def flush(self) -> None:
+        """Report the measured times (waits for the CUDA events)."""
+        times = dict(self._wall)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, s, e in self._events:
+            groups.setdefault((id(s), id(e)), []).append(i)
+        pairs = {(id(s), id(e)): (s, e) for _, s, e in self._events}
+        for key, ids in groups.items():
+            s, e = pairs[key]
+            e.synchronize()
+            dt = s.elapsed_time(e) / len(ids)
+            for i in ids:
+                times[i] = times.get(i, 0.0) + dt
+        if times:
+            self.parent.report(self.action, times)
