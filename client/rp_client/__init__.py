@@ -1,0 +1,65 @@
+"""rp_client: the Python SDK for the RoundPipe Service (sync `Client`, async `AsyncClient`)."""
+
+from __future__ import annotations
+
+from ._base import DEFAULT_BASE_URL
+from ._client import AsyncClient, Client
+from .errors import (
+    APIConnectionError,
+    APIError,
+    APIStatusError,
+    APITimeoutError,
+    Conflict,
+    NotFound,
+    RequestTooLarge,
+    ServerError,
+    Unauthorized,
+    ValidationError,
+)
+from .models import (
+    TERMINAL_STATUSES,
+    Checkpoint,
+    Event,
+    File,
+    FileDeleted,
+    Job,
+    JobError,
+    JobMetrics,
+    JobProgress,
+    JobSpec,
+    LogChunk,
+    Page,
+    System,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_BASE_URL",
+    "TERMINAL_STATUSES",
+    "APIConnectionError",
+    "APIError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AsyncClient",
+    "Checkpoint",
+    "Client",
+    "Conflict",
+    "Event",
+    "File",
+    "FileDeleted",
+    "Job",
+    "JobError",
+    "JobMetrics",
+    "JobProgress",
+    "JobSpec",
+    "LogChunk",
+    "NotFound",
+    "Page",
+    "RequestTooLarge",
+    "ServerError",
+    "System",
+    "Unauthorized",
+    "ValidationError",
+    "__version__",
+]

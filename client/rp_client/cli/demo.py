@@ -1,0 +1,74 @@
+"""`rp demo`: a local daemon, the embedded demo job, followed to the end."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import typer
+
+from .._client import Client
+from ..errors import APIError
+from ._app import EXIT_FAILED, app, exit_code_for, fail, job_exit_code
+from ._daemon import (
+    INSTALL_HINT,
+    DaemonStartError,
+    daemon_env,
+    free_port,
+    server_installed,
+    start_daemon,
+    stop_daemon,
+    tail,
+    wait_ready,
+)
+from .progress import follow_job, report_outcome
+
+
+@app.command()
+def demo(
+    data_dir: Path = typer.Option(
+        None, "--data-dir", help="Daemon data directory (default: a new temporary one, kept)."
+    ),
+    gpus: str = typer.Option(None, "--gpus", help="all | none | ids [RP_GPUS]."),
+    json_lines: bool = typer.Option(False, "--json", help="Events as JSON lines."),
+    start_timeout_s: float = typer.Option(
+        180.0, "--start-timeout", help="Seconds to wait for readiness."
+    ),
+) -> None:
+    """Start a local daemon, train the embedded demo model, print where it is saved."""
+    if not server_installed():
+        raise fail(INSTALL_HINT, EXIT_FAILED)
+    data = (data_dir or Path(tempfile.mkdtemp(prefix="rp-demo-"))).resolve()
+    data.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = data / "daemon.log"
+    say = (lambda m: None) if json_lines else (lambda m: sys.stderr.write(m + "\n"))
+    say(f"starting a RoundPipe daemon on {url} (data in {data}, log in {log_path})")
+    env = daemon_env(host="127.0.0.1", port=port, data_dir=data, gpus=gpus)
+    env.pop("RP_URL", None)
+    with log_path.open("ab") as log, Client(url, token=env.get("RP_TOKEN")) as client:
+        proc = start_daemon(env, log)
+        try:
+            wait_ready(client, proc, start_timeout_s)
+            job = client.jobs.create(client.demo_spec())
+            say(f"submitted {job.id}")
+            job = follow_job(client, job.id, json_lines=json_lines)
+        except DaemonStartError as exc:
+            raise fail(f"{exc}; last lines of {log_path}:\n{tail(log_path)}") from None
+        except APIError as exc:
+            raise fail(str(exc), exit_code_for(exc)) from None
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+        finally:
+            say("stopping the daemon")
+            stop_daemon(proc)
+    if not json_lines:
+        report_outcome(job)
+        if job.status == "succeeded" and job.output_model_path:
+            sys.stdout.write(
+                "load it with: transformers.AutoModelForCausalLM.from_pretrained("
+                f"{job.output_model_path!r})\n"
+            )
+    raise typer.Exit(job_exit_code(job))

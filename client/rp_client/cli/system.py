@@ -1,0 +1,41 @@
+"""`rp system`: what the daemon runs on."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from ._app import app, get_client, handle_errors, print_json
+
+
+def _gib(n: int | None) -> str:
+    return f"{n / 2**30:.1f} GiB" if isinstance(n, int) else "-"
+
+
+@app.command()
+@handle_errors
+def system(
+    ctx: typer.Context, json_lines: bool = typer.Option(False, "--json", help="The raw object.")
+) -> None:
+    """Show the daemon's versions, devices, memory, C Adam build and queue."""
+    info = get_client(ctx).system()
+    if json_lines:
+        print_json(info.model_dump(mode="json"))
+        return
+    out = [f"version          {info.version or '-'}"]
+    for name, version in info.versions.items():
+        out.append(f"  {name:<15}{version}")
+    out.append(f"devices          {len(info.devices)}")
+    for device in info.devices:
+        out.append(f"  {device}")
+    out.append(f"host memory      {_gib(info.host_memory_bytes)}")
+    out.append(f"pinned budget    {_gib(info.pinned_budget_bytes)}")
+    if info.adam:
+        out.append(
+            f"adam             {info.adam.get('isa', '-')}, {info.adam.get('threads', '-')} threads"
+        )
+    out.append(f"queue length     {info.queue_length}")
+    counts = ", ".join(f"{k} {v}" for k, v in info.jobs.items()) or "-"
+    out.append(f"jobs             {counts}")
+    sys.stdout.write("\n".join(out) + "\n")

@@ -1,0 +1,229 @@
+"""Typed results mirroring docs/API.md; every model keeps fields it does not know."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "TERMINAL_STATUSES",
+    "Checkpoint",
+    "DataSection",
+    "EngineSection",
+    "Event",
+    "File",
+    "FileDeleted",
+    "Job",
+    "JobError",
+    "JobMetrics",
+    "JobProgress",
+    "JobSpec",
+    "LogChunk",
+    "ModelSection",
+    "Page",
+    "System",
+    "TokenizerSection",
+    "TrainSection",
+    "load_spec_file",
+]
+
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+
+T = TypeVar("T")
+
+
+class _Model(BaseModel):
+    # Tolerant of fields a newer daemon adds.
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class JobProgress(_Model):
+    step: int = 0
+    total_steps: int | None = None
+    epoch: float | None = None
+    eta_seconds: float | None = None
+
+
+class JobError(_Model):
+    code: str | None = None
+    message: str = ""
+    param: str | None = None
+
+
+class Job(_Model):
+    id: str
+    object: str = "job"
+    name: str | None = None
+    status: str
+    created_at: int | None = None
+    started_at: int | None = None
+    finished_at: int | None = None
+    priority: int = 0
+    attempt: int = 0
+    spec: dict[str, Any] = {}
+    progress: JobProgress = JobProgress()
+    metrics: dict[str, Any] = {}
+    trained_tokens: int = 0
+    output_model_path: str | None = None
+    gpus: list[int] = []
+    error: JobError | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        """True once the job succeeded, failed or was cancelled."""
+        return self.status in TERMINAL_STATUSES
+
+
+class Event(_Model):
+    id: int
+    object: str = "event"
+    job_id: str
+    created_at: int | None = None
+    level: str = "info"
+    type: str
+    message: str = ""
+    data: dict[str, Any] | None = None
+
+
+class File(_Model):
+    id: str
+    object: str = "file"
+    filename: str = ""
+    bytes: int = 0
+    sha256: str | None = None
+    line_count: int | None = None
+    format: str | None = None
+    created_at: int | None = None
+
+
+class FileDeleted(_Model):
+    id: str
+    object: str = "file"
+    deleted: bool = True
+
+
+class Checkpoint(_Model):
+    object: str = "checkpoint"
+    job_id: str
+    step: int
+    created_at: int | None = None
+    path: str | None = None
+    size_bytes: int | None = None
+    metrics: dict[str, Any] = {}
+
+
+class Page(_Model, Generic[T]):
+    """One page of a list: `data` plus the cursor to the next page."""
+
+    object: str = "list"
+    data: list[T]
+    has_more: bool = False
+    first_id: Any = None
+    last_id: Any = None
+
+
+class JobMetrics(_Model):
+    object: str = "job.metrics"
+    job_id: str
+    columns: dict[str, list[Any]] = {}
+
+
+class System(_Model):
+    version: str | None = None
+    versions: dict[str, Any] = {}
+    devices: list[Any] = []
+    host_memory_bytes: int | None = None
+    pinned_budget_bytes: int | None = None
+    adam: dict[str, Any] = {}
+    queue_length: int = 0
+    jobs: dict[str, int] = {}
+
+
+class LogChunk(_Model):
+    """Bytes of a job's log from an offset, and where the next read starts."""
+
+    text: str
+    next_offset: int
+
+
+# JobSpec: every field optional so that only what the user set is sent; the daemon fills
+# the defaults and validates (docs/API.md is the reference for values).
+
+
+class ModelSection(_Model):
+    preset: str | None = None
+    config: dict[str, Any] | None = None
+    path: str | None = None
+    dtype: str | None = None
+
+
+class TokenizerSection(_Model):
+    path: str | None = None
+
+
+class DataSection(_Model):
+    train: str | None = None
+    valid: str | None = None
+    format: str | None = None
+    seq_len: int | None = None
+    packing: bool | None = None
+
+
+class TrainSection(_Model):
+    steps: int | None = None
+    epochs: float | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    schedule: str | None = None
+    warmup_steps: int | None = None
+    weight_decay: float | None = None
+    betas: list[float] | None = None
+    grad_clip: float | None = None
+    seed: int | None = None
+    eval_interval: int | None = None
+    checkpoint_interval: int | None = None
+    keep_checkpoints: int | None = None
+
+
+class EngineSection(_Model):
+    num_microbatch: int | None = None
+    recompute_grain: str | None = None
+    optim_dtype: str | None = None
+    pin_model: str | None = None
+    gpus: int | None = None
+    async_step: bool | None = None
+
+
+class JobSpec(_Model):
+    """What to train; `to_body()` sends only the fields that were set."""
+
+    name: str | None = None
+    priority: int | None = None
+    model: ModelSection | None = None
+    tokenizer: TokenizerSection | None = None
+    data: DataSection | None = None
+    train: TrainSection | None = None
+    engine: EngineSection | None = None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> JobSpec:
+        """Reads a spec from a YAML (or JSON) file."""
+        return cls.model_validate(load_spec_file(path))
+
+    def to_body(self) -> dict[str, Any]:
+        """The JSON body for POST /v1/jobs: set fields only (an explicit null is kept)."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+def load_spec_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads a job spec mapping from a YAML (or JSON) file, unvalidated: the daemon checks it."""
+    text = Path(path).read_text(encoding="utf-8")
+    loaded = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: a job spec must be a mapping, got {type(loaded).__name__}")
+    return loaded
