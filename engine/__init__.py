@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .context import doing_recompute, get_recompute_data, save_for_recompute
 from .errors import ConfigError, DeviceError, RoundPipeError, StepError
+from .grad_scaler import GradScaler
 from .roundpipe import AutoRoundPipe, RoundPipe
 from .run_config import RoundPipeRunConfig
 from .scheduler import ModelExecutePlan
@@ -17,6 +18,7 @@ __all__ = [
     "AutoRoundPipe",
     "ConfigError",
     "DeviceError",
+    "GradScaler",
     "ModelExecutePlan",
     "RoundPipe",
     "RoundPipeError",
@@ -27,12 +29,6 @@ __all__ = [
     "save_for_recompute",
 ]
 
-try:  # written alongside; exported once present
-    from .grad_scaler import GradScaler  # noqa: F401
-
-    __all__.append("GradScaler")
-except ImportError:  # pragma: no cover
-    pass
 try:
     from .wrapper import wrap_model_to_roundpipe  # noqa: F401
 

@@ -55,6 +55,7 @@ class ParamAttribute:
         self.grad_host: torch.Tensor | None = None
         self.grad_pending = False
         self.grad_event: torch.cuda.Event | None = None  # completes the last grad download
+        self.optim_grad_buffer: torch.Tensor | None = None
         self.lock = threading.Lock()
 
     @classmethod
@@ -81,7 +82,14 @@ class ParamAttribute:
             return
         g = self.grad_host
         if self.optim.grad is None:
-            self.optim.grad = g.to(self.optim.dtype, copy=True)
+            # Reuse last step's buffer: allocating (and page-faulting) a fresh fp32 gradient
+            # for every parameter each step costs more than the copy itself.
+            buf = self.optim_grad_buffer
+            if buf is None or buf.shape != g.shape:
+                buf = torch.empty(g.shape, dtype=self.optim.dtype)
+                self.optim_grad_buffer = buf
+            buf.copy_(g)
+            self.optim.grad = buf
         else:
-            self.optim.grad.add_(g.to(self.optim.dtype))
+            self.optim.grad.add_(g)
         self.grad_pending = False

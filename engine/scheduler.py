@@ -114,35 +114,31 @@ class ModelExecutePlan:
                 bwd[i] += b[i]
                 mem[i] += m.layer_size[i]
         mem_cap = model_memory_limit / 2
+        # The slowest single layer (usually the head with its loss) is the pipeline's
+        # smallest unit of work; grouping the other layers up to that size keeps stages
+        # balanced while moving as few activations as possible between them.
+        fwd_cap = upper_threshold * max(fwd)
+        bwd_cap = upper_threshold * max(bwd)
         plan = cls()
         if run_type == "fused":
-            # The fused last group does forward and backward; size it on both.
             fused_cost = [f + b for f, b in zip(fwd, bwd, strict=True)]
-            tail = _balanced_groups(fused_cost, mem, min(min_stages, n), upper_threshold, mem_cap)[
-                -1
-            ]
-            head = (
-                _balanced_groups(
-                    fwd[: tail.start], mem[: tail.start], min_stages, upper_threshold, mem_cap
-                )
-                if tail.start
-                else []
-            )
-            plan.fwd_plan = [*head, tail]
-            back = (
-                _balanced_groups(
-                    bwd[: tail.start], mem[: tail.start], min_stages, upper_threshold, mem_cap
-                )
-                if tail.start
-                else []
-            )
+            tail_start = n - 1
+            acc, acc_mem = fused_cost[-1], mem[-1]
+            while tail_start > 0:
+                c, m = fused_cost[tail_start - 1], mem[tail_start - 1]
+                if acc + c > upper_threshold * max(fused_cost) or acc_mem + m > mem_cap:
+                    break
+                acc, acc_mem, tail_start = acc + c, acc_mem + m, tail_start - 1
+            if n - tail_start >= n and min_stages > 1:
+                tail_start = n - 1  # leave work for the other devices
+            head = _balanced_groups(fwd[:tail_start], mem[:tail_start], min_stages - 1, fwd_cap, mem_cap)
+            back = _balanced_groups(bwd[:tail_start], mem[:tail_start], min_stages - 1, bwd_cap, mem_cap)
+            plan.fwd_plan = [*head, range(tail_start, n)]
             plan.bwd_plan = list(reversed(back))
         else:
-            plan.fwd_plan = _balanced_groups(fwd, mem, min_stages, upper_threshold, mem_cap)
+            plan.fwd_plan = _balanced_groups(fwd, mem, min_stages, fwd_cap, mem_cap)
             if run_type == "train":
-                plan.bwd_plan = list(
-                    reversed(_balanced_groups(bwd, mem, min_stages, upper_threshold, mem_cap))
-                )
+                plan.bwd_plan = list(reversed(_balanced_groups(bwd, mem, min_stages, bwd_cap, mem_cap)))
         plan.check_valid(n, run_type)
         return plan
 
@@ -176,20 +172,17 @@ def _greedy(cost: list[float], mem: list[float], cap: float, mem_cap: float) -> 
 
 
 def _balanced_groups(
-    cost: list[float], mem: list[float], min_stages: int, upper_threshold: float, mem_cap: float
+    cost: list[float], mem: list[float], min_stages: int, cap: float, mem_cap: float
 ) -> list[range]:
-    """Contiguous groups, each at most `upper_threshold` x the slowest layer, at least
-    `min_stages` of them where the layer count allows."""
+    """Contiguous groups of at most `cap` cost and `mem_cap` GB, at least `min_stages` of
+    them where the layer count allows (the cap is lowered by bisection until there are)."""
     n = len(cost)
     if n == 0:
         return []
-    slowest = max(max(cost), 1e-12)
-    cap = slowest * upper_threshold
     groups = _greedy(cost, mem, cap, mem_cap)
-    want = min(min_stages, n)
+    want = min(max(min_stages, 1), n)
     if len(groups) >= want:
         return groups
-    # Lower the cap until there are enough stages (bisection on the cap).
     lo, hi = 0.0, cap
     best = [range(i, i + 1) for i in range(n)]
     for _ in range(50):

@@ -1,0 +1,113 @@
+"""Where a RoundPipe training step's time goes: per-stream GPU busy time and variants.
+
+Builds the bench/train.py model, then times steps with (a) a no-op optimizer (the engine
+alone), (b) engine.optim.Adam asynchronous, and profiles one step of each with
+torch.profiler: per CUDA stream, the summed kernel/copy time against the step's wall time.
+One JSON line per result; the Chrome trace goes to $OUT (or --trace-dir) when given.
+
+    python bench/profile_train.py --model qwen3-1.7b --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.train import SHAPES, build_model, make_batches
+
+
+def stream_busy(prof: torch.profiler.profile) -> dict[str, float]:
+    """Summed device time (ms) per stream, kernels and copies."""
+    busy: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        key = f"stream{getattr(ev, 'device_resource_id', '?')}"
+        dur = ev.time_range.elapsed_us() / 1000 if hasattr(ev, "time_range") else 0.0
+        busy[key] = busy.get(key, 0.0) + dur
+    return busy
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-1.7b")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seqs-per-step", type=int, default=64)
+    p.add_argument("--num-microbatch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--variants", default="noop,adam")
+    p.add_argument("--trace-dir", default=os.environ.get("OUT"))
+    args = p.parse_args()
+
+    from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
+    from engine.models import causal_lm_loss_fn
+    from engine.optim import Adam
+
+    dtype = torch.float16
+    model = build_model(args.model, dtype, "sdpa", 0)
+    rp = wrap_model_to_roundpipe(
+        model,
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=args.num_microbatch),
+    )
+    tokens = args.seq_len * args.seqs_per_step
+    ns = argparse.Namespace(seed=0, warmup=args.warmup, steps=args.steps, seqs_per_step=args.seqs_per_step, seq_len=args.seq_len)
+    batches = make_batches(ns, model.config.vocab_size)
+    opt = Adam(rp.optim_parameters(), lr=1e-5)
+
+    def adam_step() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    def noop_step() -> None:
+        pass
+
+    for variant in args.variants.split(","):
+        step_fn = {"noop": noop_step, "adam": adam_step}[variant]
+        times: list[float] = []
+        for k, ids in enumerate(batches):
+            t0 = time.perf_counter()
+            rp.forward_backward(input_kwargs={"input_ids": ids}, label=ids, loss_fn=causal_lm_loss_fn(ids))
+            t_fb = time.perf_counter() - t0
+            rp.step(step_fn)
+            times.append(time.perf_counter() - t0)
+            print(json.dumps({"variant": variant, "step": k, "fb_s": round(t_fb, 3), "step_s": round(times[-1], 3)}), flush=True)
+        rp.synchronize()
+        measured = times[args.warmup :]
+        med = statistics.median(measured)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            rp.forward_backward(input_kwargs={"input_ids": batches[0]}, label=batches[0], loss_fn=causal_lm_loss_fn(batches[0]))
+            rp.step(step_fn)
+            rp.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1000
+        busy = {k: round(v, 1) for k, v in stream_busy(prof).items()}
+        result: dict[str, Any] = {
+            "bench": "profile_train",
+            "variant": variant,
+            "model": args.model,
+            "tokens_per_s": round(tokens / med, 1),
+            "step_s_median": round(med, 3),
+            "profiled_wall_ms": round(wall_ms, 1),
+            "stream_busy_ms": busy,
+            "plans": {str(k): repr(v) for k, v in rp._plans.items()},
+        }
+        print(json.dumps(result), flush=True)
+        if args.trace_dir:
+            prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{variant}.json"))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+/* The C Adam: run-time ISA dispatch, the thread split, and the scalar path.
+ *
+ * Numerics follow torch's _single_tensor_adam in fp32, one rounding per torch kernel:
+ *   g  = maximize ? -grad : grad
+ *   g  = fma(p, wd, g)                     L2 decay (torch's add with alpha is an fma)
+ *   p  = p * (1 - lr * wd)                 decoupled decay
+ *   m  = fma(w, g - m, m)                  lerp with w = 1 - beta1 when |w| < 0.5,
+ *      = fma(w - 1, g - m, g)              otherwise (torch's two lerp branches)
+ *   v  = fma((1 - beta2) * g, g, v * beta2) mul_ then addcmul_ (an fma in torch's kernel)
+ *   vm = max(vm, v)                        amsgrad
+ *   d  = sqrt(v or vm) * (1 / sqrt(bias_correction2)) + eps
+ *   p  = p + ((-step_size) * m) / d        addcdiv_
+ * One deliberate difference: torch divides by sqrt(bias_correction2); this multiplies by
+ * its reciprocal (rounded once from double). A vector division costs as much as the
+ * rest of the update, and where the kernel is compute-bound (few cores, data in cache) it
+ * was ~10% slower than torch's fused AdamW with the division, faster without
+ * (bench/RESULTS.md). It moves d by at most an ulp; torch's own vectorised sqrt is not
+ * correctly rounded either, so neither choice is bit-identical to torch, and both stay
+ * within 1e-6 of it over the tests' 10 steps.
+ * The library is compiled with -ffp-contract=off so the compiler adds no fma of its own:
+ * every ISA path performs exactly these roundings and the paths agree bit for bit.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "adam.h"
+
+/* Threads claim work in chunks of this many elements (1 MiB of each fp32 array): large
+ * enough that claiming costs nothing, small enough to even out late starters. A multiple
+ * of 16 floats, so chunks of a tensor that starts on a cache line never share one. */
+#define RP_CHUNK ((int64_t)1 << 18)
+/* No thread gets less than one chunk: starting it would cost more than it saves. */
+#define RP_MIN_ELEMS_PER_THREAD RP_CHUNK
+#define RP_MAX_THREADS 1024
+
+typedef void (*rp_kernel_fn)(const rp_adam_tensor *, const rp_adam_hyper *, int64_t, int64_t,
+                             int);
+
+static uint32_t f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* fp32 -> bf16, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16's conversion). */
+static uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_to_bits(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* fp32 -> IEEE fp16, round to nearest even, subnormals and overflow to inf included;
+ * a NaN keeps its sign and top payload bits with the quiet bit set (as F16C does). */
+static uint16_t f32_to_f16(float f) {
+    uint32_t x = f32_to_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) {
+        if (ax == 0x7F800000u) return (uint16_t)(sign | 0x7C00u);
+        return (uint16_t)(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    }
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* >= 65520 rounds to inf */
+    if (ax >= 0x38800000u) {                                   /* normal half */
+        uint32_t h = ((ax >> 23) - 112u) << 10 | ((ax >> 13) & 0x3FFu);
+        uint32_t rem = ax & 0x1FFFu;
+        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h += 1u; /* carry is fine */
+        return (uint16_t)(sign | h);
+    }
+    /* subnormal half: h = mant * 2^(exp - 126) in units of 2^-24 */
+    uint32_t e = ax >> 23;
+    uint32_t shift = 126u - e;
+    if (shift > 24u) return (uint16_t)sign; /* below 2^-25: rounds to zero */
+    uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+    uint32_t h = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u))) h += 1u;
+    return (uint16_t)(sign | h);
+}
+
+void rp_adam_kernel_scalar(const rp_adam_tensor *t, const rp_adam_hyper *h,
+                           int64_t begin, int64_t end, int prefetch) {
+    (void)prefetch; /* the hardware prefetchers keep up with the scalar loop */
+    float *param = (float *)t->param;
+    const float *grad = (const float *)t->grad;
+    float *exp_avg = (float *)t->exp_avg;
+    float *exp_avg_sq = (float *)t->exp_avg_sq;
+    float *max_sq = (float *)t->max_exp_avg_sq;
+    uint16_t *copy = (uint16_t *)t->model_copy;
+    const float w = h->beta1_weight;
+    const int small_weight = fabsf(w) < 0.5f;
+    const float w_big = w - 1.0f;
+    const int copy_dtype = copy ? t->copy_dtype : RP_COPY_NONE;
+    for (int64_t i = begin; i < end; ++i) {
+        float p = param[i];
+        float g = grad[i];
+        float m = exp_avg[i];
+        float v = exp_avg_sq[i];
+        if (h->maximize) g = -g;
+        if (h->use_l2) g = fmaf(p, h->l2_weight_decay, g);
+        if (h->use_decoupled) p = p * h->decoupled_decay;
+        float diff = g - m;
+        m = small_weight ? fmaf(w, diff, m) : fmaf(w_big, diff, g);
+        v = v * h->beta2;
+        v = fmaf(h->one_minus_beta2 * g, g, v);
+        float s = v;
+        if (h->amsgrad) {
+            float vm = max_sq[i];
+            vm = vm > v ? vm : v; /* maxps semantics: a NaN in v propagates */
+            max_sq[i] = vm;
+            s = vm;
+        }
+        float denom = sqrtf(s) * h->inv_bias_correction2_sqrt + h->eps;
+        p = p + (h->neg_step_size * m) / denom;
+        param[i] = p;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        if (copy_dtype == RP_COPY_FP16) copy[i] = f32_to_f16(p);
+        else if (copy_dtype == RP_COPY_BF16) copy[i] = f32_to_bf16(p);
+    }
+}
+
+int rp_adam_abi_version(void) { return RP_ADAM_ABI_VERSION; }
+
+int rp_adam_isa_supported(int isa) {
+    switch (isa) {
+    case RP_ISA_SCALAR:
+        return 1;
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    case RP_ISA_AVX2:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    case RP_ISA_AVX512:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f");
+#endif
+    default:
+        return 0;
+    }
+}
+
+int rp_adam_best_isa(void) {
+    if (rp_adam_isa_supported(RP_ISA_AVX512)) return RP_ISA_AVX512;
+    if (rp_adam_isa_supported(RP_ISA_AVX2)) return RP_ISA_AVX2;
+    return RP_ISA_SCALAR;
+}
+
+/* Whether the vector loops should issue software prefetches. Measured with bench/adam.py
+ * (bench/RESULTS.md): +5-10% on the 16-core Intel GPU host, where the hardware prefetchers
+ * alone leave bandwidth unused, and -5-10% on the 2-core AMD development VM. */
+static int rp_prefetch_pays(void) {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel");
+#else
+    return 0;
+#endif
+}
+
+/* The ISA dispatch table: the library's only global, constant. */
+static const rp_kernel_fn rp_kernels[3] = {
+    rp_adam_kernel_scalar,
+    rp_adam_kernel_avx2,
+    rp_adam_kernel_avx512,
+};
+
+/* One call's shared work list: threads claim chunks of RP_CHUNK elements of the
+ * concatenated tensors from an atomic counter, so a thread that started late (threads are
+ * created one after the other) simply takes fewer chunks. The split cannot change
+ * results: every element is updated independently, with the same operations. */
+typedef struct {
+    const rp_adam_tensor *tensors;
+    int n_tensors;
+    const rp_adam_hyper *hypers;
+    rp_kernel_fn kernel;
+    int64_t total;
+    int prefetch;
+    int64_t next_chunk; /* claimed with atomic adds */
+} rp_work;
+
+static void run_chunks(rp_work *w) {
+    int ti = 0;         /* first tensor that ends after the chunk's start; only moves on */
+    int64_t offset = 0; /* global index of element 0 of tensors[ti] */
+    for (;;) {
+        int64_t begin = __atomic_fetch_add(&w->next_chunk, 1, __ATOMIC_RELAXED) * RP_CHUNK;
+        if (begin >= w->total) return;
+        int64_t end = begin + RP_CHUNK < w->total ? begin + RP_CHUNK : w->total;
+        while (offset + w->tensors[ti].numel <= begin) offset += w->tensors[ti++].numel;
+        int64_t start = offset;
+        for (int i = ti; i < w->n_tensors && start < end; ++i) {
+            const rp_adam_tensor *t = &w->tensors[i];
+            int64_t lo = begin > start ? begin - start : 0;
+            int64_t hi = end - start < t->numel ? end - start : t->numel;
+            if (lo < hi) w->kernel(t, &w->hypers[t->hyper], lo, hi, w->prefetch);
+            start += t->numel;
+        }
+    }
+}
+
+static void *run_chunks_thread(void *arg) {
+    run_chunks((rp_work *)arg);
+    return NULL;
+}
+
+int rp_adam_step(const rp_adam_tensor *tensors, int n_tensors,
+                 const rp_adam_hyper *hypers, int n_threads, int isa) {
+    if (isa < 0 || isa > RP_ISA_AVX512 || !rp_adam_isa_supported(isa)) return -1;
+    int64_t total = 0;
+    for (int i = 0; i < n_tensors; ++i) total += tensors[i].numel;
+    if (total == 0) return 0;
+
+    int64_t by_size = (total + RP_MIN_ELEMS_PER_THREAD - 1) / RP_MIN_ELEMS_PER_THREAD;
+    int n = n_threads < 1 ? 1 : n_threads;
+    if (n > RP_MAX_THREADS) n = RP_MAX_THREADS;
+    if (n > by_size) n = (int)by_size;
+
+    rp_work work = {tensors, n_tensors, hypers, rp_kernels[isa], total, rp_prefetch_pays(), 0};
+    pthread_t stack_ids[16];
+    pthread_t *ids = n > 16 ? malloc(sizeof *ids * (size_t)n) : stack_ids;
+    int started = 0; /* threads 1..started are running */
+    if (ids) {
+        while (started + 1 < n &&
+               pthread_create(&ids[started + 1], NULL, run_chunks_thread, &work) == 0)
+            ++started;
+    }
+    run_chunks(&work); /* a thread that failed to start leaves its chunks to the others */
+    for (int k = 1; k <= started; ++k) pthread_join(ids[k], NULL);
+    if (ids != stack_ids) free(ids);
+    return 0;
+}

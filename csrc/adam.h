@@ -1,0 +1,75 @@
+/* The C Adam: what cffi sees (csrc/build_adam.py feeds this header to cdef).
+ *
+ * One call updates a list of fp32 tensors (param, grad, exp_avg, exp_avg_sq and, with
+ * amsgrad, max_exp_avg_sq) and optionally writes the fp16/bf16 model copy of each param
+ * in the same pass. The work is split over threads by element range; every element goes
+ * through the same sequence of fp32 operations on every ISA path, so results are
+ * bit-identical whatever the ISA or the thread count.
+ *
+ * Keep this header free of preprocessor directives and includes: cffi's cdef parses it.
+ */
+
+/* Hyper-parameters of one (param group, step) pair, already rounded to fp32 the way
+ * torch rounds its Python scalars when it hands them to its fp32 kernels. */
+typedef struct {
+    float l2_weight_decay;    /* grad += p * l2_weight_decay (0: off) */
+    float decoupled_decay;    /* p *= decoupled_decay (1: off), i.e. 1 - lr * wd */
+    float beta1_weight;       /* lerp weight 1 - beta1 */
+    float beta2;
+    float one_minus_beta2;
+    float inv_bias_correction2_sqrt; /* 1 / sqrt(1 - beta2 ** step) */
+    float eps;
+    float neg_step_size;      /* -lr / (1 - beta1 ** step) */
+    int maximize;
+    int use_l2;
+    int use_decoupled;
+    int amsgrad;
+} rp_adam_hyper;
+
+/* One tensor to update. Addresses are plain integers (torch's data_ptr()) so Python can
+ * fill the array without a cast per pointer. */
+typedef struct {
+    uintptr_t param;          /* float*, read and written */
+    uintptr_t grad;           /* const float* */
+    uintptr_t exp_avg;        /* float* */
+    uintptr_t exp_avg_sq;     /* float* */
+    uintptr_t max_exp_avg_sq; /* float*, 0 unless amsgrad */
+    uintptr_t model_copy;     /* uint16_t* fp16 or bf16, 0: none */
+    int64_t numel;
+    int32_t copy_dtype;       /* RP_COPY_NONE / RP_COPY_FP16 / RP_COPY_BF16 */
+    int32_t hyper;            /* index into the hyper array */
+} rp_adam_tensor;
+
+#define RP_ISA_SCALAR 0
+#define RP_ISA_AVX2 1
+#define RP_ISA_AVX512 2
+#define RP_COPY_NONE 0
+#define RP_COPY_FP16 1
+#define RP_COPY_BF16 2
+#define RP_ADAM_ABI_VERSION 2
+
+/* RP_ADAM_ABI_VERSION of the compiled library (a stale build is rebuilt). */
+int rp_adam_abi_version(void);
+
+/* 1 when this build has the ISA path and the CPU can run it. */
+int rp_adam_isa_supported(int isa);
+
+/* The best ISA the CPU supports. */
+int rp_adam_best_isa(void);
+
+/* Update every tensor with up to n_threads threads (the calling one included); returns
+ * 0, or -1 when the ISA is not supported (nothing was touched). A thread that cannot be
+ * started leaves its range to the calling thread, so the work is always complete. */
+int rp_adam_step(const rp_adam_tensor *tensors, int n_tensors,
+                 const rp_adam_hyper *hypers, int n_threads, int isa);
+
+/* The per-ISA kernels: update elements [begin, end) of one tensor; `prefetch` asks the
+ * vector paths for software prefetches (rp_prefetch_pays() in adam.c). Each ISA file always
+ * defines its kernel (a stub where the compiler cannot target the ISA), so the library
+ * links on every architecture; rp_adam_isa_supported() says which ones may run. */
+void rp_adam_kernel_scalar(const rp_adam_tensor *t, const rp_adam_hyper *h,
+                           int64_t begin, int64_t end, int prefetch);
+void rp_adam_kernel_avx2(const rp_adam_tensor *t, const rp_adam_hyper *h,
+                         int64_t begin, int64_t end, int prefetch);
+void rp_adam_kernel_avx512(const rp_adam_tensor *t, const rp_adam_hyper *h,
+                           int64_t begin, int64_t end, int prefetch);

@@ -1,0 +1,334 @@
+"""CPU optimizers for RoundPipe: `Adam`, the C Adam over fp32 master weights.
+
+`Adam` behaves like `torch.optim.Adam` (and `torch.optim.AdamW` with
+`decoupled_weight_decay=True`): same arguments, param groups, lr schedulers, and a
+`state_dict` either one loads. The update runs in C (csrc/, AVX-512 / AVX2 / scalar,
+multi-threaded, GIL released) and, for a parameter given a half-precision model copy with
+`set_model_copy()`, writes `copy = master.to(copy.dtype)` in the same pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from . import _native
+from ._native import (
+    NativeBuildError,
+    available_isas,
+    get_isa,
+    get_num_threads,
+    native_info,
+    physical_cores,
+    set_isa,
+    set_num_threads,
+)
+
+__all__ = [
+    "Adam",
+    "NativeBuildError",
+    "available_isas",
+    "get_isa",
+    "get_model_copy",
+    "get_num_threads",
+    "native_info",
+    "physical_cores",
+    "set_isa",
+    "set_model_copy",
+    "set_num_threads",
+]
+
+log = logging.getLogger(__name__)
+
+_COPY_ATTR = "_rp_model_copy"
+_COPY_DTYPES = {torch.float16: 1, torch.bfloat16: 2}  # RP_COPY_FP16 / RP_COPY_BF16
+
+
+def set_model_copy(param: Tensor, copy: Tensor | None) -> None:
+    """Make `Adam.step()` write `copy = param.to(copy.dtype)` in the same pass as the update.
+
+    Args:
+        param: An fp32 master parameter that an `Adam` updates.
+        copy: A contiguous fp16 or bf16 CPU tensor with param's numel (the half-precision
+            model weights, e.g. in pinned memory), or None to stop writing one.
+    """
+    if copy is None:
+        if hasattr(param, _COPY_ATTR):
+            delattr(param, _COPY_ATTR)
+        return
+    if copy.dtype not in _COPY_DTYPES:
+        raise ConfigError(f"model copy must be torch.float16 or torch.bfloat16, got {copy.dtype}")
+    if copy.device.type != "cpu" or not copy.is_contiguous():
+        raise ConfigError(
+            f"model copy must be a contiguous CPU tensor, got device {copy.device}, "
+            f"contiguous={copy.is_contiguous()}"
+        )
+    if copy.numel() != param.numel():
+        raise ConfigError(
+            f"model copy has {copy.numel()} elements, its master parameter {param.numel()}"
+        )
+    setattr(param, _COPY_ATTR, copy)
+
+
+def get_model_copy(param: Tensor) -> Tensor | None:
+    """The half-precision copy set with `set_model_copy()`, or None."""
+    return getattr(param, _COPY_ATTR, None)
+
+
+def _check_hyper(group: dict[str, Any], where: str) -> None:
+    """Raise ConfigError naming the argument when a hyper-parameter is out of range."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ConfigError(f"{where}lr as a Tensor must have one element, got {lr.numel()}")
+    if not float(lr) >= 0.0:
+        raise ConfigError(f"{where}lr must be >= 0, got {float(lr)}")
+    if not float(group["eps"]) >= 0.0:
+        raise ConfigError(f"{where}eps must be >= 0, got {group['eps']}")
+    if not float(group["weight_decay"]) >= 0.0:
+        raise ConfigError(f"{where}weight_decay must be >= 0, got {group['weight_decay']}")
+    betas = group["betas"]
+    if len(betas) != 2:
+        raise ConfigError(f"{where}betas must be a pair (beta1, beta2), got {betas!r}")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= float(beta) < 1.0:
+            raise ConfigError(f"{where}betas[{index}] must be in [0, 1), got {float(beta)}")
+    if group.get("differentiable"):
+        raise ConfigError(f"{where}differentiable=True is not supported by the C Adam")
+    if group.get("capturable"):
+        raise ConfigError(
+            f"{where}capturable=True is not supported by the C Adam (CPU tensors, no graphs)"
+        )
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam / AdamW on the CPU, in C; writes the fp16/bf16 model copy in the same pass.
+
+    Same arguments and results as `torch.optim.Adam` (atol 1e-6 in fp32).
+    `foreach` and `fused` are accepted for compatibility and ignored;
+    `capturable` and `differentiable` must stay False.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+            "decoupled_weight_decay": decoupled_weight_decay,
+        }
+        _check_hyper(defaults, "")
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its parameters and hyper-parameters."""
+        index = len(self.param_groups)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_hyper(group, f"param_groups[{index}].")
+            for i, p in enumerate(group["params"]):
+                _check_param(p, f"param_groups[{index}].params[{i}]")
+        except ConfigError:
+            self.param_groups.pop()
+            raise
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore state (also from torch.optim.Adam), filling keys older versions lack."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group.setdefault("decoupled_weight_decay", False)
+            for p in group["params"]:
+                p_state = self.state.get(p)
+                if p_state and not torch.is_tensor(p_state["step"]):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every parameter that has a gradient; returns the closure's loss, if any."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = self._collect()
+        if not entries:
+            return loss
+        steps = [state["step"] for _, _, state, _ in entries]
+        torch._foreach_add_(steps, 1)  # one call for every param's step counter
+        step_values = [float(s) for s in steps]
+        isa = get_isa()
+        if isa == _native.TORCH_FALLBACK:
+            for (p, grad, state, group), step in zip(entries, step_values, strict=True):
+                _torch_update(p, grad, state, group, step)
+        else:
+            _native_update(entries, step_values, isa)
+        return loss
+
+    def _collect(self) -> list[tuple[Tensor, Tensor, dict[str, Any], dict[str, Any]]]:
+        """(param, grad, state, group) for every param with a grad; state made ready."""
+        entries = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                where = f"param_groups[{gi}].params[{i}]"
+                if grad.is_sparse:
+                    raise ConfigError(f"{where}: sparse gradients are not supported")
+                if grad.dtype != torch.float32 or grad.device.type != "cpu":
+                    raise ConfigError(
+                        f"{where}: the gradient must be an fp32 CPU tensor, got "
+                        f"{grad.dtype} on {grad.device}"
+                    )
+                if grad.shape != p.shape:
+                    raise ConfigError(f"{where}: grad shape {grad.shape} != param {p.shape}")
+                _check_param(p, where)
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                if group["amsgrad"] and "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.contiguous_format
+                    )
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    # A loaded state dict may hold another layout; the kernel needs dense.
+                    value = state.get(key)
+                    if value is not None and not (
+                        value.is_contiguous() and value.dtype == torch.float32
+                    ):
+                        state[key] = value.to(torch.float32).contiguous()
+                entries.append((p, grad.contiguous(), state, group))
+        return entries
+
+
+def _check_param(p: Tensor, where: str) -> None:
+    if p.dtype != torch.float32:
+        raise ConfigError(
+            f"{where}: engine.optim.Adam updates fp32 parameters, got {p.dtype}; give it the "
+            "fp32 master weights (e.g. RoundPipe's optim_dtype=torch.float32) or use "
+            "torch.optim.Adam"
+        )
+    if p.device.type != "cpu":
+        raise ConfigError(f"{where}: engine.optim.Adam updates CPU tensors, got {p.device}")
+    if not p.is_contiguous():
+        raise ConfigError(f"{where}: the parameter must be contiguous")
+
+
+def _hyper_values(group: dict[str, Any], step: float) -> dict[str, Any]:
+    """The kernel's scalars, computed in double as torch's _single_tensor_adam does."""
+    lr = float(group["lr"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    weight_decay = float(group["weight_decay"])
+    decoupled = bool(group["decoupled_weight_decay"])
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    return {
+        "l2_weight_decay": weight_decay,
+        "decoupled_decay": 1 - lr * weight_decay,
+        "beta1_weight": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        # The kernel multiplies by this instead of dividing by the square root (adam.c).
+        "inv_bias_correction2_sqrt": 1 / bias_correction2**0.5,
+        "eps": float(group["eps"]),
+        "neg_step_size": -(lr / bias_correction1),
+        "maximize": int(bool(group["maximize"])),
+        "use_l2": int(weight_decay != 0 and not decoupled),
+        "use_decoupled": int(weight_decay != 0 and decoupled),
+        "amsgrad": int(bool(group["amsgrad"])),
+    }
+
+
+def _native_update(
+    entries: list[tuple[Tensor, Tensor, dict[str, Any], dict[str, Any]]],
+    step_values: list[float],
+    isa: str,
+) -> None:
+    native = _native.load()
+    ffi, lib = native.ffi, native.lib
+    hyper_index: dict[tuple[int, float], int] = {}
+    hyper_rows: list[dict[str, Any]] = []
+    tensors = ffi.new("rp_adam_tensor[]", len(entries))
+    for k, ((p, grad, state, group), step) in enumerate(zip(entries, step_values, strict=True)):
+        key = (id(group), step)
+        if key not in hyper_index:
+            hyper_index[key] = len(hyper_rows)
+            hyper_rows.append(_hyper_values(group, step))
+        desc = tensors[k]
+        desc.param = p.data_ptr()
+        desc.grad = grad.data_ptr()
+        desc.exp_avg = state["exp_avg"].data_ptr()
+        desc.exp_avg_sq = state["exp_avg_sq"].data_ptr()
+        desc.max_exp_avg_sq = state["max_exp_avg_sq"].data_ptr() if group["amsgrad"] else 0
+        copy = get_model_copy(p)
+        if copy is not None:
+            if copy.numel() != p.numel():
+                raise ConfigError(f"model copy of a {p.numel()}-element param has {copy.numel()}")
+            desc.model_copy = copy.data_ptr()
+            desc.copy_dtype = _COPY_DTYPES[copy.dtype]
+        desc.numel = p.numel()
+        desc.hyper = hyper_index[key]
+    hypers = ffi.new("rp_adam_hyper[]", hyper_rows)
+    # cffi releases the GIL for the call; `entries` keeps every tensor alive until it returns.
+    rc = lib.rp_adam_step(tensors, len(entries), hypers, get_num_threads(), _native.ISAS[isa])
+    if rc != 0:
+        raise ConfigError(f"the C Adam refused isa {isa!r} (code {rc})")
+
+
+def _torch_update(
+    p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any], step: float
+) -> None:
+    """The opt-in fallback without C: torch ops in _single_tensor_adam's order."""
+    h = _hyper_values(group, step)
+    if h["maximize"]:
+        grad = -grad
+    if h["use_decoupled"]:
+        p.mul_(h["decoupled_decay"])
+    elif h["use_l2"]:
+        grad = grad.add(p, alpha=h["l2_weight_decay"])
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.lerp_(grad, h["beta1_weight"])
+    exp_avg_sq.mul_(h["beta2"]).addcmul_(grad, grad, value=h["one_minus_beta2"])
+    second = exp_avg_sq
+    if h["amsgrad"]:
+        torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
+        second = state["max_exp_avg_sq"]
+    bias_correction2_sqrt = (1 - float(group["betas"][1]) ** step) ** 0.5
+    denom = (second.sqrt() / bias_correction2_sqrt).add_(h["eps"])
+    p.addcdiv_(exp_avg, denom, value=h["neg_step_size"])
+    copy = get_model_copy(p)
+    if copy is not None:
+        copy.view(-1).copy_(p.view(-1))
