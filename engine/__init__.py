@@ -13,6 +13,7 @@ from .grad_scaler import GradScaler
 from .roundpipe import AutoRoundPipe, RoundPipe
 from .run_config import RoundPipeRunConfig
 from .scheduler import ModelExecutePlan
+from .wrapper import wrap_model_to_roundpipe
 
 __all__ = [
     "AutoRoundPipe",
@@ -27,11 +28,5 @@ __all__ = [
     "doing_recompute",
     "get_recompute_data",
     "save_for_recompute",
+    "wrap_model_to_roundpipe",
 ]
-
-try:
-    from .wrapper import wrap_model_to_roundpipe  # noqa: F401
-
-    __all__.append("wrap_model_to_roundpipe")
-except ImportError:  # pragma: no cover
-    pass

@@ -50,15 +50,18 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def get_call_location(depth: int) -> str:
-    """'file:line' of the caller `depth` frames up."""
+    """'file:line' of the frame `depth` levels above the caller of this function."""
     frame = inspect.currentframe()
-    for _ in range(depth):
-        if frame is None or frame.f_back is None:
-            break
-        frame = frame.f_back
-    if frame is None:
-        return "roundpipe"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    try:
+        for _ in range(depth + 1):
+            if frame is None or frame.f_back is None:
+                break
+            frame = frame.f_back
+        if frame is None:
+            return "<unknown>"
+        return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    finally:
+        del frame
 
 
 def _default_loss(outputs: Any, labels: Any) -> Any:
@@ -80,7 +83,7 @@ class RoundPipeBase(nn.Module):
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
         self.model = model
-        object.__setattr__(self, "name", name or get_call_location(3))
+        object.__setattr__(self, "name", name or get_call_location(2))
         object.__setattr__(self, "original_model", None)
         object.__setattr__(self, "optim_dtype", optim_dtype)
         object.__setattr__(self, "layer_attrs", [])
@@ -280,7 +283,7 @@ class RoundPipe(RoundPipeBase):
             )
         if not isinstance(model_run_config, RoundPipeRunConfig):
             raise ConfigError("model_run_config must be a RoundPipeRunConfig")
-        super().__init__(model, name=name or get_call_location(2), optim_dtype=optim_dtype)
+        super().__init__(model, name=name or get_call_location(1), optim_dtype=optim_dtype)
         get_devices()  # parse RP_DEVICES now: a bad value fails at construction
         if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
             model.to("cpu")
@@ -665,7 +668,7 @@ class AutoRoundPipe(RoundPipeBase):
         optim_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model, name=name or get_call_location(2), optim_dtype=optim_dtype)
+        super().__init__(model, name=name or get_call_location(1), optim_dtype=optim_dtype)
         subs = [m for m in model.modules() if isinstance(m, RoundPipe)]
         object.__setattr__(self, "_subs", subs)
         # Parameters outside RoundPipe submodules form one pseudo-layer (owner 0 here).

@@ -1,0 +1,143 @@
+"""Sequential presets for supported Hugging Face models, and the causal-LM loss they use.
+
+`SUPPORTED_MODELS` maps a `config.model_type` to the module holding its preset; each
+preset module names the model class it expects (`MODEL_CLASS`) and turns such a model
+into an `nn.Sequential` over the model's own modules (`to_sequential`). `wrap_model` wraps
+that Sequential in a `RoundPipe` whose attributes fall through to the original HF model.
+
+Training a preset model::
+
+    rp = wrap_model_to_roundpipe(hf_model, optim_dtype=torch.float32)
+    loss = rp.forward_backward(
+        input_kwargs={"input_ids": ids, "attention_mask": mask, "return_logits": False},
+        label=labels,
+        loss_fn=causal_lm_loss_fn(labels),  # batch mean, summed over micro-batches
+    )
+
+and `rp(input_ids)` under `torch.no_grad()` returns logits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+from ._common import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    IGNORE_INDEX,
+    causal_lm_loss,
+    causal_lm_loss_fn,
+    chunked_cross_entropy_sum,
+    count_loss_tokens,
+)
+
+__all__ = [
+    "DEFAULT_LOSS_CHUNK_TOKENS",
+    "DISABLE_TORCH_COMPILE",
+    "IGNORE_INDEX",
+    "SUPPORTED_MODELS",
+    "causal_lm_loss",
+    "causal_lm_loss_fn",
+    "chunked_cross_entropy_sum",
+    "count_loss_tokens",
+    "find_preset",
+    "has_preset",
+    "to_sequential",
+    "wrap_model",
+]
+
+log = logging.getLogger(__name__)
+
+# When False, `wrap_model` compiles each HF decoder layer with torch.compile (in place, so
+# parameter names do not change). Off by default: compiling from several device threads
+# and under recompute is not covered by the tests yet.
+DISABLE_TORCH_COMPILE: bool = True
+
+SUPPORTED_MODELS: dict[str, str] = {
+    "qwen3": "engine.models.qwen3",
+    "llama": "engine.models.llama",
+}
+
+
+def _model_type(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None)
+
+
+def find_preset(model: nn.Module) -> ModuleType | None:
+    """Return the preset module for `model`'s `config.model_type`, or None if there is none."""
+    path = SUPPORTED_MODELS.get(_model_type(model) or "")
+    return importlib.import_module(path) if path is not None else None
+
+
+def has_preset(model: nn.Module) -> bool:
+    """Whether a preset exists for `model`'s type and `model` is the class it expects."""
+    preset = find_preset(model)
+    return preset is not None and type(model).__name__ == preset.MODEL_CLASS
+
+
+def _unsupported_message(model: nn.Module) -> str:
+    supported = ", ".join(
+        f"{kind} ({importlib.import_module(path).MODEL_CLASS})"
+        for kind, path in sorted(SUPPORTED_MODELS.items())
+    )
+    return (
+        f"no RoundPipe preset for {type(model).__name__} (model_type={_model_type(model)!r}); "
+        f"presets exist for: {supported}. Pass use_sequential_preset=None or False to "
+        "wrap_model_to_roundpipe for the automatic split, or build an nn.Sequential yourself."
+    )
+
+
+def to_sequential(model: nn.Module) -> nn.Sequential:
+    """Return the preset `nn.Sequential` for `model`, sharing its modules and parameters.
+
+    Raises:
+        NotImplementedError: No preset for the model type, or the model's class is not the
+            one the preset expects (e.g. a bare `Qwen3Model` or a classification head).
+    """
+    preset = find_preset(model)
+    if preset is None:
+        raise NotImplementedError(_unsupported_message(model))
+    if type(model).__name__ != preset.MODEL_CLASS:
+        raise NotImplementedError(
+            f"the {_model_type(model)!r} preset expects {preset.MODEL_CLASS}, got "
+            f"{type(model).__name__}; load the model with AutoModelForCausalLM, or use "
+            "use_sequential_preset=False for the automatic split"
+        )
+    seq = preset.to_sequential(model)
+    if not DISABLE_TORCH_COMPILE:
+        for layer in seq:
+            inner = getattr(layer, "layer", None)
+            if inner is not None:
+                inner.compile()
+    return seq
+
+
+def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> nn.Module:
+    """Wrap a supported HF model in a `RoundPipe` over its preset `nn.Sequential`.
+
+    The HF model keeps owning the modules, so after `rp.synchronize()` its
+    `save_pretrained` writes the trained weights; its attributes (`config`, ...) stay
+    reachable through the returned RoundPipe.
+
+    Args:
+        model: A supported model (see `SUPPORTED_MODELS`).
+        **roundpipe_kwargs: Forwarded to `RoundPipe` (optim_dtype, name, model_run_config,
+            pin_model).
+
+    Raises:
+        NotImplementedError: As `to_sequential`.
+    """
+    # Imported here: engine/__init__ imports the wrapper (and through it this package)
+    # before roundpipe is needed.
+    from ..roundpipe import RoundPipe
+
+    seq = to_sequential(model)
+    log.info("wrapping %s with its preset: %d layers", type(model).__name__, len(seq))
+    rp = RoundPipe(seq, **roundpipe_kwargs)
+    rp.set_original_model(model)
+    return rp
