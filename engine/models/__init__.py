@@ -52,10 +52,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# When False, `wrap_model` compiles each HF decoder layer with torch.compile (in place, so
-# parameter names do not change). Off by default: compiling from several device threads
-# and under recompute is not covered by the tests yet.
-DISABLE_TORCH_COMPILE: bool = True
+# When False, fp16/bf16 decoder layers running on CUDA go through one torch.compile'd
+# function (see _common._compiled_decoder_call); fp32 layers and CPU devices run eagerly. Set to True before
+# wrapping to run eagerly everywhere (e.g. to debug, or where compiling is too slow).
+DISABLE_TORCH_COMPILE: bool = False
 
 SUPPORTED_MODELS: dict[str, str] = {
     "qwen3": "engine.models.qwen3",
@@ -109,11 +109,9 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
             "use_sequential_preset=False for the automatic split"
         )
     seq = preset.to_sequential(model)
-    if not DISABLE_TORCH_COMPILE:
-        for layer in seq:
-            inner = getattr(layer, "layer", None)
-            if inner is not None:
-                inner.compile()
+    for layer in seq:
+        if hasattr(layer, "use_compile"):
+            layer.use_compile = not DISABLE_TORCH_COMPILE
     return seq
 
 

@@ -97,9 +97,18 @@ def hf_loss_and_grads(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor)
     ("kind", "tie", "attn"), [("qwen3", False, "sdpa"), ("llama", True, "eager")]
 )
 def test_fp32_roundpipe_trains_like_hf_on_cuda(
-    cuda_devices: None, kind: str, tie: bool, attn: str, num_microbatch: int
+    cuda_devices: None,
+    kind: str,
+    tie: bool,
+    attn: str,
+    num_microbatch: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import engine.models
     from engine import RoundPipeRunConfig
+
+    # The eager preset against HF at fp32 precision; the compiled path has its own test.
+    monkeypatch.setattr(engine.models, "DISABLE_TORCH_COMPILE", True)
     from engine.models import causal_lm_loss_fn
     from engine.wrapper import wrap_model_to_roundpipe
 
@@ -226,3 +235,53 @@ def test_chunked_loss_bf16_on_cuda() -> None:
     exact32 = run(hidden, weight, chunked=True)
     for a, b in zip(exact32, exact, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_compiled_decoder_layers_on_cuda(cuda_devices: None) -> None:
+    """fp16 decoder layers run torch.compile'd; fp32 ones stay eager and exact.
+
+    The compiled fp16 loss and gradients are compared with the eager fp16 run within fp16
+    resolution (the kernels are fused and round differently).
+    """
+    import engine.models
+    from engine import RoundPipeRunConfig
+    from engine.models import _common, causal_lm_loss_fn
+    from engine.wrapper import wrap_model_to_roundpipe
+
+    calls: list[str] = []
+    compiled_fn = _common._compiled_decoder_call()
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append("compiled")
+        return compiled_fn(*args, **kwargs)
+
+    base = tiny_model("qwen3", tie=True, attn="sdpa")
+    results = []
+    for dtype, disable in ((torch.float32, False), (torch.float16, True), (torch.float16, False)):
+        engine.models.DISABLE_TORCH_COMPILE = disable
+        calls.clear()
+        try:
+            model = copy.deepcopy(base).to(dtype)
+            rp = wrap_model_to_roundpipe(
+                model,
+                optim_dtype=torch.float32,
+                model_run_config=RoundPipeRunConfig(num_microbatch=2),
+            )
+            ids, labels = batch(0)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_common, "_compiled_decoder_call", lambda: spy)
+                loss = rp.forward_backward(
+                    input_kwargs={"input_ids": ids, "return_logits": False},
+                    label=labels,
+                    loss_fn=causal_lm_loss_fn(labels),
+                )
+            rp.synchronize()
+            results.append((loss.float(), {k: g.float() for k, g in hf_grads(model).items()}))
+        finally:
+            engine.models.DISABLE_TORCH_COMPILE = False
+        # fp32 and the disabled run stay eager; the fp16 default run is compiled
+        assert bool(calls) == (dtype == torch.float16 and not disable)
+    (_, _), (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=2e-3, atol=2e-3)
+    for name, g in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], g, rtol=2e-2, atol=2e-3, msg=name)
