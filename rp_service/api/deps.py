@@ -1,0 +1,57 @@
+"""`Annotated` dependency aliases: the routes' only way to reach the services."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from rp_service.files import FileService
+from rp_service.orchestrator import Orchestrator
+from rp_service.outputs import JobOutputs
+from rp_service.settings import Settings
+from rp_service.store import Store
+from rp_service.system import SystemProbe
+
+__all__ = [
+    "FilesDep",
+    "OrchestratorDep",
+    "OutputsDep",
+    "Services",
+    "ServicesDep",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """Everything the routes call, built once per app in `create_app`."""
+
+    settings: Settings
+    store: Store
+    orchestrator: Orchestrator
+    outputs: JobOutputs
+    files: FileService
+    system: SystemProbe
+
+
+def get_services(request: Request) -> Services:
+    return request.app.state.services
+
+
+def get_orchestrator(request: Request) -> Orchestrator:
+    return request.app.state.services.orchestrator
+
+
+def get_outputs(request: Request) -> JobOutputs:
+    return request.app.state.services.outputs
+
+
+def get_files(request: Request) -> FileService:
+    return request.app.state.services.files
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+OrchestratorDep = Annotated[Orchestrator, Depends(get_orchestrator)]
+OutputsDep = Annotated[JobOutputs, Depends(get_outputs)]
+FilesDep = Annotated[FileService, Depends(get_files)]

@@ -1,0 +1,238 @@
+"""Atomic, rotating checkpoints: safetensors for tensors, JSON for the rest.
+
+A checkpoint is a directory ``<checkpoint_dir>/step-00000050/``. It is written complete
+into a hidden temporary sibling, flushed to disk, then renamed into place, so a directory
+with a checkpoint name is always whole: a crash leaves at most a ``.tmp-*`` directory,
+which `remove_partial` deletes on the next start. After each commit only the newest
+`keep` checkpoints stay.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "STATE_FILE",
+    "CheckpointInfo",
+    "capture_rng",
+    "flatten_optimizer_state",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "read_checkpoint",
+    "remove_partial",
+    "restore_rng",
+    "rotate",
+    "unflatten_optimizer_state",
+    "write_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+_NAME = re.compile(r"^step-(\d{8,})$")
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A committed checkpoint directory."""
+
+    step: int
+    path: Path
+
+
+def _dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(checkpoint_dir: str | Path) -> list[CheckpointInfo]:
+    """Committed checkpoints in `checkpoint_dir`, oldest first."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _NAME.match(child.name)
+        if match and (child / STATE_FILE).is_file():
+            found.append(CheckpointInfo(step=int(match.group(1)), path=child))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> CheckpointInfo | None:
+    """The newest committed checkpoint, or None."""
+    found = list_checkpoints(checkpoint_dir)
+    return found[-1] if found else None
+
+
+def remove_partial(checkpoint_dir: str | Path) -> int:
+    """Delete temporary directories left by an interrupted write; return how many."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return 0
+    removed = 0
+    for child in root.iterdir():
+        if child.name.startswith(_TMP_PREFIX):
+            shutil.rmtree(child, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def rotate(checkpoint_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints; return the deleted paths."""
+    found = list_checkpoints(checkpoint_dir)
+    doomed = [c.path for c in found[: max(0, len(found) - max(1, keep))]]
+    for path in doomed:
+        # Rename first so a crash mid-delete never leaves a half-deleted "committed" dir.
+        trash = path.with_name(f"{_TMP_PREFIX}del-{path.name}")
+        path.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def write_checkpoint(
+    checkpoint_dir: str | Path,
+    step: int,
+    *,
+    tensors: dict[str, dict[str, torch.Tensor]],
+    state: dict[str, Any],
+    files: dict[str, bytes] | None = None,
+    keep: int,
+) -> tuple[Path, int]:
+    """Write and commit the checkpoint of `step`, then rotate; return `(path, size_bytes)`.
+
+    Args:
+        tensors: file name (``model.safetensors``) -> tensors saved in it.
+        state: JSON-serialisable state, written last as ``state.json``.
+        files: other files (name -> bytes), e.g. ``config.json``.
+        keep: how many checkpoints to keep after this one is committed.
+    """
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / _dir_name(step)
+    tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for name, group in tensors.items():
+        save_file({k: v.detach().contiguous() for k, v in group.items()}, str(tmp / name))
+    for name, payload in (files or {}).items():
+        (tmp / name).write_bytes(payload)
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+    for child in tmp.iterdir():
+        _fsync_path(child)
+    _fsync_path(tmp)
+    if final.exists():
+        # The same step again (a resumed run re-saving it): swap, never leave it missing.
+        old = root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_path(root)
+    size_bytes = sum(p.stat().st_size for p in final.iterdir())
+    rotate(root, keep)
+    log.info("checkpoint step %d committed: %s (%d bytes)", step, final, size_bytes)
+    return final, size_bytes
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Tensors per safetensors file, and the JSON state, of a committed checkpoint."""
+    root = Path(path)
+    state = json.loads((root / STATE_FILE).read_text())
+    tensors = {p.name: load_file(str(p)) for p in sorted(root.glob("*.safetensors"))}
+    return tensors, state
+
+
+# ---------------------------------------------------------------- optimizer state
+
+
+def flatten_optimizer_state(
+    state_dict: dict[str, Any],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a torch optimizer `state_dict` into safetensors tensors and JSON metadata.
+
+    Tensor entries of the per-parameter state become ``"<param_id>.<key>"``; everything
+    else (param groups, non-tensor state) stays in the metadata.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, entry in state_dict["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{pid}.{key}"] = value.detach().clone().contiguous()
+            else:
+                scalars.setdefault(str(pid), {})[key] = value
+    meta = {"param_groups": state_dict["param_groups"], "scalars": scalars}
+    return tensors, meta
+
+
+def unflatten_optimizer_state(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> dict[str, Any]:
+    """Inverse of `flatten_optimizer_state`: a dict for `Optimizer.load_state_dict`."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = value
+    for pid, entry in meta["scalars"].items():
+        state.setdefault(int(pid), {}).update(entry)
+    groups = [dict(g) for g in meta["param_groups"]]
+    for group in groups:
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+    return {"state": state, "param_groups": groups}
+
+
+# ---------------------------------------------------------------- RNG
+
+
+def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The torch (CPU and CUDA), numpy and Python RNG states, as tensors and JSON."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = cuda_state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.int32).copy())
+    version, internal, gauss_next = random.getstate()
+    meta = {
+        "numpy": {"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss), "cached": cached},
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+    }
+    return tensors, meta
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Set the RNG states captured by `capture_rng`."""
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted(t for t in tensors if t.startswith("cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    np_meta = meta["numpy"]
+    keys = tensors["numpy"].numpy().view(np.uint32)
+    np.random.set_state(
+        (np_meta["kind"], keys, np_meta["pos"], np_meta["has_gauss"], np_meta["cached"])
+    )
+    py = meta["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))

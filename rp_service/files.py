@@ -1,0 +1,108 @@
+"""Dataset uploads: stored once, hashed, counted, and format-checked line by line."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import IO
+
+from rp_service.errors import InvalidRequest, NotFound, RequestTooLarge
+from rp_service.store import FileRecord, Store
+
+__all__ = ["FORMATS", "FileService"]
+
+FORMATS = ("text", "chat", "prompt_completion")
+_CHUNK_BYTES = 1 << 20
+
+
+def _check_lines(path: Path, fmt: str) -> tuple[int, str]:
+    """Record count and format of a stored jsonl file; InvalidRequest names the first bad line.
+
+    The line rules are rp_service.data's, the ones training applies, so an upload that
+    passes here cannot fail later on its format. Imported here: data.py loads torch.
+    """
+    from rp_service.data import DataFormatError, validate_jsonl
+
+    try:
+        return validate_jsonl(path, fmt)
+    except DataFormatError as exc:
+        line = exc.line or 1
+        message = str(exc) if exc.line else f"{exc.message}: upload jsonl, one JSON object a line"
+        raise InvalidRequest(
+            message, code="invalid_file_format", param="file", details={"line": line}
+        ) from None
+
+
+class FileService:
+    """Saves uploads under `files_dir` and records them in the store."""
+
+    def __init__(self, store: Store, files_dir: Path, *, max_upload_bytes: int) -> None:
+        self.store = store
+        self.files_dir = files_dir
+        self.max_upload_bytes = max_upload_bytes
+
+    def save(self, source: IO[bytes], *, filename: str, fmt: str = "auto") -> FileRecord:
+        """Copy `source` into the store while checking it; blocking (call it in a thread).
+
+        Raises InvalidRequest naming the first bad line, RequestTooLarge over the limit.
+        """
+        if fmt not in ("auto", *FORMATS):
+            raise InvalidRequest(
+                f"format must be one of auto, {', '.join(FORMATS)}; got {fmt!r}", param="format"
+            )
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        file_id = "file-" + secrets.token_hex(12)
+        final = self.files_dir / f"{file_id}.jsonl"
+        partial = final.with_suffix(".partial")
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with partial.open("wb") as out:
+                while chunk := source.read(_CHUNK_BYTES):
+                    size += len(chunk)
+                    if size > self.max_upload_bytes:
+                        raise RequestTooLarge(
+                            f"the upload is over RP_MAX_UPLOAD_BYTES={self.max_upload_bytes} bytes",
+                            param="file",
+                        )
+                    digest.update(chunk)
+                    out.write(chunk)
+            records, detected = _check_lines(partial, fmt)
+            os.replace(partial, final)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        record = FileRecord(
+            id=file_id,
+            filename=filename[:255] or "upload.jsonl",
+            bytes=size,
+            sha256=digest.hexdigest(),
+            line_count=records,
+            format=detected,
+            created_at=int(time.time()),
+            path=str(final.resolve()),
+        )
+        try:
+            return self.store.add_file(record)
+        except BaseException:
+            final.unlink(missing_ok=True)
+            raise
+
+    def get(self, file_id: str) -> FileRecord:
+        record = self.store.get_file(file_id)
+        if record is None:
+            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+        return record
+
+    def list(self, *, after: str | None, limit: int) -> tuple[list[FileRecord], bool]:
+        return self.store.list_files(after=after, limit=limit)
+
+    def delete(self, file_id: str) -> FileRecord:
+        record = self.store.delete_file(file_id)
+        if record is None:
+            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+        Path(record.path).unlink(missing_ok=True)
+        return record

@@ -1,0 +1,504 @@
+"""The job lifecycle: queue -> GPUs -> one worker process per job -> events -> final state.
+
+Runs on the daemon's event loop. The store is the queue: queued jobs are started in order
+of priority, then FIFO, while their GPUs (or a CPU slot) are free. Each worker's stdout is
+its event pipe: every line is stored, then subscribers are woken. Cancel is SIGTERM to the
+worker's process group (SIGKILL after a grace period), pause is SIGUSR1 (the worker
+checkpoints and exits 75). At start-up `reconcile` puts the store back in a state that no
+worker of a previous daemon can contradict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from functools import partial
+from typing import IO, Any
+
+from rp_service.errors import Conflict, InvalidRequest, NotFound
+from rp_service.events import EventHub
+from rp_service.pipe import WorkerHandle, prepare_job_dir, proc_start_time
+from rp_service.resolve import SpecResolver
+from rp_service.schemas import TERMINAL_STATUSES, JobSpec
+from rp_service.settings import Settings
+from rp_service.store import EventRecord, JobRecord, Store
+
+__all__ = ["Orchestrator"]
+
+log = logging.getLogger(__name__)
+
+_LINE_LIMIT_BYTES = 1 << 20  # longest event line read from a worker
+
+
+def _spec_sha256(spec: JobSpec) -> str:
+    body = spec.model_dump(mode="json", exclude_unset=True)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class Orchestrator:
+    """Submits, schedules, runs and controls jobs; the service behind the jobs routes."""
+
+    def __init__(self, settings: Settings, store: Store, hub: EventHub) -> None:
+        self.settings = settings
+        self.store = store
+        self.hub = hub
+        self.resolver = SpecResolver(settings, store)
+        self.gpu_ids: list[int] = []
+        self.ready = False
+        self.events_appended = 0
+        self._workers: dict[str, WorkerHandle] = {}
+        self._busy_gpus: set[int] = set()
+        self._cpu_jobs = 0
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._loop_task: asyncio.Task[None] | None = None
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ start and stop
+
+    async def start(self, *, gpu_count: int) -> None:
+        """Reconcile the store with reality, then start taking jobs off the queue."""
+        self.gpu_ids = self.settings.gpu_ids(gpu_count)
+        await asyncio.to_thread(self.reconcile)
+        self._loop_task = asyncio.create_task(self._schedule_loop(), name="rp-scheduler")
+        self.ready = True
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """Checkpoint and stop every worker (SIGUSR1, as a pause); their jobs go back to
+        the queue and resume from that checkpoint at the next start. A worker that has not
+        exited after RP_SHUTDOWN_GRACE_S is killed."""
+        self.ready = False
+        self._stopping = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        grace_s = self.settings.shutdown_grace_s
+        for worker in list(self._workers.values()):
+            worker.send(signal.SIGUSR1)
+            worker.escalation = asyncio.create_task(self._escalate(worker, grace_s=grace_s))
+        if self._watchers:
+            await asyncio.wait(self._watchers, timeout=grace_s + 15.0)
+        self.hub.close()
+
+    def reconcile(self) -> None:
+        """Blocking: kill workers of a previous daemon and settle in-between states."""
+        for job in self.store.jobs_with_worker():
+            pid, started = job.worker_pid, job.worker_started
+            if pid is not None and started is not None and proc_start_time(pid) == started:
+                log.warning("reconcile: killing stale worker %d of job %s", pid, job.id)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5.0
+                while proc_start_time(pid) == started and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            self.store.update_job(job.id, worker_pid=None, worker_started=None)
+        for job in self.store.jobs_with_status(["running"]):
+            if job.restarts + 1 > self.settings.max_attempts:
+                self.store.transition(
+                    job.id,
+                    ["running"],
+                    "failed",
+                    level="error",
+                    message=f"job failed: interrupted by {job.restarts + 1} daemon restarts",
+                    gpus=[],
+                    error={
+                        "code": "too_many_restarts",
+                        "message": f"the daemon restarted during this job {job.restarts + 1} "
+                        f"times (RP_MAX_ATTEMPTS={self.settings.max_attempts})",
+                        "param": None,
+                    },
+                )
+            else:
+                self.store.transition(
+                    job.id,
+                    ["running"],
+                    "queued",
+                    level="warning",
+                    message="daemon restarted: job re-queued to resume from its last checkpoint",
+                    gpus=[],
+                    restarts=job.restarts + 1,
+                )
+        for job in self.store.jobs_with_status(["pausing"]):
+            self.store.transition(job.id, ["pausing"], "paused", gpus=[])
+        for job in self.store.jobs_with_status(["cancelling"]):
+            self.store.transition(job.id, ["cancelling"], "cancelled", gpus=[])
+        for job in self.store.jobs_with_status(["validating"]):
+            self.store.transition(job.id, ["validating"], "queued")
+
+    # ------------------------------------------------------------ service: reads
+
+    async def get(self, job_id: str) -> JobRecord:
+        job = await asyncio.to_thread(self.store.get_job, job_id)
+        if job is None:
+            raise NotFound(f"no job with id {job_id!r}", code="job_not_found", param="job_id")
+        return job
+
+    async def list(
+        self, *, status: str | None, after: str | None, limit: int
+    ) -> tuple[list[JobRecord], bool]:
+        return await asyncio.to_thread(
+            self.store.list_jobs, status=status, after=after, limit=limit
+        )
+
+    def queue_length(self) -> int:
+        return self.store.count_by_status().get("queued", 0)
+
+    # ------------------------------------------------------------ service: writes
+
+    async def submit(
+        self, spec: JobSpec, *, idempotency_key: str | None = None
+    ) -> tuple[JobRecord, bool]:
+        """Check and queue a job; returns it and whether it was created by this call."""
+        gpu_count = len(self.gpu_ids)
+        await asyncio.to_thread(self.resolver.check, spec, gpu_count=gpu_count)
+        record = JobRecord(
+            id="job-" + secrets.token_hex(12),
+            status="queued",
+            created_at=int(time.time()),
+            spec=spec.model_dump(mode="json"),
+            name=spec.name,
+            priority=spec.priority,
+        )
+        job, created, event = await asyncio.to_thread(
+            self.store.create_job,
+            record,
+            idempotency_key=idempotency_key,
+            body_sha256=_spec_sha256(spec),
+        )
+        if created:
+            log.info("job %s queued (priority %d)", job.id, job.priority)
+            self._published(job.id, event)
+            self._wake.set()
+        return job, created
+
+    async def cancel(self, job_id: str) -> JobRecord:
+        for _ in range(10):
+            job = await self.get(job_id)
+            if job.status in TERMINAL_STATUSES:
+                raise Conflict(
+                    f"job {job_id} is already {job.status}; only a job that has not finished "
+                    "can be cancelled",
+                    code="job_not_cancellable",
+                    param="job_id",
+                )
+            if job.status == "cancelling":
+                return job
+            worker = self._workers.get(job_id)
+            if job.status in ("running", "pausing") and worker is not None:
+                done = await self._transition(job_id, [job.status], "cancelling")
+                if done is None:
+                    continue
+                worker.cancel_requested = True
+                worker.send(signal.SIGTERM)
+                if worker.escalation is None:
+                    worker.escalation = asyncio.create_task(
+                        self._escalate(worker, grace_s=self.settings.cancel_grace_s)
+                    )
+                return done
+            done = await self._transition(job_id, [job.status], "cancelled", gpus=[])
+            if done is not None:
+                return done
+        raise Conflict(f"job {job_id} keeps changing state; try again", code="job_busy")
+
+    async def pause(self, job_id: str) -> JobRecord:
+        for _ in range(10):
+            job = await self.get(job_id)
+            if job.status in ("pausing", "paused"):
+                return job
+            if job.status not in ("queued", "running"):
+                raise Conflict(
+                    f"job {job_id} is {job.status}; only a queued or running job can be paused",
+                    code="job_not_pausable",
+                    param="job_id",
+                )
+            worker = self._workers.get(job_id)
+            if job.status == "running" and worker is not None:
+                done = await self._transition(job_id, ["running"], "pausing")
+                if done is None:
+                    continue
+                worker.pause_requested = True
+                worker.send(signal.SIGUSR1)
+                return done
+            done = await self._transition(job_id, [job.status], "paused", gpus=[])
+            if done is not None:
+                return done
+        raise Conflict(f"job {job_id} keeps changing state; try again", code="job_busy")
+
+    async def resume(self, job_id: str) -> JobRecord:
+        job = await self.get(job_id)
+        if job.status != "paused":
+            raise Conflict(
+                f"job {job_id} is {job.status}; only a paused job can be resumed",
+                code="job_not_resumable",
+                param="job_id",
+            )
+        done = await self._transition(
+            job_id,
+            ["paused"],
+            "queued",
+            message="job resumed: queued to continue from its last checkpoint",
+        )
+        if done is None:
+            return await self.resume(job_id)
+        self._wake.set()
+        return done
+
+    # ------------------------------------------------------------ store + fan-out
+
+    def _published(self, job_id: str, event: EventRecord | None) -> None:
+        if event is not None:
+            self.events_appended += 1
+            self.hub.notify(job_id)
+
+    async def _transition(
+        self, job_id: str, from_statuses: list[str], to: str, **kwargs: Any
+    ) -> JobRecord | None:
+        result = await asyncio.to_thread(self.store.transition, job_id, from_statuses, to, **kwargs)
+        if result is None:
+            return None
+        job, event = result
+        log.info("job %s: %s", job_id, to)
+        self._published(job_id, event)
+        return job
+
+    async def _event(self, job_id: str, **kwargs: Any) -> None:
+        event = await asyncio.to_thread(self.store.append_event, job_id, **kwargs)
+        self._published(job_id, event)
+
+    # ------------------------------------------------------------ scheduling
+
+    async def _schedule_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._start_queued()
+            except Exception:
+                log.exception("scheduler: starting queued jobs failed")
+                await asyncio.sleep(1.0)
+                self._wake.set()
+
+    async def _start_queued(self) -> None:
+        queued = await asyncio.to_thread(self.store.jobs_with_status, ["queued"])
+        for job in queued:
+            if job.id in self._workers:
+                continue
+            wanted = int(job.spec.get("engine", {}).get("gpus", 0))
+            if self.gpu_ids and wanted > 0:
+                free = [g for g in self.gpu_ids if g not in self._busy_gpus]
+                if len(free) < wanted:
+                    return  # strict FIFO within a priority: nobody overtakes the head
+                gpus = free[:wanted]
+            else:
+                if self._cpu_jobs >= self.settings.max_cpu_jobs:
+                    return
+                gpus = []
+            await self._launch(job, gpus)
+
+    def _claim(self, worker: WorkerHandle) -> None:
+        self._workers[worker.job_id] = worker
+        if worker.gpus:
+            self._busy_gpus.update(worker.gpus)
+        else:
+            self._cpu_jobs += 1
+
+    def _release(self, worker: WorkerHandle) -> None:
+        self._workers.pop(worker.job_id, None)
+        if worker.gpus:
+            self._busy_gpus.difference_update(worker.gpus)
+        else:
+            self._cpu_jobs -= 1
+        self._wake.set()
+
+    async def _launch(self, job: JobRecord, gpus: list[int]) -> None:
+        worker = WorkerHandle(job_id=job.id, gpus=gpus)
+        self._claim(worker)
+        job_dir = self.settings.jobs_dir / job.id
+        try:
+            spec = JobSpec.model_validate(job.spec)
+            resolved = await asyncio.to_thread(self.resolver.resolve, spec, job_dir)
+        except InvalidRequest as exc:
+            self._release(worker)
+            await self._transition(
+                job.id,
+                ["queued"],
+                "failed",
+                level="error",
+                message=f"job failed: {exc.message}",
+                error={"code": exc.code, "message": exc.message, "param": exc.param},
+            )
+            return
+        attempt = job.attempt + 1
+        started = await self._transition(
+            job.id,
+            ["queued"],
+            "running",
+            message=f"job running (attempt {attempt})",
+            event_data={"attempt": attempt, "gpus": gpus},
+            attempt=attempt,
+            gpus=gpus,
+            started_at=job.started_at or int(time.time()),
+        )
+        if started is None:  # cancelled or paused while we looked
+            self._release(worker)
+            return
+        if spec.engine.gpus > 0 and not gpus:
+            await self._event(
+                job.id,
+                type_="message",
+                level="warning",
+                message=f"this daemon has no GPUs: running on {self.settings.cpu_devices} "
+                "CPU device(s) instead",
+                data={"devices": f"cpu:{self.settings.cpu_devices}"},
+            )
+        log_file: IO[bytes] | None = None
+        try:
+            env, log_file = await asyncio.to_thread(
+                partial(
+                    prepare_job_dir,
+                    self.settings,
+                    job_id=job.id,
+                    job_dir=job_dir,
+                    attempt=attempt,
+                    spec=spec,
+                    resolved=resolved,
+                    gpus=gpus,
+                )
+            )
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                self.settings.worker_module,
+                str(job_dir),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_file,
+                env=env,
+                start_new_session=True,  # its own process group: signals reach its children
+                limit=_LINE_LIMIT_BYTES,
+            )
+        except OSError as exc:
+            if log_file is not None:
+                log_file.close()
+            self._release(worker)
+            await self._finish_failed(job.id, f"could not start the worker: {exc}", gpus=[])
+            return
+        worker.proc = proc
+        pid_started = await asyncio.to_thread(proc_start_time, proc.pid)
+        await asyncio.to_thread(
+            self.store.update_job, job.id, worker_pid=proc.pid, worker_started=pid_started
+        )
+        log.info("job %s: worker %d started on %s", job.id, proc.pid, gpus or "cpu")
+        if worker.cancel_requested:
+            worker.send(signal.SIGTERM)
+        elif worker.pause_requested:
+            worker.send(signal.SIGUSR1)
+        task = asyncio.create_task(self._watch(worker, log_file), name=f"rp-watch-{job.id}")
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    # ------------------------------------------------------------ control
+
+    async def _escalate(self, worker: WorkerHandle, *, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        if worker.proc is not None and worker.proc.returncode is None:
+            log.warning(
+                "job %s: worker still running %.0f s after the signal; SIGKILL",
+                worker.job_id,
+                grace_s,
+            )
+            worker.send(signal.SIGKILL)
+
+    # ------------------------------------------------------------ the event pipe
+
+    async def _watch(self, worker: WorkerHandle, log_file: IO[bytes]) -> None:
+        proc = worker.proc
+        if proc is None or proc.stdout is None:
+            return
+        try:
+            while True:
+                try:
+                    line = await proc.stdout.readline()
+                except ValueError:  # a line over the limit: skipped, the rest still counts
+                    continue
+                if not line:
+                    break
+                await self._on_line(worker, line)
+            returncode = await proc.wait()
+        except Exception:
+            log.exception("job %s: reading the worker failed", worker.job_id)
+            worker.send(signal.SIGKILL)
+            returncode = await proc.wait()
+        finally:
+            log_file.close()
+        if worker.escalation is not None:
+            worker.escalation.cancel()
+        try:
+            await self._settle(worker, returncode)
+        finally:
+            self._release(worker)
+
+    async def _on_line(self, worker: WorkerHandle, line: bytes) -> None:
+        event = worker.read_line(line)
+        if event is not None:
+            await self._event(worker.job_id, **event)
+
+    async def _settle(self, worker: WorkerHandle, returncode: int) -> None:
+        """Move the job to the state the worker's exit means."""
+        job_id = worker.job_id
+        log.info("job %s: worker exited with %d", job_id, returncode)
+        clear: dict[str, Any] = {"worker_pid": None, "worker_started": None, "gpus": []}
+        if self._stopping and not worker.cancel_requested:
+            # A graceful stop is not the job's fault: back in the queue, restarts unchanged.
+            await self._transition(
+                job_id,
+                ["running"],
+                "queued",
+                level="warning",
+                message="daemon stopping: job re-queued to resume from its last checkpoint",
+                **clear,
+            )
+            await self._transition(job_id, ["pausing"], "paused", **clear)
+            return
+        outcome, reason = worker.outcome(returncode)
+        if outcome == "cancelled":
+            await self._transition(
+                job_id, ["cancelling", "running", "pausing"], "cancelled", **clear
+            )
+        elif outcome == "succeeded":
+            await self._transition(
+                job_id,
+                ["running", "pausing"],
+                "succeeded",
+                output_model_path=worker.output_model_path,
+                **clear,
+            )
+        elif outcome == "paused":
+            await self._transition(job_id, ["pausing", "running"], "paused", **clear)
+        else:
+            await self._finish_failed(job_id, reason or "worker failed", **clear)
+
+    async def _finish_failed(self, job_id: str, message: str, **fields: Any) -> None:
+        worker = self._workers.get(job_id)
+        reported = worker.last_error if worker and worker.last_error else {}
+        # The worker's own code (invalid_data, out_of_memory, ...) says more than ours.
+        code = reported.get("code") or "worker_failed"
+        await self._transition(
+            job_id,
+            ["running", "pausing", "queued"],
+            "failed",
+            level="error",
+            message=f"job failed: {message}",
+            error={"code": code, "message": message, "param": reported.get("param")},
+            **fields,
+        )

@@ -1,0 +1,165 @@
+"""What a job leaves behind, read back: event pages, metric series, logs, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tarfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+from sse_starlette import ServerSentEvent
+
+from rp_service.errors import NotFound
+from rp_service.events import EventHub, sse_stream
+from rp_service.schemas import TERMINAL_STATUSES
+from rp_service.settings import Settings
+from rp_service.store import CheckpointRecord, EventRecord, JobRecord, Store
+
+__all__ = ["SERIES_COLUMNS", "JobOutputs"]
+
+SERIES_COLUMNS = ("step", "train_loss", "valid_loss", "learning_rate", "tokens_per_second")
+_LOG_CHUNK_BYTES = 1 << 20
+_TAR_CHUNK_BYTES = 1 << 20
+
+
+class JobOutputs:
+    """Read-side services of a job; each checks that the job exists first (404)."""
+
+    def __init__(self, settings: Settings, store: Store, hub: EventHub) -> None:
+        self.settings = settings
+        self.store = store
+        self.hub = hub
+
+    async def _job(self, job_id: str) -> JobRecord:
+        job = await asyncio.to_thread(self.store.get_job, job_id)
+        if job is None:
+            raise NotFound(f"no job with id {job_id!r}", code="job_not_found", param="job_id")
+        return job
+
+    async def events_page(
+        self, job_id: str, *, after: int, limit: int
+    ) -> tuple[list[EventRecord], bool]:
+        await self._job(job_id)
+        events = await asyncio.to_thread(
+            self.store.list_events, job_id, after=after, limit=limit + 1
+        )
+        return events[:limit], len(events) > limit
+
+    async def event_stream(self, job_id: str, *, after: int) -> AsyncIterator[ServerSentEvent]:
+        """Checks the job (so a 404 comes before the stream starts), then the SSE stream."""
+        await self._job(job_id)
+        return sse_stream(self.store, self.hub, job_id, after=after)
+
+    async def metric_series(self, job_id: str) -> dict[str, list[float | int | None]]:
+        await self._job(job_id)
+        columns: dict[str, list[float | int | None]] = {name: [] for name in SERIES_COLUMNS}
+        after = 0
+        while True:
+            page = await asyncio.to_thread(
+                self.store.list_events, job_id, after=after, limit=5000, type_="metrics"
+            )
+            for event in page:
+                for name in SERIES_COLUMNS:
+                    value = event.data.get(name)
+                    columns[name].append(value if isinstance(value, int | float) else None)
+            if len(page) < 5000:
+                return columns
+            after = page[-1].id
+
+    def _log_path(self, job_id: str) -> Path:
+        return self.settings.jobs_dir / job_id / "worker.log"
+
+    async def read_log(self, job_id: str, *, offset: int) -> tuple[bytes, int]:
+        """Up to 1 MiB of the worker's log from `offset`, and the offset after it."""
+        await self._job(job_id)
+        data = await asyncio.to_thread(_read_from, self._log_path(job_id), offset, _LOG_CHUNK_BYTES)
+        return data, offset + len(data)
+
+    async def follow_log(self, job_id: str, *, offset: int) -> AsyncIterator[bytes]:
+        """Checks the job, then streams its log from `offset` until the job has ended."""
+        await self._job(job_id)
+        return self._follow(job_id, offset)
+
+    async def _follow(self, job_id: str, offset: int) -> AsyncIterator[bytes]:
+        path = self._log_path(job_id)
+        while not self.hub.closed:
+            job = await asyncio.to_thread(self.store.get_job, job_id)
+            data = await asyncio.to_thread(_read_from, path, offset, _LOG_CHUNK_BYTES)
+            if data:
+                offset += len(data)
+                yield data
+                continue
+            if job is None or job.status in TERMINAL_STATUSES:
+                return
+            await asyncio.sleep(0.5)
+
+    async def checkpoints(self, job_id: str) -> list[CheckpointRecord]:
+        """Committed checkpoints still on disk (the worker prunes beyond keep_checkpoints)."""
+        await self._job(job_id)
+        records = await asyncio.to_thread(self.store.list_checkpoints, job_id)
+        return [r for r in records if await asyncio.to_thread(Path(r.path).exists)]
+
+    async def checkpoint_tar(self, job_id: str, step: int) -> Iterator[bytes]:
+        """A tar stream of one committed checkpoint directory."""
+        await self._job(job_id)
+        record = await asyncio.to_thread(self.store.get_checkpoint, job_id, step)
+        if record is None:
+            raise NotFound(
+                f"job {job_id} has no checkpoint at step {step}; list them with "
+                f"GET /v1/jobs/{job_id}/checkpoints",
+                code="checkpoint_not_found",
+                param="step",
+            )
+        root = Path(record.path)
+        if not root.exists():
+            raise NotFound(
+                f"checkpoint at step {step} of job {job_id} was removed (keep_checkpoints)",
+                code="checkpoint_not_found",
+                param="step",
+            )
+        return _tar_stream(root)
+
+
+def _read_from(path: Path, offset: int, size: int) -> bytes:
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            return f.read(size)
+    except FileNotFoundError:
+        return b""
+
+
+def _tar_stream(root: Path) -> Iterator[bytes]:
+    """Yield a ustar/pax archive of `root` file by file, never holding a whole file."""
+    paths = [root] if root.is_file() else [root, *sorted(root.rglob("*"))]
+    for path in paths:
+        arcname = os.path.join(root.name, path.relative_to(root).as_posix()).rstrip("/.")
+        if path == root:
+            arcname = root.name
+        info = tarfile.TarInfo(arcname)
+        st = path.stat()
+        info.mtime = int(st.st_mtime)
+        info.mode = st.st_mode & 0o777
+        if path.is_dir():
+            info.type = tarfile.DIRTYPE
+            yield info.tobuf(format=tarfile.PAX_FORMAT)
+            continue
+        if not path.is_file():
+            continue
+        info.size = st.st_size
+        yield info.tobuf(format=tarfile.PAX_FORMAT)
+        sent = 0
+        with path.open("rb") as f:
+            while sent < info.size:
+                chunk = f.read(min(_TAR_CHUNK_BYTES, info.size - sent))
+                if not chunk:
+                    break
+                sent += len(chunk)
+                yield chunk
+        if sent < info.size:  # the file shrank while we read it: keep the archive aligned
+            yield b"\0" * (info.size - sent)
+        remainder = info.size % tarfile.BLOCKSIZE
+        if remainder:
+            yield b"\0" * (tarfile.BLOCKSIZE - remainder)
+    yield b"\0" * (2 * tarfile.BLOCKSIZE)

@@ -1,0 +1,201 @@
+"""The worker protocol seen from the daemon: one worker's state, its job dir, its events.
+
+`WorkerHandle.read_line` turns one stdout line into the arguments of `Store.append_event`
+(with the job columns and checkpoint row the event implies) and remembers what the final
+transition needs; `WorkerHandle.outcome` says what the exit status means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from rp_service.schemas import JobSpec
+from rp_service.settings import Settings
+from rp_service.store import CheckpointRecord
+
+__all__ = ["PAUSED_EXIT_CODE", "WorkerHandle", "prepare_job_dir", "proc_start_time"]
+
+PAUSED_EXIT_CODE = 75
+_EVENT_TYPES = {"status", "metrics", "checkpoint", "log", "message"}
+_LEVELS = {"info", "warning", "error"}
+_PROGRESS_KEYS = ("step", "total_steps", "epoch", "eta_seconds")
+_METRIC_KEYS = ("train_loss", "valid_loss", "learning_rate", "grad_norm", "tokens_per_second")
+_MESSAGE_CHARS = 4000
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+Outcome = Literal["cancelled", "succeeded", "paused", "failed"]
+
+
+def proc_start_time(pid: int) -> str | None:
+    """The kernel's start time of `pid` (clock ticks since boot); None if gone or a zombie.
+
+    A pid plus its start time names one process for good: pids are reused, start times not.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    if fields[0] == "Z":  # a zombie holds no resources; nothing to kill
+        return None
+    return fields[19]
+
+
+def prepare_job_dir(
+    settings: Settings,
+    *,
+    job_id: str,
+    job_dir: Path,
+    attempt: int,
+    spec: JobSpec,
+    resolved: dict[str, Any],
+    gpus: list[int],
+) -> tuple[dict[str, str], IO[bytes]]:
+    """Write spec.json, open worker.log for appending, build the worker's environment.
+
+    Blocking; returns the environment and the open log (the worker's stderr).
+    """
+    job_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "job_id": job_id,
+        "attempt": attempt,
+        "spec": spec.model_dump(mode="json"),
+        "resolved": resolved,
+    }
+    tmp = job_dir / "spec.json.tmp"
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, job_dir / "spec.json")
+    log_file = (job_dir / "worker.log").open("ab")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    log_file.write(f"--- rp_service: attempt {attempt} starting at {stamp}\n".encode())
+    log_file.flush()
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p
+    )
+    if gpus:
+        env["RP_DEVICES"] = "cuda"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    else:
+        env["RP_DEVICES"] = f"cpu:{settings.cpu_devices}"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env, log_file
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker process of a job and what its events told us so far."""
+
+    job_id: str
+    gpus: list[int]
+    proc: asyncio.subprocess.Process | None = None
+    cancel_requested: bool = False
+    pause_requested: bool = False
+    succeeded: bool = False
+    output_model_path: str | None = None
+    last_error: dict[str, Any] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    escalation: asyncio.Task[None] | None = None
+
+    def send(self, sig: signal.Signals) -> None:
+        """Signal the worker's whole process group, if it is still running."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def read_line(self, line: bytes) -> dict[str, Any] | None:
+        """`Store.append_event` keyword arguments for one stdout line; None for a blank one.
+
+        A line that is not a JSON object is kept as a `log` event. The daemon owns `status`
+        events (data `{status, previous}`): the worker's status reports become `message`
+        events and set what the final transition needs.
+        """
+        text = line.decode("utf-8", "replace").strip()
+        if not text:
+            return None
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            return {"type_": "log", "level": "info", "message": text[:_MESSAGE_CHARS], "data": {}}
+        type_ = obj.get("type") if obj.get("type") in _EVENT_TYPES else "log"
+        level = obj.get("level") if obj.get("level") in _LEVELS else "info"
+        message = str(obj.get("message") or "")[:_MESSAGE_CHARS]
+        data = obj.get("data") if isinstance(obj.get("data"), dict) else {}
+        out: dict[str, Any] = {"type_": type_, "level": level, "message": message, "data": data}
+        if type_ == "metrics":
+            out["job_fields"] = self._metrics_fields(data)
+        elif type_ == "checkpoint" and isinstance(data.get("step"), int):
+            out["checkpoint"] = CheckpointRecord(
+                job_id=self.job_id,
+                step=data["step"],
+                created_at=int(time.time()),
+                path=str(data.get("path", "")),
+                size_bytes=int(data.get("size_bytes") or 0),
+                metrics=data.get("metrics") if isinstance(data.get("metrics"), dict) else {},
+            )
+        elif type_ == "status":
+            reported = data.get("status")
+            if reported == "succeeded":
+                self.succeeded = True
+                path = data.get("output_model_path")
+                self.output_model_path = str(path) if path else None
+            out["type_"] = "message"
+            out["message"] = message or f"worker: {reported}"
+        if level == "error":
+            self.last_error = {
+                "code": data.get("code") if isinstance(data.get("code"), str) else None,
+                "message": str(data.get("message") or message or "the worker reported an error"),
+                "param": data.get("param") if isinstance(data.get("param"), str) else None,
+            }
+        return out
+
+    def _metrics_fields(self, data: dict[str, Any]) -> dict[str, Any]:
+        # Keep the last known value of a metric that this step did not report (valid_loss).
+        for key in _METRIC_KEYS:
+            if data.get(key) is not None or key not in self.metrics:
+                self.metrics[key] = data.get(key)
+        progress = {k: data.get(k) for k in _PROGRESS_KEYS}
+        progress["step"] = data["step"] if isinstance(data.get("step"), int) else 0
+        fields: dict[str, Any] = {"progress": progress, "metrics": dict(self.metrics)}
+        if isinstance(data.get("trained_tokens"), int):
+            fields["trained_tokens"] = data["trained_tokens"]
+        return fields
+
+    def outcome(self, returncode: int) -> tuple[Outcome, str | None]:
+        """The job state the exit means, and for a failure the reason people will read."""
+        killed_by = -returncode if returncode < 0 else None
+        if self.cancel_requested:
+            return "cancelled", None
+        if returncode == 0 and self.succeeded:
+            return "succeeded", None
+        if returncode == PAUSED_EXIT_CODE or (
+            self.pause_requested and killed_by == signal.SIGUSR1
+        ):  # SIGUSR1 before the worker's handler was installed: paused at its last checkpoint
+            return "paused", None
+        if self.last_error is not None:
+            return "failed", str(self.last_error["message"])
+        if killed_by is not None:
+            try:
+                name = signal.Signals(killed_by).name
+            except ValueError:
+                name = "unknown"
+            return "failed", f"worker killed by signal {killed_by} ({name})"
+        if returncode == 0:
+            return "failed", "worker exited without reporting success"
+        return (
+            "failed",
+            f"worker exited with status {returncode}; see GET /v1/jobs/{self.job_id}/logs",
+        )

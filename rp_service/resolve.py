@@ -1,0 +1,168 @@
+"""Check a JobSpec against this daemon (roots, files, model limits) and resolve its paths.
+
+Pydantic checks each value alone; this module checks what needs the daemon's state: that
+a file id exists, that a local path lies under a configured root once symlinks are
+resolved, that `data.seq_len` fits the model, that enough GPUs exist.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rp_service.errors import InvalidRequest
+from rp_service.schemas import JobSpec
+from rp_service.settings import Settings
+from rp_service.store import Store
+
+__all__ = ["PRESET_MAX_POSITIONS", "SpecResolver"]
+
+# Context length of a preset when `model.config` does not override
+# max_position_embeddings: Qwen3's released configs use 40960, Llama 3's 8192.
+PRESET_MAX_POSITIONS = {"qwen3": 40960, "llama": 8192}
+
+
+def _under_roots(raw: str, roots: list[Path], *, param: str, env: str) -> Path:
+    """The resolved path, if it exists and lies under one of `roots`; else InvalidRequest."""
+    if not roots:
+        raise InvalidRequest(
+            f"{param}: local paths are disabled on this daemon; set {env} to allow directories, "
+            "or upload the data with POST /v1/files",
+            code="path_not_allowed",
+            param=param,
+        )
+    path = Path(raw)
+    if not path.is_absolute():
+        raise InvalidRequest(
+            f"{param}: give an absolute path under {env} ({', '.join(map(str, roots))}); got {raw!r}",
+            code="path_not_allowed",
+            param=param,
+        )
+    try:
+        resolved = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise InvalidRequest(
+            f"{param}: {raw!r} does not exist", code="path_not_found", param=param
+        ) from None
+    for root in roots:
+        try:
+            resolved.relative_to(root.resolve())
+            return resolved
+        except ValueError:
+            continue
+    raise InvalidRequest(
+        f"{param}: {raw!r} resolves outside the allowed roots {env}={','.join(map(str, roots))}",
+        code="path_not_allowed",
+        param=param,
+    )
+
+
+class SpecResolver:
+    """Checks specs at submission and resolves them for the worker at start."""
+
+    def __init__(self, settings: Settings, store: Store) -> None:
+        self.settings = settings
+        self.store = store
+
+    def check(self, spec: JobSpec, *, gpu_count: int) -> None:
+        """Raise InvalidRequest, naming the field, for what this daemon cannot run."""
+        max_positions = self._max_positions(spec)
+        if max_positions is not None and spec.data.seq_len > max_positions:
+            raise InvalidRequest(
+                f"data.seq_len: {spec.data.seq_len} is above the model's maximum of "
+                f"{max_positions} positions (max_position_embeddings); use at most {max_positions}",
+                code="seq_len_too_long",
+                param="data.seq_len",
+            )
+        if spec.tokenizer.path is not None:
+            self._model_dir(spec.tokenizer.path, param="tokenizer.path")
+        self._data("data.train", spec.data.train, spec.data.format)
+        if spec.data.valid is not None:
+            self._data("data.valid", spec.data.valid, spec.data.format)
+        if gpu_count > 0 and spec.engine.gpus > gpu_count:
+            raise InvalidRequest(
+                f"engine.gpus: {spec.engine.gpus} requested but this daemon has {gpu_count} "
+                f"GPU(s); use 0..{gpu_count}",
+                code="not_enough_gpus",
+                param="engine.gpus",
+            )
+
+    def resolve(self, spec: JobSpec, job_dir: Path) -> dict[str, Any]:
+        """The `resolved` section of the worker's spec.json."""
+        model_path = (
+            str(self._model_dir(spec.model.path, param="model.path")) if spec.model.path else None
+        )
+        tokenizer_path = (
+            str(self._model_dir(spec.tokenizer.path, param="tokenizer.path"))
+            if spec.tokenizer.path
+            else None
+        )
+        return {
+            "train_path": self._data("data.train", spec.data.train, spec.data.format),
+            "valid_path": (
+                self._data("data.valid", spec.data.valid, spec.data.format)
+                if spec.data.valid is not None
+                else None
+            ),
+            "model_path": model_path,
+            "tokenizer_path": tokenizer_path,
+            "output_dir": str(job_dir / "output"),
+            "checkpoint_dir": str(job_dir / "checkpoints"),
+        }
+
+    def _model_dir(self, raw: str, *, param: str) -> Path:
+        path = _under_roots(raw, self.settings.model_roots, param=param, env="RP_MODEL_ROOTS")
+        if not path.is_dir():
+            raise InvalidRequest(f"{param}: {raw!r} is not a directory", param=param)
+        if param == "model.path" and not (path / "config.json").is_file():
+            raise InvalidRequest(
+                f"{param}: {raw!r} has no config.json; give a Hugging Face model directory",
+                code="invalid_model_dir",
+                param=param,
+            )
+        return path
+
+    def _max_positions(self, spec: JobSpec) -> int | None:
+        if spec.model.preset is not None:
+            override = spec.model.config.get("max_position_embeddings")
+            if isinstance(override, int) and not isinstance(override, bool) and override > 0:
+                return override
+            return PRESET_MAX_POSITIONS[spec.model.preset]
+        if spec.model.path is None:
+            return None
+        config_path = self._model_dir(spec.model.path, param="model.path") / "config.json"
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            raise InvalidRequest(
+                f"model.path: {config_path} is not readable JSON",
+                code="invalid_model_dir",
+                param="model.path",
+            ) from None
+        value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+        return value if isinstance(value, int) and value > 0 else None
+
+    def _data(self, param: str, raw: str, fmt: str) -> str:
+        if raw == "synthetic":
+            return "synthetic"
+        if raw.startswith("file-"):
+            record = self.store.get_file(raw)
+            if record is None:
+                raise InvalidRequest(
+                    f"{param}: no uploaded file with id {raw!r}; upload it with POST /v1/files "
+                    "or list them with GET /v1/files",
+                    code="file_not_found",
+                    param=param,
+                )
+            if fmt != "auto" and record.format != fmt:
+                raise InvalidRequest(
+                    f"{param}: file {raw} holds {record.format} records but data.format is {fmt!r}",
+                    code="format_mismatch",
+                    param=param,
+                )
+            return record.path
+        path = _under_roots(raw, self.settings.dataset_roots, param=param, env="RP_DATASET_ROOTS")
+        if not path.is_file():
+            raise InvalidRequest(f"{param}: {raw!r} is not a file", param=param)
+        return str(path)

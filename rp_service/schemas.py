@@ -1,0 +1,288 @@
+"""Pydantic models of the REST API: the JobSpec sections, the public objects, list pages."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "TERMINAL_STATUSES",
+    "Checkpoint",
+    "DataSection",
+    "EngineSection",
+    "ErrorBody",
+    "ErrorEnvelope",
+    "Event",
+    "EventType",
+    "File",
+    "FileDeleted",
+    "FileFormat",
+    "Health",
+    "Job",
+    "JobError",
+    "JobMetrics",
+    "JobSpec",
+    "JobStatus",
+    "ListPage",
+    "ModelSection",
+    "Progress",
+    "Ready",
+    "SystemInfo",
+    "TokenizerSection",
+    "TrainSection",
+]
+
+JobStatus = Literal[
+    "validating",
+    "queued",
+    "running",
+    "pausing",
+    "paused",
+    "cancelling",
+    "cancelled",
+    "succeeded",
+    "failed",
+]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+EventType = Literal["status", "metrics", "checkpoint", "log", "message"]
+EventLevel = Literal["info", "warning", "error"]
+FileFormat = Literal["text", "chat", "prompt_completion"]
+DType = Literal["float32", "float16", "bfloat16"]
+ConfigValue = int | float | str | bool | None | list[int | float | str | bool | None]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- JobSpec
+
+
+class ModelSection(_Section):
+    """The model to train: a preset with random initialisation, or a local HF directory."""
+
+    preset: Literal["qwen3", "llama"] | None = Field(
+        None, description="Architecture preset, randomly initialised (exactly one of preset/path)."
+    )
+    config: dict[str, ConfigValue] = Field(
+        default_factory=dict,
+        description="Hugging Face config overrides for a preset, e.g. {hidden_size: 64}.",
+    )
+    path: str | None = Field(
+        None,
+        max_length=4096,
+        description="Absolute local HF directory (config.json + *.safetensors) under RP_MODEL_ROOTS.",
+    )
+    dtype: DType = Field("float32", description="dtype of the model copy; the optimizer is fp32.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.preset is None) == (self.path is None):
+            raise ValueError(
+                "give exactly one of model.preset ('qwen3' or 'llama') or model.path "
+                "(a local Hugging Face directory)"
+            )
+        if self.path is not None and self.config:
+            raise ValueError(
+                "model.config overrides apply to a preset only; remove them or the path"
+            )
+        return self
+
+
+class TokenizerSection(_Section):
+    path: str | None = Field(
+        None,
+        max_length=4096,
+        description="Local tokenizer dir under RP_MODEL_ROOTS; null: the model dir, "
+        "or the built-in byte-level tokenizer for presets.",
+    )
+
+
+class DataSection(_Section):
+    train: str = Field(
+        ...,
+        min_length=1,
+        max_length=4096,
+        description='"file-..." id, an absolute path under RP_DATASET_ROOTS, or "synthetic".',
+    )
+    valid: str | None = Field(None, min_length=1, max_length=4096, description="Same forms.")
+    format: Literal["auto", "text", "chat", "prompt_completion"] = "auto"
+    seq_len: int = Field(256, ge=2, le=1 << 20, description="Tokens per sequence.")
+    packing: bool = True
+
+
+class TrainSection(_Section):
+    steps: int | None = Field(300, ge=1, le=10**9, description="Optimizer steps (or epochs).")
+    epochs: float | None = Field(None, gt=0, le=10**4)
+    batch_size: int = Field(8, ge=1, le=1 << 16, description="Sequences per optimizer step.")
+    lr: float = Field(1.0e-3, gt=0, le=10, description="Peak learning rate, > 0.")
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(20, ge=0, le=10**9)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas, each in [0, 1).")
+    grad_clip: float | None = Field(1.0, gt=0, description="Max grad norm; null: off.")
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    eval_interval: int = Field(50, ge=0, description="Steps between evaluations; 0 = never.")
+    checkpoint_interval: int = Field(50, ge=0, description="Steps; 0 = only at pause/end.")
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _epochs_replace_steps(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("epochs") is not None and "steps" not in data:
+            return {**data, "steps": None}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSection:
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of train.steps or train.epochs")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train.betas must each lie in [0, 1), got {list(self.betas)}")
+        return self
+
+
+class EngineSection(_Section):
+    num_microbatch: int | None = Field(None, ge=1, le=512, description="null: devices + 1.")
+    recompute_grain: Literal["stage", "layer"] = "stage"
+    optim_dtype: DType = "float32"
+    pin_model: Literal["alloc", "register", "off"] = "alloc"
+    gpus: int = Field(1, ge=0, le=64, description="How many GPUs (0 = CPU devices).")
+    async_step: bool = True
+
+
+class JobSpec(_Section):
+    """What to train and how: the body of `POST /v1/jobs`."""
+
+    name: str | None = Field(None, max_length=200)
+    priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first; FIFO within one.")
+    model: ModelSection
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
+    data: DataSection
+    train: TrainSection = Field(default_factory=TrainSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+
+
+# ---------------------------------------------------------------- objects
+
+
+class Progress(BaseModel):
+    step: int = 0
+    total_steps: int | None = None
+    epoch: float | None = None
+    eta_seconds: float | None = None
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Job(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    name: str | None
+    status: JobStatus
+    created_at: int
+    started_at: int | None
+    finished_at: int | None
+    priority: int
+    attempt: int
+    spec: dict[str, Any]
+    progress: Progress
+    metrics: dict[str, Any]
+    trained_tokens: int
+    output_model_path: str | None
+    gpus: list[int]
+    error: JobError | None
+
+
+class Event(BaseModel):
+    id: int
+    object: Literal["event"] = "event"
+    job_id: str
+    created_at: int
+    level: EventLevel
+    type: EventType
+    message: str
+    data: dict[str, Any]
+
+
+class File(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    filename: str
+    bytes: int
+    sha256: str
+    line_count: int
+    format: FileFormat
+    created_at: int
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class Checkpoint(BaseModel):
+    object: Literal["checkpoint"] = "checkpoint"
+    job_id: str
+    step: int
+    created_at: int
+    path: str
+    size_bytes: int
+    metrics: dict[str, Any]
+
+
+T = TypeVar("T")
+
+
+class ListPage(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    first_id: str | int | None
+    last_id: str | int | None
+
+
+class JobMetrics(BaseModel):
+    object: Literal["job.metrics"] = "job.metrics"
+    job_id: str
+    columns: dict[str, list[float | int | None]]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Ready(BaseModel):
+    status: Literal["ready"] = "ready"
+    store: bool
+    orchestrator: bool
+    devices: int
+
+
+class SystemInfo(BaseModel):
+    version: str
+    versions: dict[str, str | None]
+    devices: list[dict[str, Any]]
+    host_memory_bytes: int | None
+    pinned_budget_bytes: int | None
+    adam: dict[str, Any] | None
+    queue_length: int
+    jobs: dict[str, int]
+
+
+class ErrorBody(BaseModel):
+    type: str
+    code: str
+    message: str
+    param: str | None = None
+    details: Any = None
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,182 @@
+"""`python -m rp_service.worker JOB_DIR`: run one attempt of a job and report it as events.
+
+Protocol (the orchestrator's side is in orchestrator.py):
+
+- input: ``JOB_DIR/spec.json`` = ``{"job_id", "attempt", "spec", "resolved"}``;
+- stdout: the event pipe, one JSON object a line
+  ``{"type", "level", "message", "data"}``; nothing else is written there (file
+  descriptor 1 is pointed at stderr, so stray prints and native code land in the log);
+- stderr: the log;
+- SIGTERM: cancel, exit at once (code 143) without a checkpoint;
+- SIGUSR1: pause: finish the step, checkpoint, emit ``paused``, exit 75;
+- exit 0 after ``succeeded``, 1 after an error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["EXIT_CANCELLED", "EXIT_FAILED", "EXIT_PAUSED", "EventWriter", "main"]
+
+log = logging.getLogger("rp_service.worker")
+
+EXIT_FAILED = 1
+EXIT_PAUSED = 75
+EXIT_CANCELLED = 128 + signal.SIGTERM
+
+_OOM_ADVICE = (
+    "out of memory: raise engine.num_microbatch (smaller micro-batches), set "
+    "engine.recompute_grain to 'layer', lower data.seq_len or train.batch_size, or use "
+    "model.dtype bfloat16"
+)
+
+
+class EventWriter:
+    """Writes events as JSON lines to the event pipe, one flushed line each, thread-safe."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, type: str, message: str, data: dict[str, Any] | None = None, level: str = "info"
+    ) -> None:
+        line = json.dumps(
+            {"type": type, "level": level, "message": message, "data": data or {}},
+            allow_nan=False,
+            default=_json_default,
+        )
+        with self._lock:
+            self._stream.write(line + "\n")
+            self._stream.flush()
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def _take_stdout() -> IO[str]:
+    """Return a private stream on the real stdout, and point fd 1 and sys.stdout at stderr."""
+    sys.stdout.flush()
+    events_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(events_fd, "w", encoding="utf-8", buffering=1)
+
+
+def _install_signals(pause: threading.Event) -> None:
+    """Handle SIGTERM and SIGUSR1 on a dedicated thread, whatever the main thread does.
+
+    Both signals are blocked before any other thread exists, so every thread the engine
+    and torch start inherits the block and only `sigwait` here receives them: a cancel
+    works even while the main thread waits inside native code.
+    """
+    wanted = {signal.SIGTERM, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+
+    def wait_for_signals() -> None:
+        while True:
+            signum = signal.sigwait(wanted)
+            if signum == signal.SIGTERM:
+                os.write(2, b"rp_service.worker: SIGTERM, cancelled: exiting now\n")
+                os._exit(EXIT_CANCELLED)
+            log.info("SIGUSR1: pausing after the current step")
+            pause.set()
+
+    threading.Thread(target=wait_for_signals, name="rp-signals", daemon=True).start()
+
+
+def _fail(emit: EventWriter, code: str, message: str, param: str | None, **details: Any) -> int:
+    data = {"code": code, "message": message, "param": param, **details}
+    emit("message", message, data, level="error")
+    return EXIT_FAILED
+
+
+def _is_oom(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, MemoryError) or "out of memory" in str(current).lower():
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
+    """Run the job in `job_dir`; return the process exit code."""
+    from pydantic import ValidationError
+
+    from .schemas import JobSpec
+    from .training import JobFailure, JobPaths, run_job
+
+    try:
+        payload = json.loads((job_dir / "spec.json").read_text())
+        spec = JobSpec.model_validate(payload["spec"])
+        paths = JobPaths.from_json(payload["resolved"])
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        return _fail(emit, "invalid_job_dir", f"cannot read {job_dir / 'spec.json'}: {exc}", None)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"])
+        return _fail(emit, "invalid_spec", f"{param}: {first['msg']}", param)
+    log.info("job %s attempt %s in %s", payload.get("job_id"), payload.get("attempt"), job_dir)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the log is a file: no progress bars in it
+    try:
+        outcome = run_job(spec, paths, emit, pause)
+    except JobFailure as exc:
+        return _fail(emit, exc.code, exc.message, exc.param, **exc.details)
+    except Exception as exc:
+        traceback.print_exc()
+        if _is_oom(exc):
+            return _fail(emit, "out_of_memory", f"{_OOM_ADVICE} ({exc})", "engine.num_microbatch")
+        return _fail(emit, "internal_error", f"training failed: {type(exc).__name__}: {exc}", None)
+    if outcome.status == "paused":
+        emit("status", f"paused at step {outcome.step}", {"status": "paused", "step": outcome.step})
+        return EXIT_PAUSED
+    emit(
+        "status",
+        "succeeded",
+        {
+            "status": "succeeded",
+            "step": outcome.step,
+            "output_model_path": outcome.output_model_path,
+        },
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: `python -m rp_service.worker JOB_DIR`."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m rp_service.worker JOB_DIR", file=sys.stderr)
+        return 2
+    pause = threading.Event()
+    _install_signals(pause)
+    emit = EventWriter(_take_stdout())
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    code = run(Path(args[0]), emit, pause)
+    # Engine threads may still be parked on queues; the events are flushed, so leave now.
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""A stand-in for `python -m rp_service.worker JOB_DIR` that follows the worker protocol.
+
+No model: each "step" sleeps FAKE_STEP_S seconds. It emits status/metrics/checkpoint
+events on stdout, commits checkpoints by renaming a temporary directory, resumes from the
+newest one, exits 143 on SIGTERM and checkpoints then exits 75 on SIGUSR1. The job's
+`name` selects a misbehaviour: "fail-input" reports a bad-input error and exits 1,
+"ignore-sigterm" ignores SIGTERM (so only the SIGKILL escalation stops it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_flags = {"pause": False, "stop": False}
+
+
+def emit(type_: str, message: str, data: dict[str, Any], level: str = "info") -> None:
+    line = json.dumps({"type": type_, "level": level, "message": message, "data": data})
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def newest_checkpoint(checkpoint_dir: Path) -> int:
+    steps = [
+        int(p.name.split("-")[1])
+        for p in checkpoint_dir.glob("step-*")
+        if p.is_dir() and (p / "state.json").is_file()
+    ]
+    return max(steps, default=0)
+
+
+def save_checkpoint(checkpoint_dir: Path, step: int) -> Path:
+    final = checkpoint_dir / f"step-{step}"
+    tmp = checkpoint_dir / f".tmp-step-{step}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "state.json").write_text(json.dumps({"step": step}))
+    (tmp / "weights.bin").write_bytes(bytes(range(256)) * 5)
+    os.replace(tmp, final)
+    emit(
+        "checkpoint",
+        f"checkpoint at step {step}",
+        {
+            "step": step,
+            "path": str(final),
+            "metrics": {"train_loss": 1.0 / step},
+            "size_bytes": 1300,
+        },
+    )
+    return final
+
+
+def main() -> int:
+    job_dir = Path(sys.argv[1])
+    payload = json.loads((job_dir / "spec.json").read_text())
+    spec, resolved = payload["spec"], payload["resolved"]
+    if spec.get("name") != "ignore-sigterm":
+        signal.signal(signal.SIGTERM, lambda *_: _flags.update(stop=True))
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, lambda *_: _flags.update(pause=True))
+    step_s = float(os.environ.get("FAKE_STEP_S", "0.05"))
+    checkpoint_dir = Path(resolved["checkpoint_dir"])
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    print(f"fake worker attempt {payload['attempt']} pid {os.getpid()}", file=sys.stderr)
+    if spec.get("name") == "fail-input":
+        emit(
+            "message",
+            "data.train: line 3 is not valid JSON",
+            {
+                "code": "invalid_data",
+                "message": "data.train: line 3 is not valid JSON",
+                "param": "data.train",
+            },
+            level="error",
+        )
+        return 1
+    total = spec["train"]["steps"]
+    interval = spec["train"]["checkpoint_interval"]
+    start = newest_checkpoint(checkpoint_dir)
+    emit("status", f"training from step {start}", {"status": "running", "resumed_from": start})
+    for step in range(start + 1, total + 1):
+        deadline = time.monotonic() + step_s
+        while time.monotonic() < deadline and not _flags["stop"]:
+            time.sleep(0.005)
+        if _flags["stop"]:
+            return 143
+        emit(
+            "metrics",
+            f"step {step}/{total}",
+            {
+                "step": step,
+                "total_steps": total,
+                "epoch": step / total,
+                "train_loss": 10.0 / step,
+                "valid_loss": None,
+                "learning_rate": spec["train"]["lr"],
+                "grad_norm": 1.0,
+                "tokens_per_second": 1000.0,
+                "trained_tokens": step * 64,
+                "gpu_mem_bytes": 0,
+                "eta_seconds": (total - step) * step_s,
+            },
+        )
+        if interval and step % interval == 0 and step < total:
+            save_checkpoint(checkpoint_dir, step)
+        if _flags["pause"] and step < total:
+            save_checkpoint(checkpoint_dir, step)
+            emit("status", f"paused at step {step}", {"status": "paused", "step": step})
+            return 75
+    output = Path(resolved["output_dir"])
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "config.json").write_text("{}")
+    emit("status", "training done", {"status": "succeeded", "output_model_path": str(output)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

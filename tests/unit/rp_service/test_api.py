@@ -1,0 +1,73 @@
+"""The app in-process (ASGI): error envelope, auth, limits. Lifespan runs for each test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rp_service.app import create_app
+from rp_service.settings import Settings
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    settings = Settings(data_dir=tmp_path, gpus="none", token="tok", max_request_bytes=4096)
+    with TestClient(create_app(settings), headers={"Authorization": "Bearer tok"}) as c:
+        yield c
+
+
+def test_no_import_time_app() -> None:
+    import rp_service.app as module
+
+    assert not hasattr(module, "app")
+
+
+def test_validation_errors_use_the_envelope(client: TestClient) -> None:
+    r = client.post("/v1/jobs", json={"model": {"preset": "qwen3"}, "data": {"train": 5}})
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "data.train"
+    assert err["details"][0] == {"param": "data.train", "message": "Input should be a valid string"}
+    assert "data.train" in err["message"]
+
+
+def test_malformed_json_is_422_not_500(client: TestClient) -> None:
+    r = client.post("/v1/jobs", content=b"{", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_method_use_the_envelope(client: TestClient) -> None:
+    r = client.get("/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = client.put("/v1/jobs")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_token_checked_with_healthz_exempt(client: TestClient) -> None:
+    assert client.get("/healthz", headers={"Authorization": ""}).status_code == 200
+    r = client.get("/readyz", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert client.get("/readyz").json()["status"] == "ready"
+
+
+def test_body_over_the_limit_is_413(client: TestClient) -> None:
+    r = client.post("/v1/jobs", content=b"x" * 5000, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+
+def test_bad_last_event_id_is_422(client: TestClient) -> None:
+    r = client.get(
+        "/v1/jobs/job-x/events", headers={"Accept": "text/event-stream", "Last-Event-ID": "abc"}
+    )
+    assert r.status_code == 422 and r.json()["error"]["param"] == "Last-Event-ID"
+
+
+def test_openapi_declares_bearer_auth_and_docs_are_served(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert "/v1/jobs/{job_id}/events" in schema["paths"]
+    assert client.get("/docs").status_code == 200
