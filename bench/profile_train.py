@@ -42,8 +42,17 @@ def _compile_decoder_layers() -> None:
     """Route every preset decoder layer through one torch.compile'd function (experiment)."""
     from engine.models import _common
 
-    def call(layer: torch.nn.Module, hidden: torch.Tensor, mask: Any, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin))
+    def call(
+        layer: torch.nn.Module,
+        hidden: torch.Tensor,
+        mask: Any,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        out = layer(
+            hidden, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin)
+        )
         return out[0] if isinstance(out, tuple) else out
 
     compiled = torch.compile(call, dynamic=False)
@@ -54,8 +63,15 @@ def _compile_decoder_layers() -> None:
         if positions is None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         cos, sin = self.rotary_emb(hidden, positions)
-        mask = _common.build_causal_mask(self.config, hidden, attention_mask, position_ids, sliding=self.sliding)
-        return (compiled(self.layer, hidden, mask, positions, cos, sin), attention_mask, position_ids, return_logits)
+        mask = _common.build_causal_mask(
+            self.config, hidden, attention_mask, position_ids, sliding=self.sliding
+        )
+        return (
+            compiled(self.layer, hidden, mask, positions, cos, sin),
+            attention_mask,
+            position_ids,
+            return_logits,
+        )
 
     _common.DecoderLayer.forward = forward
 
@@ -88,7 +104,13 @@ def main() -> None:
         model_run_config=RoundPipeRunConfig(num_microbatch=args.num_microbatch),
     )
     tokens = args.seq_len * args.seqs_per_step
-    ns = argparse.Namespace(seed=0, warmup=args.warmup, steps=args.steps, seqs_per_step=args.seqs_per_step, seq_len=args.seq_len)
+    ns = argparse.Namespace(
+        seed=0,
+        warmup=args.warmup,
+        steps=args.steps,
+        seqs_per_step=args.seqs_per_step,
+        seq_len=args.seq_len,
+    )
     batches = make_batches(ns, model.config.vocab_size)
     opt = Adam(rp.optim_parameters(), lr=1e-5)
 
@@ -104,17 +126,35 @@ def main() -> None:
         times: list[float] = []
         for k, ids in enumerate(batches):
             t0 = time.perf_counter()
-            rp.forward_backward(input_kwargs={"input_ids": ids}, label=ids, loss_fn=causal_lm_loss_fn(ids))
+            rp.forward_backward(
+                input_kwargs={"input_ids": ids}, label=ids, loss_fn=causal_lm_loss_fn(ids)
+            )
             t_fb = time.perf_counter() - t0
             rp.step(step_fn)
             times.append(time.perf_counter() - t0)
-            print(json.dumps({"variant": variant, "step": k, "fb_s": round(t_fb, 3), "step_s": round(times[-1], 3)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "variant": variant,
+                        "step": k,
+                        "fb_s": round(t_fb, 3),
+                        "step_s": round(times[-1], 3),
+                    }
+                ),
+                flush=True,
+            )
         rp.synchronize()
         measured = times[args.warmup :]
         med = statistics.median(measured)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
             t0 = time.perf_counter()
-            rp.forward_backward(input_kwargs={"input_ids": batches[0]}, label=batches[0], loss_fn=causal_lm_loss_fn(batches[0]))
+            rp.forward_backward(
+                input_kwargs={"input_ids": batches[0]},
+                label=batches[0],
+                loss_fn=causal_lm_loss_fn(batches[0]),
+            )
             rp.step(step_fn)
             rp.synchronize()
             wall_ms = (time.perf_counter() - t0) * 1000

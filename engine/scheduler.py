@@ -131,14 +131,20 @@ class ModelExecutePlan:
                 acc, acc_mem, tail_start = acc + c, acc_mem + m, tail_start - 1
             if n - tail_start >= n and min_stages > 1:
                 tail_start = n - 1  # leave work for the other devices
-            head = _balanced_groups(fwd[:tail_start], mem[:tail_start], min_stages - 1, fwd_cap, mem_cap)
-            back = _balanced_groups(bwd[:tail_start], mem[:tail_start], min_stages - 1, bwd_cap, mem_cap)
+            head = _balanced_groups(
+                fwd[:tail_start], mem[:tail_start], min_stages - 1, fwd_cap, mem_cap
+            )
+            back = _balanced_groups(
+                bwd[:tail_start], mem[:tail_start], min_stages - 1, bwd_cap, mem_cap
+            )
             plan.fwd_plan = [*head, range(tail_start, n)]
             plan.bwd_plan = list(reversed(back))
         else:
             plan.fwd_plan = _balanced_groups(fwd, mem, min_stages, fwd_cap, mem_cap)
             if run_type == "train":
-                plan.bwd_plan = list(reversed(_balanced_groups(bwd, mem, min_stages, bwd_cap, mem_cap)))
+                plan.bwd_plan = list(
+                    reversed(_balanced_groups(bwd, mem, min_stages, bwd_cap, mem_cap))
+                )
         plan.check_valid(n, run_type)
         return plan
 
