@@ -198,19 +198,8 @@ class RoundPipeBase(nn.Module):
         self, step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], sync: bool
     ) -> None:
         """On the optimizer thread: publish w[k], take the gradients, then update."""
-        owned = self._params_by_owner()
         try:
-            for attr, params in zip(self.layer_attrs, owned, strict=True):
-                if self._optim_ahead:
-                    for p, pa in params:
-                        if pa.optim is not None:
-                            p.data.copy_(pa.optim.data)
-                attr.param_copied.set()
-            object.__setattr__(self, "_optim_ahead", False)
-            for attr, params in zip(self.layer_attrs, owned, strict=True):
-                for _, pa in params:
-                    pa.fold_grad()
-                attr.grad_copied.set()
+            _publish_weights_take_grads(self, self._params_by_owner())
             with OptimizerCtx():
                 step_fn(*args, **kwargs)
             object.__setattr__(self, "_optim_ahead", True)
@@ -251,6 +240,25 @@ class RoundPipeBase(nn.Module):
             if pa.optim is not None:
                 pa.optim.grad = None
             p.grad = None
+
+
+def _publish_weights_take_grads(
+    owner: RoundPipeBase, groups: list[list[tuple[nn.Parameter, ParamAttribute]]]
+) -> None:
+    """On the optimizer thread, per layer and in layer order: publish the weights of the
+    previous step into the model (if newer), then fold the new gradients into the
+    optimizer-side ones, setting each layer's event as soon as its part is done."""
+    for attr, params in zip(owner.layer_attrs, groups, strict=True):
+        if owner._optim_ahead:
+            for p, pa in params:
+                if pa.optim is not None:
+                    p.data.copy_(pa.optim.data)
+        attr.param_copied.set()
+    object.__setattr__(owner, "_optim_ahead", False)
+    for attr, params in zip(owner.layer_attrs, groups, strict=True):
+        for _, pa in params:
+            pa.fold_grad()
+        attr.grad_copied.set()
 
 
 class RoundPipe(RoundPipeBase):
@@ -728,18 +736,8 @@ class AutoRoundPipe(RoundPipeBase):
         owners: list[RoundPipeBase] = [*self._subs, self]
         try:
             for owner in owners:
-                params = owner._params_by_owner() if owner is not self else [self._loose_params()]
-                for attr, group in zip(owner.layer_attrs, params, strict=True):
-                    if owner._optim_ahead:
-                        for p, pa in group:
-                            if pa.optim is not None:
-                                p.data.copy_(pa.optim.data)
-                    attr.param_copied.set()
-                object.__setattr__(owner, "_optim_ahead", False)
-                for attr, group in zip(owner.layer_attrs, params, strict=True):
-                    for _, pa in group:
-                        pa.fold_grad()
-                    attr.grad_copied.set()
+                groups = owner._params_by_owner() if owner is not self else [self._loose_params()]
+                _publish_weights_take_grads(owner, groups)
             with OptimizerCtx():
                 step_fn(*args, **kwargs)
             for owner in owners:

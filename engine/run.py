@@ -387,12 +387,7 @@ def fused_job(dev: DeviceManager, run: RunState) -> None:
                 run.outputs[mb] = Act(host, tree, oev)
                 run.add_end_event(oev)
             grads = [t.grad if f else None for t, f in zip(leaves, flags, strict=True)]
-            ghost, gev = async_d2h(dev, grads)
-            if group_id == 0:
-                run.input_grads[mb] = Act(ghost, None, gev)
-                run.add_end_event(gev)
-            else:
-                run.grad_states[mb] = Act(ghost, None, gev)
+            _hand_back_input_grads(run, dev, grads, mb, to_user=group_id == 0)
             run.tracker.fused_forward_notify()
             del out, loss, losses, differentiable, leaves, grads
         download_param_grads(dev, run, group, job_index=len(run.plan.fwd_plan) - 1)
@@ -404,6 +399,19 @@ def fused_job(dev: DeviceManager, run: RunState) -> None:
 
 def timer_ctx(timer: IterTimer, layer_ids: range, dev: DeviceManager) -> Any:
     return timer.time(layer_ids, dev.compute_stream)
+
+
+def _hand_back_input_grads(
+    run: RunState, dev: DeviceManager, grads: list[Any], mb: int, *, to_user: bool
+) -> None:
+    """Download a micro-batch's input gradients: for the group before this one, or, for
+    the first layer, for the caller's inputs."""
+    host, ev = async_d2h(dev, grads)
+    if to_user:
+        run.input_grads[mb] = Act(host, None, ev)
+        run.add_end_event(ev)
+    else:
+        run.grad_states[mb] = Act(host, None, ev)
 
 
 def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
@@ -469,12 +477,7 @@ def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
                         )
                     cur_grads = [t.grad if f else None for t, f in zip(leaves, flags, strict=True)]
                     del cur, outs, pairs, leaves
-            ghost, gev = async_d2h(dev, cur_grads)
-            if first_group:
-                run.input_grads[mb] = Act(ghost, None, gev)
-                run.add_end_event(gev)
-            else:
-                run.grad_states[mb] = Act(ghost, None, gev)
+            _hand_back_input_grads(run, dev, cur_grads, mb, to_user=first_group)
             run.tracker.backward_notify(bwd_id)
         download_param_grads(dev, run, group, job_index=len(run.plan.fwd_plan) + bwd_id)
     finally:

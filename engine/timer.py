@@ -131,7 +131,6 @@ class IterTimer:
             end.record(stream)
             for i in ids:
                 self._events.append((i, start, end))
-            self._split = len(ids)
         else:
             t0 = time.perf_counter()
             yield
