@@ -19,15 +19,20 @@ permutation per epoch), so resuming from a checkpoint only needs the step number
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .formats import (
+    FORMATS,
+    DataFormat,
+    DataFormatError,
+    iter_records,
+    read_records,
+    validate_jsonl,
+)
 from .tokenizer import IM_END, IM_START
 
 if TYPE_CHECKING:
@@ -47,164 +52,8 @@ __all__ = [
     "validate_jsonl",
 ]
 
-DataFormat = Literal["text", "chat", "prompt_completion"]
-FORMATS: tuple[DataFormat, ...] = ("text", "chat", "prompt_completion")
 IGNORE_INDEX = -100
 """Label value that takes no loss (padding, prompts, non-assistant chat turns)."""
-
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-_MAX_SHOWN = 80  # characters of a bad value quoted back in an error message
-
-
-class DataFormatError(ValueError):
-    """A dataset line is malformed; `line` is its 1-based line number (0: the whole file)."""
-
-    def __init__(self, message: str, *, line: int) -> None:
-        super().__init__(f"line {line}: {message}" if line else message)
-        self.line = line
-        self.message = message
-
-
-# ---------------------------------------------------------------- parsing and validation
-
-
-def _require_str(record: dict[str, Any], key: str, *, where: str = "") -> str:
-    value = record.get(key)
-    if not isinstance(value, str):
-        got = "missing" if key not in record else f"a {type(value).__name__}"
-        raise ValueError(f'"{where}{key}" must be a string, got {got}')
-    return value
-
-
-def _check_text(record: dict[str, Any]) -> None:
-    if not _require_str(record, "text"):
-        raise ValueError('"text" is empty')
-
-
-def _check_prompt_completion(record: dict[str, Any]) -> None:
-    _require_str(record, "prompt")
-    if not _require_str(record, "completion"):
-        raise ValueError('"completion" is empty: there would be nothing to train on')
-
-
-def _check_chat(record: dict[str, Any]) -> None:
-    messages = record.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
-    has_assistant = False
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f'"messages[{i}]" must be an object with "role" and "content"')
-        role = _require_str(message, "role", where=f"messages[{i}].")
-        if role not in CHAT_ROLES:
-            raise ValueError(
-                f'"messages[{i}].role" is {role[:_MAX_SHOWN]!r}; allowed: {sorted(CHAT_ROLES)}'
-            )
-        _require_str(message, "content", where=f"messages[{i}].")
-        has_assistant = has_assistant or role == "assistant"
-    if not has_assistant:
-        raise ValueError(
-            '"messages" has no "assistant" message: there would be nothing to train on'
-        )
-
-
-_CHECKS = {"text": _check_text, "chat": _check_chat, "prompt_completion": _check_prompt_completion}
-
-
-def _detect(record: dict[str, Any]) -> DataFormat:
-    if "messages" in record:
-        return "chat"
-    if "prompt" in record or "completion" in record:
-        return "prompt_completion"
-    if "text" in record:
-        return "text"
-    keys = ", ".join(sorted(record)[:8]) or "none"
-    raise ValueError(
-        'cannot tell the format: expected a "text", "messages" or "prompt"/"completion" key, '
-        f"found keys: {keys}"
-    )
-
-
-def _lines(source: str | Path | Iterable[str | bytes]) -> Iterator[str | bytes]:
-    if isinstance(source, (str, Path)):
-        with open(source, "rb") as f:
-            yield from f
-    else:
-        yield from source
-
-
-def iter_records(
-    source: str | Path | Iterable[str | bytes], format: str = "auto"
-) -> Iterator[tuple[int, DataFormat, dict[str, Any]]]:
-    """Yield `(line_number, format, record)` for each non-blank line, validating as it goes.
-
-    Args:
-        source: a jsonl file path, or its lines (str or bytes).
-        format: ``auto`` (decided by the first record; every later line must match it),
-            ``text``, ``chat`` or ``prompt_completion``.
-
-    Raises:
-        DataFormatError: at the first malformed line, naming it.
-    """
-    if format != "auto" and format not in _CHECKS:
-        raise DataFormatError(f"unknown format {format!r}; use auto, {', '.join(FORMATS)}", line=0)
-    fmt: DataFormat | None = None if format == "auto" else format  # type: ignore[assignment]
-    for number, raw in enumerate(_lines(source), start=1):
-        try:
-            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        except UnicodeDecodeError as exc:
-            raise DataFormatError(f"not valid UTF-8 ({exc.reason})", line=number) from exc
-        if not text.strip():
-            continue
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataFormatError(
-                f"not valid JSON ({exc.msg} at column {exc.colno})", line=number
-            ) from exc
-        if not isinstance(record, dict):
-            raise DataFormatError(
-                f"expected a JSON object, got a {type(record).__name__}", line=number
-            )
-        try:
-            if fmt is None:
-                fmt = _detect(record)
-            _CHECKS[fmt](record)
-        except ValueError as exc:
-            raise DataFormatError(f"{exc} (format {fmt or 'auto'})", line=number) from exc
-        yield number, fmt, record
-
-
-def validate_jsonl(
-    path_or_lines: str | Path | Iterable[str | bytes], format: str = "auto"
-) -> tuple[int, DataFormat]:
-    """Check a whole jsonl dataset; return `(record_count, detected_format)`.
-
-    Raises:
-        DataFormatError: the first malformed line, or ``line=0`` for a file without records.
-    """
-    count = 0
-    fmt: DataFormat | None = None
-    for _, line_format, _record in iter_records(path_or_lines, format):
-        count += 1
-        fmt = line_format
-    if count == 0 or fmt is None:
-        raise DataFormatError("the dataset has no records (every line is blank)", line=0)
-    return count, fmt
-
-
-def read_records(
-    source: str | Path | Iterable[str | bytes], format: str = "auto"
-) -> tuple[DataFormat, list[dict[str, Any]]]:
-    """All records of a dataset and its format (validated as in `validate_jsonl`)."""
-    records: list[dict[str, Any]] = []
-    fmt: DataFormat | None = None
-    for _, line_format, record in iter_records(source, format):
-        records.append(record)
-        fmt = line_format
-    if fmt is None:
-        raise DataFormatError("the dataset has no records (every line is blank)", line=0)
-    return fmt, records
 
 
 # ---------------------------------------------------------------- tokenisation

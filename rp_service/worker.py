@@ -14,6 +14,7 @@ Protocol (the orchestrator's side is in orchestrator.py):
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -158,12 +159,26 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
     return 0
 
 
+def _die_with_daemon() -> None:
+    """On Linux, have the kernel SIGKILL this worker when the daemon that started it dies.
+
+    A restarted daemon kills the workers it finds recorded in the store; this covers the
+    moment between starting a worker and recording its pid.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `python -m rp_service.worker JOB_DIR`."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m rp_service.worker JOB_DIR", file=sys.stderr)
         return 2
+    _die_with_daemon()
     pause = threading.Event()
     _install_signals(pause)
     emit = EventWriter(_take_stdout())
