@@ -95,19 +95,50 @@ class RoundPipeRunConfig:
         return RoundPipeRunConfig(**merged)
 
 
-@dataclass(frozen=True, slots=True)
 class FullRoundPipeRunConfig:
-    """A per-call config over a model-level config, with every default resolved."""
+    """A per-call config over a model-level config, with every default resolved.
 
-    requires_grad: bool
-    output_device: torch.device
-    preserve_rng_state: bool
-    recompute_grain: RecomputeGrain
-    num_microbatch: int
-    split_input: Any
-    split_label: Any
-    merge_output: Any
-    execute_plan: ModelExecutePlan | None
+    `FullRoundPipeRunConfig(function_run_config, model_run_config)`; the number of devices
+    (for the default num_microbatch) is the engine's unless given.
+    """
+
+    __slots__ = (
+        "execute_plan",
+        "merge_output",
+        "num_microbatch",
+        "output_device",
+        "preserve_rng_state",
+        "recompute_grain",
+        "requires_grad",
+        "split_input",
+        "split_label",
+    )
+
+    def __init__(
+        self,
+        function_run_config: RoundPipeRunConfig,
+        model_run_config: RoundPipeRunConfig,
+        *,
+        num_devices: int | None = None,
+    ) -> None:
+        if num_devices is None:
+            from .device import get_num_devices
+
+            num_devices = get_num_devices()
+        c = function_run_config.over(model_run_config)
+        self.requires_grad: bool = (
+            torch.is_grad_enabled() if c.requires_grad is None else c.requires_grad
+        )
+        self.output_device: torch.device = torch.device(c.output_device or "cpu")
+        self.preserve_rng_state: bool = (
+            True if c.preserve_rng_state is None else c.preserve_rng_state
+        )
+        self.recompute_grain: RecomputeGrain = c.recompute_grain or "stage"
+        self.num_microbatch: int = c.num_microbatch or num_devices + 1
+        self.split_input: Any = c.split_input
+        self.split_label: Any = c.split_label
+        self.merge_output: Any = True if c.merge_output is None else c.merge_output
+        self.execute_plan: ModelExecutePlan | None = c.execute_plan
 
     @classmethod
     def resolve(
@@ -118,18 +149,11 @@ class FullRoundPipeRunConfig:
         num_devices: int,
     ) -> FullRoundPipeRunConfig:
         """Merge a per-call config with the model's baseline and fill the defaults."""
-        c = function_run_config.over(model_run_config)
-        return cls(
-            requires_grad=torch.is_grad_enabled() if c.requires_grad is None else c.requires_grad,
-            output_device=torch.device(c.output_device or "cpu"),
-            preserve_rng_state=True if c.preserve_rng_state is None else c.preserve_rng_state,
-            recompute_grain=c.recompute_grain or "stage",
-            num_microbatch=c.num_microbatch or num_devices + 1,
-            split_input=c.split_input,
-            split_label=c.split_label,
-            merge_output=True if c.merge_output is None else c.merge_output,
-            execute_plan=c.execute_plan,
-        )
+        return cls(function_run_config, model_run_config, num_devices=num_devices)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
+        return f"FullRoundPipeRunConfig({inner})"
 
 
 SplitFn = Callable[..., list[Any]]

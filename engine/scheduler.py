@@ -205,7 +205,10 @@ class ModelTracker:
     """Counters that let a group start micro-batch i once the group before it finished it."""
 
     def __init__(
-        self, execute_plan: ModelExecutePlan, num_layers: int, recompute_grain: str
+        self,
+        execute_plan: ModelExecutePlan,
+        num_layers: int | None = None,
+        recompute_grain: str = "stage",
     ) -> None:
         self.fwd_plan = execute_plan.fwd_plan
         self.bwd_plan = execute_plan.bwd_plan
@@ -213,6 +216,8 @@ class ModelTracker:
         self.bwd_sem = [AnnotatedSemaphore(f"bwd_group{g}.done") for g in range(len(self.bwd_plan))]
         self.fused_fwd_sem = AnnotatedSemaphore("fused.forward_done")
         if recompute_grain == "layer":
+            if num_layers is None:
+                num_layers = max((r.stop for r in execute_plan.fwd_plan), default=0)
             self._need_input = set(range(num_layers))
         else:
             self._need_input = {r.start for r in self.bwd_plan}
