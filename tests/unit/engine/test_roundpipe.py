@@ -340,3 +340,52 @@ def test_save_for_recompute_round_trip(cpu3: int) -> None:
     x = torch.randn(4, 4)
     rp.forward_backward((x,), label=None, loss_fn=lambda out, _: out.sum())
     assert len(seen) == 2  # the backward recompute ran Noisy once per micro-batch with saved data
+
+
+class _AddInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + y
+
+
+def test_split_specs_callables_and_requires_grad(cpu3: int) -> None:
+    from engine.batch import _Replicate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_AddInputs(), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    x, y, y_row = torch.randn(6, 4), torch.randn(6, 4), torch.randn(1, 4)
+    rp = RoundPipe(model)
+    with torch.no_grad():
+        # chunk specs of torch.distributed.pipelining: split x, give every micro-batch y_row
+        spec = ((TensorChunkSpec(0), _Replicate), {})
+        out = rp(
+            x, y_row, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=3, split_input=spec)
+        )
+        torch.testing.assert_close(out, ref[1](ref[0](x, y_row)), rtol=RTOL, atol=ATOL)
+
+        def splitter(args: tuple, kwargs: dict, n: int) -> list:
+            pairs = zip(torch.tensor_split(args[0], n), torch.tensor_split(args[1], n), strict=True)
+            return [((a, b), {}) for a, b in pairs]
+
+        out = rp(
+            x, y, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=2, split_input=splitter)
+        )
+        torch.testing.assert_close(out, ref[1](ref[0](x, y)), rtol=RTOL, atol=ATOL)
+    label = torch.randn(6, 2)
+    loss = rp.forward_backward(
+        (x, y),
+        label=label,
+        loss_fn=lambda o, lab: ((o - lab) ** 2).sum(),
+        run_config=RoundPipeRunConfig(
+            num_microbatch=3, split_label=lambda lab, n: list(torch.tensor_split(lab, n))
+        ),
+    )
+    torch.testing.assert_close(
+        loss, ((ref[1](ref[0](x, y)) - label) ** 2).sum().detach(), rtol=RTOL, atol=ATOL
+    )
+    out = rp(x, y, roundpipe_run_config=RoundPipeRunConfig(requires_grad=False))
+    assert not out.requires_grad  # no graph kept although gradients are enabled
