@@ -3,7 +3,8 @@
 Builds the bench/train.py model, then times steps with (a) a no-op optimizer (the engine
 alone), (b) engine.optim.Adam asynchronous, and profiles one step of each with
 torch.profiler: per CUDA stream, the summed kernel/copy time against the step's wall time.
-One JSON line per result; the Chrome trace goes to $OUT (or --trace-dir) when given.
+One JSON line per result; the Chrome trace (gzipped) goes to $OUT (or --trace-dir) when
+given. Decoder layers are torch.compile'd as in training (engine.models).
 
     python bench/profile_train.py --model qwen3-1.7b --steps 3
 """
@@ -11,8 +12,10 @@ One JSON line per result; the Chrome trace goes to $OUT (or --trace-dir) when gi
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -38,44 +41,6 @@ def stream_busy(prof: torch.profiler.profile) -> dict[str, float]:
     return busy
 
 
-def _compile_decoder_layers() -> None:
-    """Route every preset decoder layer through one torch.compile'd function (experiment)."""
-    from engine.models import _common
-
-    def call(
-        layer: torch.nn.Module,
-        hidden: torch.Tensor,
-        mask: Any,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        out = layer(
-            hidden, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin)
-        )
-        return out[0] if isinstance(out, tuple) else out
-
-    compiled = torch.compile(call, dynamic=False)
-
-    def forward(self: Any, carry: Any) -> Any:
-        hidden, attention_mask, position_ids, return_logits = carry
-        positions = position_ids
-        if positions is None:
-            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        cos, sin = self.rotary_emb(hidden, positions)
-        mask = _common.build_causal_mask(
-            self.config, hidden, attention_mask, position_ids, sliding=self.sliding
-        )
-        return (
-            compiled(self.layer, hidden, mask, positions, cos, sin),
-            attention_mask,
-            position_ids,
-            return_logits,
-        )
-
-    _common.DecoderLayer.forward = forward
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-1.7b")
@@ -86,7 +51,6 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default="noop,adam")
     p.add_argument("--trace-dir", default=os.environ.get("OUT"))
-    p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers")
     p.add_argument("--profile", action="store_true", help="print the kernel table")
     args = p.parse_args()
 
@@ -94,8 +58,6 @@ def main() -> None:
     from engine.models import causal_lm_loss_fn
     from engine.optim import Adam
 
-    if args.compile:
-        _compile_decoder_layers()
     dtype = torch.float16
     model = build_model(args.model, dtype, "sdpa", 0)
     rp = wrap_model_to_roundpipe(
@@ -171,7 +133,12 @@ def main() -> None:
         }
         print(json.dumps(result), flush=True)
         if args.trace_dir:
-            prof.export_chrome_trace(str(Path(args.trace_dir) / f"trace_{variant}.json"))
+            # gzip: a step's trace is tens of MB of JSON and compresses about tenfold
+            raw = Path(args.trace_dir) / f"trace_{variant}.json"
+            prof.export_chrome_trace(str(raw))
+            with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            raw.unlink()
         if args.profile:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
 
