@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DeviceError", "RoundPipeError", "StepError"]
+__all__ = ["ConfigError", "DeviceError", "GradientsDisabledError", "RoundPipeError", "StepError"]
 
 
 class RoundPipeError(Exception):
@@ -23,3 +23,11 @@ class DeviceError(RoundPipeError):
 
 class StepError(RoundPipeError):
     """A `step_fn` raised on the optimizer thread; the original is the `__cause__`."""
+
+
+class GradientsDisabledError(RoundPipeError, RuntimeError, AssertionError):
+    """A call needs gradients but torch's grad mode is off (e.g. under torch.no_grad()).
+
+    Also a RuntimeError and an AssertionError: the seeds document those two for
+    forward(requires_grad=True) and forward_backward() respectively.
+    """

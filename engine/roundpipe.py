@@ -26,7 +26,7 @@ from .batch import (
 )
 from .context import OptimizerCtx, doing_optimizer
 from .device import DeviceManager, get_devices, get_next_device, get_num_devices
-from .errors import ConfigError, RoundPipeError
+from .errors import ConfigError, GradientsDisabledError
 from .memory import get_model_size, pin_module
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
 from .run import Act, RunState, backward_job, forward_job, fused_job
@@ -407,7 +407,7 @@ class RoundPipe(RoundPipeBase):
         if not isinstance(roundpipe_run_config, RoundPipeRunConfig):
             raise ConfigError("roundpipe_run_config must be a RoundPipeRunConfig")
         if roundpipe_run_config.requires_grad and not torch.is_grad_enabled():
-            raise RoundPipeError(
+            raise GradientsDisabledError(
                 "run_config.requires_grad=True but gradients are disabled (torch.no_grad()); "
                 "enable them or drop requires_grad"
             )
@@ -468,7 +468,7 @@ class RoundPipe(RoundPipeBase):
         """
         check_optim_error()
         if not torch.is_grad_enabled():
-            raise RoundPipeError(
+            raise GradientsDisabledError(
                 "forward_backward needs gradients; it was called under torch.no_grad()"
             )
         if not isinstance(input_args, tuple):

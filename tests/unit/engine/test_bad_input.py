@@ -112,8 +112,11 @@ def test_loss_fn_error_leaves_model_usable(cpu3: int) -> None:
     assert torch.isfinite(rp.forward_backward((x,), label=y, loss_fn=_loss))
 
 
-def test_forward_backward_under_no_grad(cpu3: int) -> None:
+def test_calls_that_need_gradients_under_no_grad(cpu3: int) -> None:
     rp = RoundPipe(make_model())
     x, y = make_batch(batch=8)
-    with torch.no_grad(), pytest.raises(Exception, match="no_grad"):
+    # The seeds document AssertionError for forward_backward and RuntimeError for forward.
+    with torch.no_grad(), pytest.raises(AssertionError, match="no_grad"):
         rp.forward_backward((x,), label=y, loss_fn=_loss)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="gradients are disabled"):
+        rp(x, roundpipe_run_config=RoundPipeRunConfig(requires_grad=True))
