@@ -15,7 +15,7 @@ import torch
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.utils import _pytree as pytree
 
-from .errors import ConfigError
+from .errors import ConfigError, SplitError
 
 __all__ = [
     "AvgReducer",
@@ -114,7 +114,7 @@ def split_args_kwargs(
     if callable(split_input) and not isinstance(split_input, (tuple, list)):
         parts = split_input(args, kwargs, num_microbatch)
         if not isinstance(parts, Sequence) or len(parts) != num_microbatch:
-            raise ConfigError(
+            raise SplitError(
                 f"split_input returned {type(parts).__name__} of length "
                 f"{len(parts) if isinstance(parts, Sequence) else '?'}; it must return a list of "
                 f"num_microbatch={num_microbatch} (args, kwargs) pairs"
@@ -122,7 +122,7 @@ def split_args_kwargs(
         out = []
         for p in parts:
             if not (isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[1], dict)):
-                raise ConfigError("split_input must return (args tuple, kwargs dict) pairs")
+                raise SplitError("split_input must return (args tuple, kwargs dict) pairs")
             out.append((tuple(p[0]), dict(p[1])))
         return out, None
     _, batch = guess_split_spec((args, kwargs))
@@ -147,7 +147,7 @@ def split_label(label: Any, num_microbatch: int, split_spec: Any, batch: int | N
     if callable(split_spec) and not isinstance(split_spec, (tuple, list)):
         parts = split_spec(label, num_microbatch)
         if not isinstance(parts, Sequence) or len(parts) != num_microbatch:
-            raise ConfigError(
+            raise SplitError(
                 f"split_label must return a list of num_microbatch={num_microbatch} labels"
             )
         return list(parts)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DeviceError", "GradientsDisabledError", "RoundPipeError", "StepError"]
+__all__ = [
+    "ConfigError",
+    "DeviceError",
+    "GradientsDisabledError",
+    "RoundPipeError",
+    "SplitError",
+    "StepError",
+]
 
 
 class RoundPipeError(Exception):
@@ -30,4 +37,11 @@ class GradientsDisabledError(RoundPipeError, RuntimeError, AssertionError):
 
     Also a RuntimeError and an AssertionError: the seeds document those two for
     forward(requires_grad=True) and forward_backward() respectively.
+    """
+
+
+class SplitError(ConfigError, AssertionError):
+    """A custom split_input / split_label returned something malformed.
+
+    Also an AssertionError, which the seeds document for malformed splitter output.
     """

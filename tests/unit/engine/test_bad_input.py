@@ -120,3 +120,15 @@ def test_calls_that_need_gradients_under_no_grad(cpu3: int) -> None:
         rp.forward_backward((x,), label=y, loss_fn=_loss)
     with torch.no_grad(), pytest.raises(RuntimeError, match="gradients are disabled"):
         rp(x, roundpipe_run_config=RoundPipeRunConfig(requires_grad=True))
+
+
+def test_malformed_custom_splitter(cpu3: int) -> None:
+    from engine.errors import SplitError
+
+    rp = RoundPipe(make_model().eval())
+    x, _ = make_batch(batch=8)
+    bad = RoundPipeRunConfig(num_microbatch=2, split_input=lambda a, k, n: [((x,), {})])
+    with torch.no_grad(), pytest.raises(SplitError, match="num_microbatch=2"):
+        rp(x, roundpipe_run_config=bad)
+    with torch.no_grad(), pytest.raises(AssertionError):  # the seeds' documented type
+        rp(x, roundpipe_run_config=bad)
