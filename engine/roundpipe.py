@@ -411,7 +411,7 @@ class RoundPipe(RoundPipeBase):
                 "run_config.requires_grad=True but gradients are disabled (torch.no_grad()); "
                 "enable them or drop requires_grad"
             )
-        cfg = FullRoundPipeRunConfig.resolve(
+        cfg = FullRoundPipeRunConfig(
             roundpipe_run_config, self.model_run_config, num_devices=get_num_devices()
         )
         acts, flags, _, specs = self._split_inputs(args, kwargs, cfg)
@@ -476,7 +476,7 @@ class RoundPipe(RoundPipeBase):
         input_kwargs = dict(input_kwargs or {})
         if not isinstance(run_config, RoundPipeRunConfig):
             raise ConfigError("run_config must be a RoundPipeRunConfig")
-        cfg = FullRoundPipeRunConfig.resolve(
+        cfg = FullRoundPipeRunConfig(
             run_config, self.model_run_config, num_devices=get_num_devices()
         )
         acts, flags, batch, specs = self._split_inputs(input_args, input_kwargs, cfg)

@@ -347,7 +347,7 @@ def fused_job(dev: DeviceManager, run: RunState) -> None:
             label_leaves, label_tree = _flatten(run.labels[mb])
             label_dev = pytree.tree_unflatten(async_h2d(dev, [], label_leaves), label_tree)
             with dev.compute(), torch.enable_grad(), _autocast(run):
-                with timer_ctx(fwd_timer, layer_ids, dev):
+                with fwd_timer.time(layer_ids, dev.compute_stream):
                     out = _run_forward_layers(
                         run,
                         dev,
@@ -366,7 +366,7 @@ def fused_job(dev: DeviceManager, run: RunState) -> None:
                             f"loss_fn must return a tensor or a sequence of tensors, got {type(item).__name__}"
                         )
                 differentiable = [x for x in losses if x.requires_grad]
-                with timer_ctx(bwd_timer, layer_ids, dev):
+                with bwd_timer.time(layer_ids, dev.compute_stream):
                     if differentiable:
                         total = (
                             differentiable[0]
@@ -395,10 +395,6 @@ def fused_job(dev: DeviceManager, run: RunState) -> None:
     finally:
         dev.job_issued()
         release_group(group)
-
-
-def timer_ctx(timer: IterTimer, layer_ids: range, dev: DeviceManager) -> Any:
-    return timer.time(layer_ids, dev.compute_stream)
 
 
 def _hand_back_input_grads(

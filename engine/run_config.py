@@ -140,17 +140,6 @@ class FullRoundPipeRunConfig:
         self.merge_output: Any = True if c.merge_output is None else c.merge_output
         self.execute_plan: ModelExecutePlan | None = c.execute_plan
 
-    @classmethod
-    def resolve(
-        cls,
-        function_run_config: RoundPipeRunConfig,
-        model_run_config: RoundPipeRunConfig,
-        *,
-        num_devices: int,
-    ) -> FullRoundPipeRunConfig:
-        """Merge a per-call config with the model's baseline and fill the defaults."""
-        return cls(function_run_config, model_run_config, num_devices=num_devices)
-
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
         return f"FullRoundPipeRunConfig({inner})"

@@ -121,15 +121,17 @@ class ModelExecutePlan:
         bwd_cap = upper_threshold * max(bwd)
         plan = cls()
         if run_type == "fused":
+            # The fused tail: the longest suffix within the cap on forward + backward cost.
             fused_cost = [f + b for f, b in zip(fwd, bwd, strict=True)]
+            fused_cap = upper_threshold * max(fused_cost)
             tail_start = n - 1
             acc, acc_mem = fused_cost[-1], mem[-1]
             while tail_start > 0:
                 c, m = fused_cost[tail_start - 1], mem[tail_start - 1]
-                if acc + c > upper_threshold * max(fused_cost) or acc_mem + m > mem_cap:
+                if acc + c > fused_cap or acc_mem + m > mem_cap:
                     break
                 acc, acc_mem, tail_start = acc + c, acc_mem + m, tail_start - 1
-            if n - tail_start >= n and min_stages > 1:
+            if tail_start == 0 and min_stages > 1:
                 tail_start = n - 1  # leave work for the other devices
             head = _balanced_groups(
                 fwd[:tail_start], mem[:tail_start], min_stages - 1, fwd_cap, mem_cap
