@@ -108,6 +108,10 @@ def parse_rp_devices(value: str | None) -> list[torch.device]:
     )
 
 
+def _done_job(*_: Any) -> None:
+    """Stands in for a job's function once it has run."""
+
+
 class Job:
     """One unit of work queued on a device; `done` is set when it returned or failed."""
 
@@ -161,6 +165,10 @@ class DeviceManager:
             except BaseException as exc:  # handed to the main thread through the job
                 job.error = exc
             finally:
+                # The job's closure refers to its call's state, which lists the job: drop
+                # it so the state (pinned activations) is freed when the call returns,
+                # not whenever the cycle collector runs.
+                job.fn, job.args = _done_job, ()
                 job.done.set()
 
     def shutdown_controller(self) -> None:

@@ -389,3 +389,26 @@ def test_split_specs_callables_and_requires_grad(cpu3: int) -> None:
     )
     out = rp(x, y, roundpipe_run_config=RoundPipeRunConfig(requires_grad=False))
     assert not out.requires_grad  # no graph kept although gradients are enabled
+
+
+def test_call_state_is_freed_without_the_cycle_collector(num_devices: int) -> None:
+    """A finished call drops its activations at once: held by a reference cycle they
+    would live until the cycle collector runs, and on CUDA every iteration would then
+    pin fresh host memory (cudaHostAlloc blocks the issuing thread for tens of ms)."""
+    import gc
+
+    from engine.run import RunState
+
+    rp = RoundPipe(make_model().eval(), model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = make_batch()
+    gc.collect()
+    gc.disable()
+    try:
+        rp.forward_backward((x,), label=y, loss_fn=mse_over(2))
+        out = rp(x)
+        out.sum().backward()
+        del out
+        alive = [o for o in gc.get_objects() if type(o) is RunState]
+    finally:
+        gc.enable()
+    assert alive == []
