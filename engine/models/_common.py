@@ -267,12 +267,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     ) -> Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        fused = _fused_loss_kernels(hidden)
         for start in range(0, hidden.shape[0], chunk_tokens):
             stop = min(start + chunk_tokens, hidden.shape[0])
+            tgt = targets[start:stop]
+            if fused is not None:
+                lse_c, part = fused[0](hidden[start:stop] @ weight.t(), tgt, ignore_index)
+                lse[start:stop] = lse_c
+                total += part
+                continue
             logits = (hidden[start:stop] @ weight.t()).float()  # (chunk, vocab)
             lse_c = torch.logsumexp(logits, dim=-1)
             lse[start:stop] = lse_c
-            tgt = targets[start:stop]
             valid = tgt != ignore_index
             picked = logits.gather(1, torch.where(valid, tgt, 0).unsqueeze(1)).squeeze(1)
             total += torch.where(valid, lse_c - picked, 0.0).sum()
@@ -292,18 +298,24 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             else None
         )
         scale = grad_total.float()
+        fused = _fused_loss_kernels(hidden)
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             stop = min(start + ctx.chunk_tokens, hidden.shape[0])
             h = hidden[start:stop]
-            logits = (h @ weight.t()).float()  # (chunk, vocab)
             tgt = targets[start:stop]
-            valid = tgt != ctx.ignore_index
-            # d(lse - logit[t]) / d logits = softmax - onehot(t); ignored tokens get zero.
-            grad_logits = logits.sub_(lse[start:stop].unsqueeze(1)).exp_()  # in place: 1 chunk
-            rows = torch.arange(stop - start, device=h.device)
-            grad_logits[rows, torch.where(valid, tgt, 0)] -= 1.0
-            grad_logits.mul_((valid.float() * scale).unsqueeze(1))
-            grad_logits = grad_logits.to(hidden.dtype)
+            if fused is not None:
+                grad_logits = fused[1](
+                    h @ weight.t(), lse[start:stop], tgt, scale, ctx.ignore_index
+                )
+            else:
+                logits = (h @ weight.t()).float()  # (chunk, vocab)
+                valid = tgt != ctx.ignore_index
+                # d(lse - logit[t]) / d logits = softmax - onehot(t); ignored tokens get 0.
+                grad_logits = logits.sub_(lse[start:stop].unsqueeze(1)).exp_()  # in place
+                rows = torch.arange(stop - start, device=h.device)
+                grad_logits[rows, torch.where(valid, tgt, 0)] -= 1.0
+                grad_logits.mul_((valid.float() * scale).unsqueeze(1))
+                grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad_logits @ weight
             if grad_weight is not None:
@@ -311,6 +323,56 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def lse_and_loss_of_chunk(
+    logits: Tensor, targets: Tensor, ignore_index: int
+) -> tuple[Tensor, Tensor]:
+    """Per-token log-sum-exp (fp32) and summed cross-entropy of one chunk of logits."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    valid = targets != ignore_index
+    picked = x.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
+    return lse, torch.where(valid, lse - picked, 0.0).sum()
+
+
+def grad_logits_of_chunk(
+    logits: Tensor, lse: Tensor, targets: Tensor, scale: Tensor, ignore_index: int
+) -> Tensor:
+    """d loss / d logits of one chunk, in the logits' dtype: (softmax - onehot) * scale,
+    zero for ignored tokens."""
+    valid = targets != ignore_index
+    probs = torch.exp(logits.float() - lse.unsqueeze(1))
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    onehot = cols.unsqueeze(0) == torch.where(valid, targets, 0).unsqueeze(1)
+    grad = (probs - onehot.to(probs.dtype)) * (valid.to(probs.dtype) * scale).unsqueeze(1)
+    return grad.to(logits.dtype)
+
+
+@functools.cache
+def _compiled_loss_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The two chunk functions under torch.compile (one fused kernel each).
+
+    Eager, a chunk's fp32 upcast, log-sum-exp, softmax and one-hot subtraction are a
+    dozen passes over (chunk x vocab) floats: on the H100 the Qwen3-1.7B step spent
+    ~0.5 s of its 4 s in them.
+    """
+    return (
+        torch.compile(lse_and_loss_of_chunk, dynamic=False),
+        torch.compile(grad_logits_of_chunk, dynamic=False),
+    )
+
+
+def _fused_loss_kernels(
+    hidden: Tensor,
+) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The compiled chunk functions for fp16/bf16 on CUDA, as for the decoder layers
+    (fp32 keeps eager numerics); None where the eager in-place path runs."""
+    from . import DISABLE_TORCH_COMPILE  # the package imports this module first
+
+    if DISABLE_TORCH_COMPILE or not hidden.is_cuda or hidden.dtype not in _HALF:
+        return None
+    return _compiled_loss_kernels()
 
 
 @functools.cache

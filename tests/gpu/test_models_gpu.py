@@ -285,3 +285,41 @@ def test_compiled_decoder_layers_on_cuda(cuda_devices: None) -> None:
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=2e-3, atol=2e-3)
     for name, g in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], g, rtol=2e-2, atol=2e-3, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compiled_chunked_loss_on_cuda(dtype: torch.dtype) -> None:
+    """Half-precision chunks run two compiled kernels; same loss and gradients as eager.
+
+    Both paths take the same half logits from the same GEMM and do the softmax in fp32, so
+    the loss agrees to fp32 rounding and the half gradients to a few half ulps of their
+    largest entry (an fp32 exp that differs in its last bit can flip a rounding).
+    """
+    import engine.models
+    from engine.models import _common, chunked_cross_entropy_sum
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden_size, vocab = 1001, 128, 5003
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.05).to(dtype)
+    targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    targets[::7] = -100
+    assert _common._fused_loss_kernels(hidden) is not None
+
+    def run(disable: bool):
+        engine.models.DISABLE_TORCH_COMPILE = disable
+        try:
+            h = hidden.detach().requires_grad_()
+            w = weight.detach().requires_grad_()
+            loss = chunked_cross_entropy_sum(h, w, targets, chunk_tokens=256)
+            (loss / 1000).backward()
+        finally:
+            engine.models.DISABLE_TORCH_COMPILE = False
+        return loss.detach(), h.grad.float(), w.grad.float()
+
+    eager, compiled = run(True), run(False)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-4)
+    eps = torch.finfo(dtype).eps
+    for k in (1, 2):
+        scale = eager[k].abs().max()
+        assert (compiled[k] - eager[k]).abs().max() <= 4 * eps * scale

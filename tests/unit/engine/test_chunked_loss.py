@@ -146,3 +146,46 @@ def test_bad_chunk_size_is_a_config_error() -> None:
     hidden, weight, targets = make_inputs()
     with pytest.raises(ConfigError, match="chunk_tokens"):
         chunked_cross_entropy_sum(hidden, weight, targets, chunk_tokens=0)
+
+
+def test_chunk_functions_match_cross_entropy() -> None:
+    """The two functions that the CUDA half-precision path compiles, run eagerly here."""
+    from engine.models._common import grad_logits_of_chunk, lse_and_loss_of_chunk
+
+    hidden, weight, targets = make_inputs(seed=3)
+    logits = (hidden @ weight.t()).detach().requires_grad_()
+    expected = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+    (expected * 0.5).backward()
+
+    lse, total = lse_and_loss_of_chunk(logits.detach(), targets, -100)
+    grad = grad_logits_of_chunk(logits.detach(), lse, targets, torch.tensor(0.5), -100)
+
+    torch.testing.assert_close(lse, torch.logsumexp(logits.detach(), dim=-1))
+    torch.testing.assert_close(total, expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, logits.grad, rtol=1e-5, atol=1e-6)
+    assert grad[[0, 5, 6, 36]].abs().sum() == 0  # ignored tokens
+
+
+def test_fused_chunk_path_equals_full_cross_entropy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk loop through the fused functions (compiled on CUDA, eager here)."""
+    from engine.models import _common
+
+    monkeypatch.setattr(
+        _common,
+        "_fused_loss_kernels",
+        lambda _: (_common.lse_and_loss_of_chunk, _common.grad_logits_of_chunk),
+    )
+    hidden, weight, targets = make_inputs(seed=4)
+    expected, grad_h, grad_w = full_loss_and_grads(hidden, weight, targets)
+    got = chunked_cross_entropy_sum(hidden, weight, targets, chunk_tokens=5)
+    (got * 1.0).backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, grad_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, grad_w, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_path_only_for_half_precision_on_cuda() -> None:
+    from engine.models._common import _fused_loss_kernels
+
+    assert _fused_loss_kernels(torch.zeros(2, 2)) is None
+    assert _fused_loss_kernels(torch.zeros(2, 2, dtype=torch.float16)) is None  # CPU
