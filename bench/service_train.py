@@ -73,6 +73,7 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_service(args: argparse.Namespace) -> dict[str, Any]:
+    tokens_per_step = args.seq_len * args.seqs_per_step
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="rp-bench-") as data_dir:
         env = dict(os.environ, RP_PORT=str(port), RP_DATA_DIR=data_dir, RP_HOST="127.0.0.1")
@@ -104,8 +105,9 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
                 for ev in page["data"]:
                     after = ev["id"]
                     data = ev.get("data") or {}
-                    if ev["type"] == "metrics" and data.get("tokens_per_second"):
-                        rates[int(data["step"])] = float(data["tokens_per_second"])
+                    if ev["type"] == "metrics" and data.get("step_seconds"):
+                        # per step, like bench/train.py (tokens_per_second is a running mean)
+                        rates[int(data["step"])] = tokens_per_step / float(data["step_seconds"])
                     if ev["type"] == "status" and data.get("status"):
                         status = data["status"]
                 if not page["data"]:

@@ -194,6 +194,8 @@ class _Meter:
     def record(self, step: int, loss: float, lr: float, tokens: int) -> None:
         """Note step `step` (1-based) as done on the main thread."""
         now = time.perf_counter()
+        # this step's wall time: since the previous step, or since this attempt started
+        step_seconds = now - (self.speed[-1][0] if self.speed else self.start_time)
         self.trained_tokens += tokens
         self.speed.append((now, tokens))
         if len(self.speed) > 1:
@@ -213,6 +215,7 @@ class _Meter:
                 "learning_rate": lr,
                 "grad_norm": None,
                 "tokens_per_second": round(tokens_per_s, 3),
+                "step_seconds": round(step_seconds, 4),
                 "trained_tokens": self.trained_tokens,
                 "gpu_mem_bytes": _gpu_mem_bytes(),
                 "eta_seconds": None if eta is None else round(eta, 3),

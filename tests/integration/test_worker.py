@@ -148,6 +148,7 @@ def test_demo_job_end_to_end(tmp_path: Path) -> None:
     for m in steps:
         assert m["total_steps"] == total and m["grad_norm"] is not None and m["grad_norm"] > 0
         assert m["tokens_per_second"] > 0 and m["learning_rate"] > 0
+        assert 0 < m["step_seconds"] < 60
     assert (
         steps[-1]["trained_tokens"] == total * spec["train"]["batch_size"] * spec["data"]["seq_len"]
     )
