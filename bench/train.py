@@ -203,6 +203,16 @@ def gpu_peak_gib() -> float | None:
     return max(torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count())) / 2**30
 
 
+def gpu_peaks_gib() -> list[float]:
+    """Peak allocated memory of every visible GPU (the busiest one is `peak_gpu_mem_gib`)."""
+    if not torch.cuda.is_available():
+        return []
+    return [
+        round(torch.cuda.max_memory_allocated(d) / 2**30, 2)
+        for d in range(torch.cuda.device_count())
+    ]
+
+
 def reset_gpu_peak() -> None:
     if torch.cuda.is_available():
         for d in range(torch.cuda.device_count()):
@@ -239,6 +249,7 @@ def report(
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "peak_gpu_mem_gib": None if (g := gpu_peak_gib()) is None else round(g, 2),
+        "peak_gpu_mem_gib_per_gpu": gpu_peaks_gib(),
         "peak_host_mem_gib": round(host_peak_gib(), 2),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
@@ -273,6 +284,7 @@ def reference_loss(model: nn.Module, ids: torch.Tensor) -> float:
 
 
 def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.device import get_num_devices
     from engine.models import causal_lm_loss_fn
     from engine.run_config import RoundPipeRunConfig
     from engine.wrapper import wrap_model_to_roundpipe
@@ -324,6 +336,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         model,
         times,
         losses,
+        num_devices=get_num_devices(),
         num_microbatch=args.num_microbatch,
         recompute_grain=args.recompute_grain,
         async_step=not args.sync,
