@@ -146,6 +146,28 @@ def _decoder_call(
     return out[0] if isinstance(out, tuple) else out
 
 
+# One compiled variant per (device, grad mode, input shapes): two per GPU for a decoder
+# layer. dynamo's default of 8 would leave GPUs 5-8 of an 8-GPU box running eagerly.
+_RECOMPILE_LIMIT = 64
+
+
+def compile_for_devices(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compile(fn)` made safe to call from the engine's device threads at once.
+
+    While one thread compiles, inductor may FX-trace (it sets a process-wide flag), and
+    dynamo then refuses a compiled call from any other thread ("using FX to symbolically
+    trace a dynamo-optimized function"): seen on two H200s, where both controller threads
+    compile their first layer together. With `error_on_nested_fx_trace` off such a call
+    runs the function eagerly instead (same math, fused differently); compilations
+    themselves are serialised by dynamo's own lock.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.error_on_nested_fx_trace = False
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
+    return torch.compile(fn, dynamic=False)
+
+
 @functools.cache
 def _compiled_decoder_call() -> Callable[..., Tensor]:
     """`_decoder_call` under torch.compile, shared by every layer and device.
@@ -156,7 +178,7 @@ def _compiled_decoder_call() -> Callable[..., Tensor]:
     On the H100 this fuses HF's fp32 RMSNorm, rotary and SwiGLU elementwise work: the fp16
     Qwen3-1.7B step's compute went from 6.0 s to 3.8 s of GPU time.
     """
-    return torch.compile(_decoder_call, dynamic=False)
+    return compile_for_devices(_decoder_call)
 
 
 class LMHeadLayer(nn.Module):
@@ -358,8 +380,8 @@ def _compiled_loss_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
     ~0.5 s of its 4 s in them.
     """
     return (
-        torch.compile(lse_and_loss_of_chunk, dynamic=False),
-        torch.compile(grad_logits_of_chunk, dynamic=False),
+        compile_for_devices(lse_and_loss_of_chunk),
+        compile_for_devices(grad_logits_of_chunk),
     )
 
 
