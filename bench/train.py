@@ -60,6 +60,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": True,
     },
+    # ~8.2 B parameters: ~165 GB of host memory with the fp32 optimizer (the 8-GPU machine)
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 3,
