@@ -1,12 +1,19 @@
-"""Where a RoundPipe training step's time goes: per-stream GPU busy time and variants.
+"""Where a RoundPipe training step's time goes: GPU streams, engine threads, idle gaps.
 
-Builds the bench/train.py model, then times steps with (a) a no-op optimizer (the engine
-alone), (b) engine.optim.Adam asynchronous, and profiles one step of each with
-torch.profiler: per CUDA stream, the summed kernel/copy time against the step's wall time.
-One JSON line per result; the Chrome trace (gzipped) goes to $OUT (or --trace-dir) when
-given. Decoder layers are torch.compile'd as in training (engine.models).
+Builds the bench/train.py model, times steps (default: engine.optim.Adam, asynchronous;
+`--variants noop,adam` adds a no-op optimizer, the engine alone), then profiles two
+back-to-back iterations with torch.profiler and analyses the second, which overlaps the
+first one's optimizer step. Prints one JSON line each for:
+- `profile_train`: tokens/s, the summed kernel/copy time per CUDA stream, the plans;
+- `profile_train.host`: milliseconds per engine thread and activity (job bodies, waits,
+  throttling, uploads, downloads, the optimizer's publish/fold and Adam), recorded by
+  bench/host_timeline.py since torch.profiler sees CPU ops of this thread only;
+- `profile_train.gaps`: the busiest compute stream's idle time, attributed to what each
+  controller thread was doing in the middle of each gap, and the largest gaps.
+The Chrome trace and the host spans (gzipped) go to --trace-dir (default: $OUT).
 
-    python bench/profile_train.py --model qwen3-1.7b --steps 3
+    python bench/profile_train.py --model qwen3-1.7b --steps 3 --warmup 2 --trace-dir /tmp/p
+    RP_DEVICES=cuda:0,1 python bench/profile_train.py --num-microbatch 8
 """
 
 from __future__ import annotations
