@@ -100,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-microbatch", type=int, default=4)
     p.add_argument("--recompute-grain", choices=["stage", "layer"], default="stage")
     p.add_argument("--sync", action="store_true", help="synchronous optimizer step")
+    p.add_argument(
+        "--recompute-attention",
+        action="store_true",
+        help="recompute attention in the backward (engine.models.RECOMPUTE_ATTENTION)",
+    )
     p.add_argument("--baseline", action="store_true", help="also run the GPU-resident baseline")
     p.add_argument("--baseline-only", action="store_true", help="run only the baseline")
     p.add_argument(
@@ -294,7 +299,14 @@ def reference_loss(model: nn.Module, ids: torch.Tensor) -> float:
         return float(ref(input_ids=ids, labels=ids).loss)
 
 
+def _last_plan(rp: Any) -> str | None:
+    """The layer groups of the measured steps: the automatic plan of the latest timings."""
+    plans = getattr(rp, "_plans", {})  # (run type, devices, maturity) -> plan
+    return repr(plans[max(plans, key=lambda k: k[2])]) if plans else None
+
+
 def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
+    import engine.models
     from engine.device import get_num_devices
     from engine.models import causal_lm_loss_fn
     from engine.run_config import RoundPipeRunConfig
@@ -307,6 +319,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     expected_first = reference_loss(model, batches[0]) if args.check else None
     initial = {n: p.detach().clone() for n, p in model.named_parameters()} if args.check else {}
 
+    engine.models.RECOMPUTE_ATTENTION = args.recompute_attention
     t0 = time.perf_counter()
     rp = wrap_model_to_roundpipe(
         model,
@@ -351,11 +364,13 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         num_microbatch=args.num_microbatch,
         recompute_grain=args.recompute_grain,
         async_step=not args.sync,
+        recompute_attention=args.recompute_attention,
         optimizer=optimizer_name,
         model_dtype="float16",
         optim_dtype="float32",
         build_s=round(build_s, 2),
         wrap_s=round(wrap_s, 2),
+        plan=_last_plan(rp),
         **checks,
     )
     return result

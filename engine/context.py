@@ -21,7 +21,9 @@ __all__ = [
     "doing_recompute",
     "flags",
     "get_recompute_data",
+    "recompute_data_or_none",
     "save_for_recompute",
+    "saving_for_recompute",
 ]
 
 flags = threading.local()
@@ -105,3 +107,15 @@ def save_for_recompute(*data: Any) -> None:
     if ctx is None or ctx.save_for_recompute is None:
         return
     ctx.save_for_recompute(*data)
+
+
+def saving_for_recompute() -> bool:
+    """True where `save_for_recompute` keeps data: a forward whose layer will be recomputed."""
+    ctx = _get("forward")
+    return ctx is not None and ctx.save_for_recompute is not None
+
+
+def recompute_data_or_none() -> tuple[Any, ...] | None:
+    """What this layer saved for its recompute, or None (no recompute, or nothing saved)."""
+    ctx = _get("recompute")
+    return None if ctx is None else ctx.recompute_data

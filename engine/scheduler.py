@@ -89,7 +89,9 @@ class ModelExecutePlan:
         Stages are grown greedily up to `upper_threshold` times the slowest layer, lowered
         until there are at least `min_stages` (default: the number of devices), and no
         stage holds more than `model_memory_limit / 2` GB of parameters (default: 60% of
-        the smallest device's free memory), since the next stage is prefetched.
+        the smallest device's free memory), since the next stage is prefetched. With
+        'fused' and more than one stage wanted, backward groups grow up to the fused
+        tail's cost instead, so no device waits on a slower stage before it.
         """
         from .device import get_min_gpu_memory, get_num_devices
 
@@ -136,8 +138,15 @@ class ModelExecutePlan:
             head = _balanced_groups(
                 fwd[:tail_start], mem[:tail_start], min_stages - 1, fwd_cap, mem_cap
             )
-            back = _balanced_groups(
-                bwd[:tail_start], mem[:tail_start], min_stages - 1, bwd_cap, mem_cap
+            # With several devices, each backward group runs on another device than the
+            # group before it and gets its micro-batches no faster than that group finishes
+            # them; the first waits on the fused tail (the head and its loss: the slowest
+            # stage by far). Groups as long as the tail keep both sides busy, where groups
+            # of the slowest single layer left the next device idle half the time (2 H200s).
+            # One device waits on no one and keeps the smaller groups: less memory.
+            back_cap = max(bwd_cap, upper_threshold * acc) if min_stages > 1 else bwd_cap
+            back = _balanced_groups_from_top(
+                bwd[:tail_start], mem[:tail_start], min_stages - 1, back_cap, mem_cap
             )
             plan.fwd_plan = [*head, range(tail_start, n)]
             plan.bwd_plan = list(reversed(back))
@@ -201,6 +210,20 @@ def _balanced_groups(
         else:
             hi = mid
     return best
+
+
+def _balanced_groups_from_top(
+    cost: list[float], mem: list[float], min_stages: int, cap: float, mem_cap: float
+) -> list[range]:
+    """`_balanced_groups` filled from the last layer down (returned in ascending order).
+
+    Backward runs the last layers first: filling from the top leaves the short remainder
+    group for the end of the backward (the shortest drain) instead of right after the
+    fused tail, where a short group would wait on the tail.
+    """
+    n = len(cost)
+    top_down = _balanced_groups(cost[::-1], mem[::-1], min_stages, cap, mem_cap)
+    return [range(n - r.stop, n - r.start) for r in reversed(top_down)]
 
 
 class ModelTracker:

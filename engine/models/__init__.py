@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_LOSS_CHUNK_TOKENS",
     "DISABLE_TORCH_COMPILE",
     "IGNORE_INDEX",
+    "RECOMPUTE_ATTENTION",
     "SUPPORTED_MODELS",
     "causal_lm_loss",
     "causal_lm_loss_fn",
@@ -56,6 +57,12 @@ log = logging.getLogger(__name__)
 # function (see _common._compiled_decoder_call); fp32 layers and CPU devices run eagerly. Set to True before
 # wrapping to run eagerly everywhere (e.g. to debug, or where compiling is too slow).
 DISABLE_TORCH_COMPILE: bool = False
+
+# When False, preset decoder layers in fp16/bf16 on CUDA keep their attention output and
+# log-sum-exp from the forward for the backward, so the stage recompute skips the attention
+# kernel (see _attention; same kernels, same gradients). Set to True to recompute it (less
+# host memory: 4 bytes per token and hidden unit of q for each layer).
+RECOMPUTE_ATTENTION: bool = False
 
 SUPPORTED_MODELS: dict[str, str] = {
     "qwen3": "engine.models.qwen3",

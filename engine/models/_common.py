@@ -34,8 +34,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..context import doing_recompute
+from ..context import (
+    doing_recompute,
+    recompute_data_or_none,
+    save_for_recompute,
+    saving_for_recompute,
+)
 from ..errors import ConfigError
+from ._attention import SLOT_KWARG, kernels_work, route_attention
 
 __all__ = [
     "DEFAULT_LOSS_CHUNK_TOKENS",
@@ -110,6 +116,15 @@ class DecoderLayer(nn.Module):
         self.sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
         # Set by the preset (engine.models.DISABLE_TORCH_COMPILE); read-only in forward.
         self.use_compile = False
+        attention = getattr(layer, "self_attn", None)
+        # Whether the attention can skip its recompute (see _attention): HF "sdpa" only.
+        self.attention_routed = attention is not None and route_attention(attention)
+        heads = config.num_attention_heads
+        self.attention_shape = (
+            heads,
+            getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads,
+        )
 
     def forward(self, carry: Carry) -> Carry:
         """Run the decoder layer on the carry's hidden states; pass the rest along."""
@@ -127,9 +142,47 @@ class DecoderLayer(nn.Module):
         # numerics (inductor's fused kernels differed by ~4e-4 relative in an fp32 test on
         # the H100, unexplained yet), far below fp16/bf16 resolution.
         compiled = self.use_compile and hidden.is_cuda and hidden.dtype in _HALF
-        call = _compiled_decoder_call() if compiled else _decoder_call
-        out = call(self.layer, hidden, mask, positions, *position_embeddings)
+        args = (self.layer, hidden, mask, positions, *position_embeddings)
+        mode = self._attention_mode(hidden, mask)
+        if mode == "save":
+            call = _compiled_saving_call() if compiled else _decoder_call_saving_attention
+            out, attn_out, attn_lse = call(*args)
+            save_for_recompute(attn_out, attn_lse)
+        else:
+            call = _compiled_decoder_call() if compiled else _decoder_call
+            out = call(*args, recompute_data_or_none() if mode == "replay" else None)
         return (out, attention_mask, position_ids, return_logits)
+
+    def _attention_mode(self, hidden: Tensor, mask: Any) -> str | None:
+        """'save' (a forward that will be recomputed), 'replay' (that recompute) or None.
+
+        Only plain causal attention (no mask, dropout or sliding window) in half precision
+        on CUDA, where the cuDNN kernels run.
+        """
+        from . import RECOMPUTE_ATTENTION  # the package imports this module first
+
+        if (
+            RECOMPUTE_ATTENTION
+            or not self.attention_routed
+            or mask is not None
+            or self.sliding
+            or not hidden.is_cuda
+            or hidden.dtype not in _HALF
+        ):
+            return None
+        attention = self.layer.self_attn
+        if getattr(attention, "sliding_window", None) is not None or (
+            attention.training and getattr(attention, "attention_dropout", 0.0) > 0
+        ):
+            return None
+        if doing_recompute():
+            saved = recompute_data_or_none()
+            return "replay" if saved is not None and len(saved) == 2 else None
+        if torch.is_grad_enabled() or not saving_for_recompute():
+            return None
+        if not kernels_work(hidden.device, hidden.dtype, *self.attention_shape):
+            return None
+        return "save"
 
 
 def _decoder_call(
@@ -139,11 +192,34 @@ def _decoder_call(
     positions: Tensor,
     cos: Tensor,
     sin: Tensor,
+    attention: Any = None,
 ) -> Tensor:
-    """One HF decoder layer on (mb, seq, hidden) states."""
-    out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin))
+    """One HF decoder layer on (mb, seq, hidden) states; `attention` is the slot for
+    `_attention.saved_attention_forward` (None: plain attention)."""
+    kwargs = {} if attention is None else {SLOT_KWARG: attention}
+    out = layer(
+        hidden,
+        attention_mask=mask,
+        position_ids=positions,
+        position_embeddings=(cos, sin),
+        **kwargs,
+    )
     # Older transformers releases return a 1-tuple from decoder layers.
     return out[0] if isinstance(out, tuple) else out
+
+
+def _decoder_call_saving_attention(
+    layer: nn.Module,
+    hidden: Tensor,
+    mask: Tensor | None,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_decoder_call` that also returns the attention output and log-sum-exp."""
+    slot: list[Tensor] = []
+    out = _decoder_call(layer, hidden, mask, positions, cos, sin, slot)
+    return out, slot[0], slot[1]
 
 
 # One compiled variant per (device, grad mode, input shapes): two per GPU for a decoder
@@ -179,6 +255,12 @@ def _compiled_decoder_call() -> Callable[..., Tensor]:
     Qwen3-1.7B step's compute went from 6.0 s to 3.8 s of GPU time.
     """
     return compile_for_devices(_decoder_call)
+
+
+@functools.cache
+def _compiled_saving_call() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """`_decoder_call_saving_attention` under torch.compile (see `_compiled_decoder_call`)."""
+    return compile_for_devices(_decoder_call_saving_attention)
 
 
 class LMHeadLayer(nn.Module):

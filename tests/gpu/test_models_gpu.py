@@ -323,3 +323,81 @@ def test_compiled_chunked_loss_on_cuda(dtype: torch.dtype) -> None:
     for k in (1, 2):
         scale = eager[k].abs().max()
         assert (compiled[k] - eager[k]).abs().max() <= 4 * eps * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_output_is_saved_not_recomputed_on_cuda(
+    cuda_devices: None, dtype: torch.dtype
+) -> None:
+    """Half-precision decoder layers keep the attention output and log-sum-exp of their
+    forward; the recompute runs no attention kernel, and the gradients are those of the
+    run that recomputes attention (same cuDNN kernels: equal to half rounding).
+    """
+    import engine.models
+    from engine import ModelExecutePlan, RoundPipeRunConfig
+    from engine.models import _attention, causal_lm_loss_fn
+    from engine.wrapper import wrap_model_to_roundpipe
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    base = transformers.Qwen3ForCausalLM(config).train()
+    assert _attention.kernels_work(torch.device("cuda", 0), dtype, 4, 2, 64)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (4, 160), generator=gen)
+    cudnn_calls: list[int] = []
+    real_forward = _attention._cudnn_forward
+
+    def counting_forward(*args: Any) -> Any:
+        cudnn_calls.append(1)
+        return real_forward(*args)
+
+    # layers: embedding, 3 decoder layers, head (the fused tail): every decoder layer is
+    # recomputed in its backward group
+    plan = ModelExecutePlan.from_ranges(
+        [range(0, 2), range(2, 4), range(4, 5)], [range(2, 4), range(0, 2)]
+    )
+    results = {}
+    for recompute, compile_ in ((True, False), (False, False), (False, True)):
+        engine.models.RECOMPUTE_ATTENTION = recompute
+        engine.models.DISABLE_TORCH_COMPILE = not compile_
+        cudnn_calls.clear()
+        try:
+            model = copy.deepcopy(base).to(dtype)
+            rp = wrap_model_to_roundpipe(
+                model,
+                optim_dtype=torch.float32,
+                model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+            )
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_attention, "_cudnn_forward", counting_forward)
+                loss = rp.forward_backward(
+                    input_kwargs={"input_ids": ids, "return_logits": False},
+                    label=ids,
+                    loss_fn=causal_lm_loss_fn(ids),
+                )
+            rp.synchronize()
+        finally:
+            engine.models.RECOMPUTE_ATTENTION = False
+            engine.models.DISABLE_TORCH_COMPILE = False
+        results[(recompute, compile_)] = (loss.float(), hf_grads(model))
+        if not compile_:
+            # eager: one saving kernel call per decoder layer and micro-batch, in the
+            # forward only (the recompute replays them); none when attention is recomputed
+            assert len(cudnn_calls) == (0 if recompute else 3 * 2)
+    ref_loss, ref_grads = results[(True, False)]
+    for key in ((False, False), (False, True)):
+        loss, grads = results[key]
+        torch.testing.assert_close(loss, ref_loss, rtol=2e-3, atol=2e-3)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=2e-3, msg=f"{key} {name}")
