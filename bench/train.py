@@ -110,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--baseline-microbatch", type=int, default=4, help="sequences per baseline micro-batch"
     )
+    p.add_argument(
+        "--log-plans",
+        action="store_true",
+        help="log each iteration's per-layer times and each new execution plan (stderr)",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -455,6 +460,9 @@ def _release_memory() -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
+    if args.log_plans:
+        for name in ("engine.timer", "engine.roundpipe"):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     torch.manual_seed(args.seed)
     # The baseline first: the process's peak host memory is then RoundPipe's, not its.
     if args.baseline or args.baseline_only:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import logging
 import os
@@ -39,6 +40,9 @@ from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers
 __all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase", "get_call_location"]
 
 log = logging.getLogger(__name__)
+
+# After how many timed iterations the automatic plan is made again (ModelTimer.updates).
+_REPLAN_AFTER_UPDATES = (1, 3, 10)
 
 _warned: set[str] = set()
 
@@ -353,11 +357,13 @@ class RoundPipe(RoundPipeBase):
             cfg.execute_plan.check_valid(self.num_layers, run_type)
             return cfg.execute_plan
         updates = self.model_timer.updates
-        maturity = 0 if updates == 0 else (1 if updates < 3 else 2)
-        key = (run_type, get_num_devices(), maturity)
+        # Re-planned after the 1st, 3rd and 10th timed iteration: by the 10th, the moving
+        # average has forgotten the early iterations (host allocations, cold caches).
+        maturity = bisect.bisect_right(_REPLAN_AFTER_UPDATES, updates)
+        key = (run_type, get_num_devices(), maturity, cfg.num_microbatch)
         plan = self._plans.get(key)
         if plan is None:
-            plan = ModelExecutePlan.auto(run_type, self)
+            plan = ModelExecutePlan.auto(run_type, self, num_microbatch=cfg.num_microbatch)
             self._plans[key] = plan
             log.debug("%s: %s plan %s", self.name, run_type, plan)
         return plan

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
@@ -20,6 +21,7 @@ __all__ = [
     "ModelTracker",
     "RunType",
     "chunk_layer_params",
+    "pipeline_makespan",
 ]
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class ModelExecutePlan:
         min_stages: int | None = None,
         upper_threshold: float = 1.1,
         model_memory_limit: float | None = None,
+        num_microbatch: int | None = None,
     ) -> ModelExecutePlan:
         """A plan balanced on the models' measured (or size-estimated) layer times.
 
@@ -91,7 +94,10 @@ class ModelExecutePlan:
         stage holds more than `model_memory_limit / 2` GB of parameters (default: 60% of
         the smallest device's free memory), since the next stage is prefetched. With
         'fused' and more than one stage wanted, backward groups grow up to the fused
-        tail's cost instead, so no device waits on a slower stage before it.
+        tail's cost instead, so no device waits on a slower stage before it; and given
+        measured times and `num_microbatch`, the group boundaries are then moved to where
+        a simulation of the round-robin pipeline finishes the call soonest (short groups
+        first and last fill and drain the pipeline faster; see `_pipeline_search`).
         """
         from .device import get_min_gpu_memory, get_num_devices
 
@@ -109,8 +115,10 @@ class ModelExecutePlan:
         fwd = [0.0] * n
         bwd = [0.0] * n
         mem = [0.0] * n
+        measured = True
         for m in models:
-            _, f, b = m.model_timer.get_estimate(run_type)
+            source, f, b = m.model_timer.get_estimate(run_type)
+            measured = measured and source == "time"
             for i in range(n):
                 fwd[i] += f[i]
                 bwd[i] += b[i]
@@ -148,6 +156,19 @@ class ModelExecutePlan:
             back = _balanced_groups_from_top(
                 bwd[:tail_start], mem[:tail_start], min_stages - 1, back_cap, mem_cap
             )
+            if measured and num_microbatch and min_stages > 1 and head and back:
+                head, back = _pipeline_search(
+                    fwd[:tail_start],
+                    bwd[:tail_start],
+                    mem[:tail_start],
+                    acc,
+                    head,
+                    back,
+                    num_devices=min_stages,
+                    num_microbatch=num_microbatch,
+                    cap=max(back_cap, fwd_cap),
+                    mem_cap=mem_cap,
+                )
             plan.fwd_plan = [*head, range(tail_start, n)]
             plan.bwd_plan = list(reversed(back))
         else:
@@ -224,6 +245,114 @@ def _balanced_groups_from_top(
     n = len(cost)
     top_down = _balanced_groups(cost[::-1], mem[::-1], min_stages, cap, mem_cap)
     return [range(n - r.stop, n - r.start) for r in reversed(top_down)]
+
+
+def pipeline_makespan(
+    job_costs: Sequence[float], num_devices: int, num_microbatch: int, handoff: float = 0.0
+) -> float:
+    """When the last of a call's jobs finishes, in the engine's round-robin pipeline.
+
+    Job k (in launch order: forward groups, the fused tail, backward groups) runs on
+    device k mod num_devices after that device's previous job, and its micro-batch i
+    `handoff` after micro-batch i of job k - 1 finished (the download and upload of the
+    activations in between); `job_costs` are per micro-batch.
+    """
+    free = [0.0] * num_devices
+    prev: list[float] | None = None
+    for k, cost in enumerate(job_costs):
+        t = free[k % num_devices]
+        done = []
+        for i in range(num_microbatch):
+            if prev is not None and prev[i] + handoff > t:
+                t = prev[i] + handoff
+            t += cost
+            done.append(t)
+        free[k % num_devices] = t
+        prev = done
+    return max(free)
+
+
+def _cuts_to_groups(cuts: Sequence[int], n: int) -> list[range]:
+    bounds = [0, *sorted(cuts), n]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _pipeline_search(
+    fwd: list[float],
+    bwd: list[float],
+    mem: list[float],
+    tail_cost: float,
+    head: list[range],
+    back: list[range],
+    *,
+    num_devices: int,
+    num_microbatch: int,
+    cap: float,
+    mem_cap: float,
+) -> tuple[list[range], list[range]]:
+    """Forward and backward groups (ascending) with the shortest simulated call.
+
+    Hill-climbing from the balanced groups: add, remove or move one group boundary of
+    either pass while `pipeline_makespan` improves, keeping every group within `cap` cost
+    and `mem_cap` memory and at least `num_devices - 1` groups per pass. Balanced groups
+    leave devices idle while the pipeline fills and drains at every call: measured on two
+    H200s, 84% of twice one GPU's tokens/s.
+    """
+    n = len(fwd)
+    min_groups = min(max(num_devices - 1, 1), n)
+    # A micro-batch's activations travel device -> host -> device between groups. Their
+    # size, like a layer's forward time, grows with tokens x hidden: on the H100/H200 the
+    # round trip of a Qwen3-1.7B micro-batch (5 ms) is about one decoder layer's forward
+    # (6 ms), so that is the estimate; it keeps the search from cutting too fine.
+    handoff = sorted(fwd)[n // 2] / num_microbatch
+
+    def ok(groups: list[range], cost: list[float]) -> bool:
+        return len(groups) >= min_groups and all(
+            len(g) == 1 or (sum(cost[i] for i in g) <= cap and sum(mem[i] for i in g) <= mem_cap)
+            for g in groups
+        )
+
+    def makespan(fcuts: frozenset[int], bcuts: frozenset[int]) -> float:
+        f_groups = _cuts_to_groups(fcuts, n)
+        b_groups = _cuts_to_groups(bcuts, n)
+        jobs = [sum(fwd[i] for i in g) for g in f_groups]
+        jobs.append(tail_cost)
+        jobs += [sum(bwd[i] for i in g) for g in reversed(b_groups)]
+        return pipeline_makespan(
+            [j / num_microbatch for j in jobs], num_devices, num_microbatch, handoff
+        )
+
+    def neighbours(cuts: frozenset[int]) -> list[frozenset[int]]:
+        out = [cuts - {c} for c in cuts]
+        out += [cuts | {c} for c in range(1, n) if c not in cuts]
+        for c in cuts:
+            for d in (-2, -1, 1, 2):
+                if 0 < c + d < n and c + d not in cuts:
+                    out.append((cuts - {c}) | {c + d})
+        return out
+
+    fcuts = frozenset(g.start for g in head[1:])
+    bcuts = frozenset(g.start for g in back[1:])
+    best = makespan(fcuts, bcuts)
+    for _ in range(4 * n):  # each round improves or stops; bounded for safety
+        improved = False
+        for which in ("fwd", "bwd"):
+            cuts = fcuts if which == "fwd" else bcuts
+            cost = fwd if which == "fwd" else bwd
+            for cand in neighbours(cuts):
+                if not ok(_cuts_to_groups(cand, n), cost):
+                    continue
+                trial = makespan(cand, bcuts) if which == "fwd" else makespan(fcuts, cand)
+                if trial < best * (1 - 1e-6):
+                    best, improved = trial, True
+                    if which == "fwd":
+                        fcuts = cand
+                    else:
+                        bcuts = cand
+                    cuts = cand
+        if not improved:
+            break
+    return _cuts_to_groups(fcuts, n), _cuts_to_groups(bcuts, n)
 
 
 class ModelTracker:

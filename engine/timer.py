@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +28,8 @@ def annotate(name: str, color: str | None = None) -> contextlib.AbstractContextM
     return contextlib.nullcontext()
 
 
+log = logging.getLogger(__name__)
+
 Action = Literal["fwd", "re", "bwd"]
 
 
@@ -35,7 +39,9 @@ class ModelTimer:
     Before any measurement the estimates are the layer sizes (bytes; backward
     BACKWARD_MULTIPLIER x forward). Each finished job reports its per-layer times; the
     first report of each kind is dropped (warm-up), later ones enter an exponential
-    moving average started from 0 and de-biased by `scale`.
+    moving average started from 0 and de-biased by `scale`. Iterations during which
+    torch.compile built a graph are dropped as well. VERBOSE logs every iteration's
+    times at INFO (at DEBUG otherwise).
     """
 
     SMOOTH_RATE = 0.3
@@ -57,6 +63,7 @@ class ModelTimer:
         }
         self._lock = threading.Lock()
         self.updates = 0
+        self._compiles_seen = _compiled_graphs()
 
     def report(self, action: Literal["fwd", "bwd"], layer_times_ms: dict[int, float]) -> None:
         """Record measured times (ms summed over micro-batches) for some layers."""
@@ -68,12 +75,28 @@ class ModelTimer:
     def update_times(self) -> bool:
         """Fold reported times into the estimates; True when the estimates changed."""
         changed = False
+        compiles = _compiled_graphs()
         with self._lock:
+            # An iteration during which torch.compile built a graph (the first one on each
+            # device, a new shape) timed the compiler too: seen on 2 GPUs, where the head
+            # first ran on the second GPU in iteration 2 and measured 3x its time. Such an
+            # iteration is not a measurement; it would skew the plan for many iterations.
+            compiled_meanwhile = compiles != self._compiles_seen
+            self._compiles_seen = compiles
             for action in ("fwd", "bwd"):
                 pending = self._pending[action]
                 if any(p is None for p in pending):
                     continue  # only complete iterations count
                 self._pending[action] = [None] * self.n_layers
+                log.log(
+                    logging.INFO if self.VERBOSE else logging.DEBUG,
+                    "%s ms per layer%s: %s",
+                    action,
+                    " (dropped: torch.compile ran)" if compiled_meanwhile else "",
+                    [round(float(p), 1) for p in pending],  # type: ignore[arg-type]
+                )
+                if compiled_meanwhile:
+                    continue
                 if self.stage[action] == 0:
                     self.stage[action] = 1  # drop the first (warm-up) measurement
                     continue
@@ -102,6 +125,14 @@ class ModelTimer:
                     bwd = [f * self.BACKWARD_MULTIPLIER for f in fwd]
                 return "time", fwd, bwd
         return "memory", list(self._sizes), [s * self.BACKWARD_MULTIPLIER for s in self._sizes]
+
+
+def _compiled_graphs() -> int:
+    """How many graphs torch.compile has built in this process so far."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled
+    if dynamo_utils is None:
+        return 0
+    return int(dynamo_utils.counters["stats"]["unique_graphs"])
 
 
 class IterTimer:
