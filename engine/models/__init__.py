@@ -60,8 +60,10 @@ DISABLE_TORCH_COMPILE: bool = False
 
 # When False, preset decoder layers in fp16/bf16 on CUDA keep their attention output and
 # log-sum-exp from the forward for the backward, so the stage recompute skips the attention
-# kernel (see _attention; same kernels, same gradients). Set to True to recompute it (less
-# host memory: 4 bytes per token and hidden unit of q for each layer).
+# kernel (see _attention; same kernels, same gradients). It costs host memory: 2 bytes per
+# token x heads x head_dim for every layer (15 GB for Qwen3-1.7B at 131k tokens a step,
+# 18 GB for Qwen3-4B at 65k). Measured on the H100: +6% tokens/s at sequence length 8192,
+# within noise at 2048. Set to True before training to recompute attention instead.
 RECOMPUTE_ATTENTION: bool = False
 
 SUPPORTED_MODELS: dict[str, str] = {
