@@ -337,9 +337,8 @@ def _pipeline_search(
     for _ in range(4 * n):  # each round improves or stops; bounded for safety
         improved = False
         for which in ("fwd", "bwd"):
-            cuts = fcuts if which == "fwd" else bcuts
             cost = fwd if which == "fwd" else bwd
-            for cand in neighbours(cuts):
+            for cand in neighbours(fcuts if which == "fwd" else bcuts):
                 if not ok(_cuts_to_groups(cand, n), cost):
                     continue
                 trial = makespan(cand, bcuts) if which == "fwd" else makespan(fcuts, cand)
@@ -349,7 +348,6 @@ def _pipeline_search(
                         fcuts = cand
                     else:
                         bcuts = cand
-                    cuts = cand
         if not improved:
             break
     return _cuts_to_groups(fcuts, n), _cuts_to_groups(bcuts, n)
