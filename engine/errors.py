@@ -28,8 +28,12 @@ class DeviceError(RoundPipeError):
         self.device = device
 
 
-class StepError(RoundPipeError):
-    """A `step_fn` raised on the optimizer thread; the original is the `__cause__`."""
+class StepError(RoundPipeError, RuntimeError):
+    """A `step_fn` raised on the optimizer thread; the original is the `__cause__`.
+
+    Also a RuntimeError, so the usual `except RuntimeError` around a training step
+    catches it as it catches an error of a synchronous optimizer step.
+    """
 
 
 class GradientsDisabledError(RoundPipeError, RuntimeError, AssertionError):

@@ -204,9 +204,13 @@ class RoundPipeBase(nn.Module):
         """On the optimizer thread: publish w[k], take the gradients, then update."""
         try:
             _publish_weights_take_grads(self, self._params_by_owner())
-            with OptimizerCtx():
-                step_fn(*args, **kwargs)
-            object.__setattr__(self, "_optim_ahead", True)
+            try:
+                with OptimizerCtx():
+                    step_fn(*args, **kwargs)
+            finally:
+                # Also after a failed step_fn: it may have updated some master weights
+                # before raising, and the model must not drift from them.
+                object.__setattr__(self, "_optim_ahead", True)
             if sync:
                 self.sync_optim_param()
         finally:
@@ -744,10 +748,12 @@ class AutoRoundPipe(RoundPipeBase):
             for owner in owners:
                 groups = owner._params_by_owner() if owner is not self else [self._loose_params()]
                 _publish_weights_take_grads(owner, groups)
-            with OptimizerCtx():
-                step_fn(*args, **kwargs)
-            for owner in owners:
-                object.__setattr__(owner, "_optim_ahead", True)
+            try:
+                with OptimizerCtx():
+                    step_fn(*args, **kwargs)
+            finally:  # as in RoundPipe._step_kernel: a failed step_fn may have updated some
+                for owner in owners:
+                    object.__setattr__(owner, "_optim_ahead", True)
             if sync:
                 for owner in owners:
                     owner.sync_optim_param()
