@@ -69,6 +69,10 @@ RECOMPUTE_ATTENTION: bool = False
 SUPPORTED_MODELS: dict[str, str] = {
     "qwen3": "engine.models.qwen3",
     "llama": "engine.models.llama",
+    "qwen2": "engine.models.qwen2",
+    "mistral": "engine.models.mistral",
+    "qwen3_moe": "engine.models.qwen3_moe",
+    "gpt_oss": "engine.models.gpt_oss",
 }
 
 

@@ -5,21 +5,28 @@ A preset turns a Hugging Face `*ForCausalLM` into an `nn.Sequential` of
     EmbeddingLayer  -> DecoderLayer x N -> LMHeadLayer
 
 built from the HF module objects themselves, so parameter objects, names and the HF
-`save_pretrained` output stay those of the original model. Between layers flows one tuple
-(the "carry"):
+`save_pretrained` output stay those of the original model. The Sequential takes the HF
+causal-LM arguments (`input_ids`, `attention_mask`, `position_ids`, `labels`,
+`logits_to_keep`, `return_dict`, `num_items_in_batch`, and `output_router_logits` for
+mixture-of-experts families) and returns what the HF model returns: a
+`CausalLMOutputWithPast`-like object with `.loss` when labels are given and `.logits`
+(see LMHeadLayer and `_outputs` for what `.loss` means per micro-batch). Between layers
+flows one tuple (the "carry"):
 
-    (hidden_states, attention_mask, position_ids, return_logits)
+    (hidden_states, attention_mask, position_ids, labels, router_stats, options)
 
 `hidden_states` is (mb, seq, hidden); `attention_mask` is the caller's 2D padding mask
 (mb, seq) or None; `position_ids` is the caller's (mb, seq) / (1, seq) tensor or None (then
-0..seq-1 per sequence); `return_logits` is the caller's output switch (see LMHeadLayer).
-Only the small 2D inputs travel: every decoder layer rebuilds its rotary cos/sin and its
-causal mask on its own device, because a (mb, 1, seq, seq) mask or the (mb, seq, head_dim)
-cos/sin pair would cost transfer bandwidth at every stage boundary.
+0..seq-1 per sequence); `labels` the caller's (mb, seq) labels or None; `router_stats` the
+running sums of HF's load-balancing loss over the MoE layers so far, or None (see `_moe`);
+`options` the caller's output switches (`HeadOptions`). Only these small inputs travel:
+every decoder layer rebuilds its rotary cos/sin and its causal mask on its own device,
+because a (mb, 1, seq, seq) mask or the (mb, seq, head_dim) cos/sin pair would cost
+transfer bandwidth at every stage boundary.
 
-The head layer returns logits for inference, and for training the pair
-`(normed_hidden_states, lm_head_weight)` that `causal_lm_loss` turns into the loss chunk by
-chunk, so the (tokens, vocab) logits never exist in full (see ChunkedCrossEntropy).
+The loss is taken from the final hidden states chunk by chunk, so the (tokens, vocab)
+logits never exist in full for it (see ChunkedCrossEntropy); the logits themselves are
+only computed where they are returned.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +55,9 @@ __all__ = [
     "IGNORE_INDEX",
     "DecoderLayer",
     "EmbeddingLayer",
+    "HeadOptions",
     "LMHeadLayer",
+    "MoeInfo",
     "build_causal_lm_sequential",
     "causal_lm_loss",
     "causal_lm_loss_fn",
@@ -63,41 +72,162 @@ IGNORE_INDEX = -100
 # for efficient GEMMs, small next to the (16 x 2048) x 151936 logits of a full micro-batch.
 DEFAULT_LOSS_CHUNK_TOKENS = 2048
 
-Carry = tuple[Tensor, Tensor | None, Tensor | None, bool | None]
+
+class HeadOptions(NamedTuple):
+    """The caller's output switches, carried from the first layer to the head."""
+
+    return_logits: bool | None = None
+    logits_to_keep: int | Tensor = 0
+    return_dict: bool | None = None
+    num_items_in_batch: int | float | Tensor | None = None
+    output_router_logits: bool = False
+
+
+class MoeInfo(NamedTuple):
+    """What HF's load-balancing loss needs to know about a mixture-of-experts model."""
+
+    num_experts: int
+    top_k: int
+    aux_coef: float  # HF's router_aux_loss_coef
+    output_router_logits: bool  # the config's default for the argument of that name
+
+
+# (hidden, attention_mask, position_ids, labels, router_stats, options)
+Carry = tuple[
+    Tensor, Tensor | None, Tensor | None, Tensor | None, tuple[Tensor, ...] | None, HeadOptions
+]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+# Arguments of HF's causal-LM forward that only make sense with a KV cache or per-layer
+# outputs: accepted when they ask for nothing, refused otherwise.
+_INERT_ARGUMENTS = ("past_key_values", "use_cache", "output_attentions", "output_hidden_states")
 
 
 class EmbeddingLayer(nn.Module):
     """Layer 0: token ids -> hidden states; takes the preset model's forward arguments."""
 
-    def __init__(self, embed_tokens: nn.Embedding) -> None:
+    def __init__(self, embed_tokens: nn.Embedding, moe: MoeInfo | None = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
+        self.moe = moe
 
     def forward(
         self,
-        input_ids: Tensor,
+        input_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         *,
+        labels: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        logits_to_keep: int | Tensor = 0,
+        return_dict: bool | None = None,
+        num_items_in_batch: int | float | Tensor | None = None,
+        output_router_logits: bool | None = None,
         return_logits: bool | None = None,
+        **unsupported: Any,
     ) -> Carry:
         """Embed `input_ids` (mb, seq) and start the carry.
 
         Args:
-            input_ids: Token ids, (mb, seq).
+            input_ids: Token ids, (mb, seq); or `inputs_embeds` (mb, seq, hidden) instead.
             attention_mask: 1 for tokens to attend to, 0 for padding, (mb, seq).
             position_ids: Positions for packed sequences, (mb, seq) or (1, seq); None means
                 0..seq-1 in every row.
-            return_logits: True: the model returns logits. False: it returns the
-                `(hidden_states, lm_head_weight)` pair for `causal_lm_loss`. None: the
-                pair when the head runs with gradients enabled outside a recompute (the
-                last stage of `forward_backward`), logits otherwise (`forward()`).
+            labels: Token ids (mb, seq) for HF's causal-LM loss (shifted inside; -100 is
+                ignored): the output then has `.loss`.
+            logits_to_keep: HF's argument: an int keeps the logits of the last that many
+                positions (0: all), a 1D tensor those positions. The loss always covers
+                every position.
+            return_dict: False returns HF's tuple (`output.to_tuple()`) instead.
+            num_items_in_batch: HF's argument: `.loss` is the summed token loss divided by
+                it instead of the micro-batch mean (pass the whole batch's count, e.g.
+                `count_loss_tokens(labels)`, and the micro-batch losses add up to the
+                batch mean).
+            output_router_logits: MoE models: compute HF's router load-balancing loss
+                (`.aux_loss`, added to `.loss` with `router_aux_loss_coef`); None takes the
+                config's `output_router_logits`.
+            return_logits: Whether the output has logits. None: yes, except where a loss is
+                taken under autograd (the fused last stage of `forward_backward`, plain
+                training), so training never builds the (tokens, vocab) tensor; pass True
+                to get them there too. Without `labels` an explicit value keeps the
+                original bare outputs: True gives the logits tensor, False the
+                `(normed_hidden_states, lm_head_weight)` pair for `causal_lm_loss`.
         """
-        if input_ids.dim() != 2:
-            raise ConfigError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        return (self.embed_tokens(input_ids), attention_mask, position_ids, return_logits)
+        for name, value in unsupported.items():
+            if name not in _INERT_ARGUMENTS:
+                raise ConfigError(
+                    f"unexpected argument {name!r} for a RoundPipe preset model; it takes "
+                    "input_ids, attention_mask, position_ids, labels, inputs_embeds, "
+                    "logits_to_keep, return_dict, num_items_in_batch, output_router_logits "
+                    "and return_logits"
+                )
+            if value:
+                raise ConfigError(
+                    f"{name}={value!r} is not supported by RoundPipe presets (no KV cache, "
+                    "no per-layer outputs); leave it unset"
+                )
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ConfigError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3:
+                raise ConfigError(
+                    "inputs_embeds must be (batch, seq, hidden), got shape "
+                    f"{tuple(inputs_embeds.shape)}"
+                )
+            hidden = inputs_embeds
+        else:
+            assert input_ids is not None
+            if input_ids.dim() != 2:
+                raise ConfigError(
+                    f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}"
+                )
+            hidden = self.embed_tokens(input_ids)
+        if labels is not None and labels.shape != hidden.shape[:2]:
+            raise ConfigError(
+                f"labels must be (batch, seq) like the input, got shape {tuple(labels.shape)} "
+                f"for an input of {tuple(hidden.shape[:2])}"
+            )
+        router_stats = None
+        want_router = False
+        if self.moe is not None:
+            want_router = (
+                self.moe.output_router_logits
+                if output_router_logits is None
+                else bool(output_router_logits)
+            )
+            if want_router:
+                router_stats = zero_router_stats(self.moe.num_experts, hidden.device)
+        options = HeadOptions(
+            return_logits=return_logits,
+            logits_to_keep=logits_to_keep,
+            return_dict=return_dict,
+            num_items_in_batch=num_items_in_batch,
+            output_router_logits=want_router,
+        )
+        return (hidden, attention_mask, position_ids, labels, router_stats, options)
+
+
+def zero_router_stats(num_experts: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Empty sums for HF's load-balancing loss: top-k counts and routing probabilities per
+    expert, and the number of routed rows (int64 counts stay exact at any size)."""
+    return (
+        torch.zeros(num_experts, dtype=torch.int64, device=device),
+        torch.zeros(num_experts, dtype=torch.float32, device=device),
+        torch.zeros((), dtype=torch.int64, device=device),
+    )
+
+
+def layer_is_sliding(config: Any, layer_idx: int) -> bool:
+    """Whether HF gives decoder layer `layer_idx` the sliding-window causal mask.
+
+    Families with `config.layer_types` (Qwen2, Qwen3, GPT-OSS) name it per layer; the
+    others (Mistral, Qwen3-MoE) use it for every layer when `config.sliding_window` is set.
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer_idx] == "sliding_attention"
+    return getattr(config, "sliding_window", None) is not None
 
 
 class DecoderLayer(nn.Module):
@@ -112,8 +242,7 @@ class DecoderLayer(nn.Module):
         # two layers share a buffer that the engine uploads.
         self.rotary_emb = copy.deepcopy(rotary_emb)
         self.config = config
-        layer_types = getattr(config, "layer_types", None)
-        self.sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+        self.sliding = layer_is_sliding(config, layer_idx)
         # Set by the preset (engine.models.DISABLE_TORCH_COMPILE); read-only in forward.
         self.use_compile = False
         attention = getattr(layer, "self_attn", None)
@@ -126,9 +255,21 @@ class DecoderLayer(nn.Module):
             getattr(config, "head_dim", None) or config.hidden_size // heads,
         )
 
+    # Whether the layer may run under torch.compile (False where routing is data-dependent).
+    compilable = True
+    # Whether the caller's position_ids reach HF's mask builder (as the HF model passes them).
+    mask_uses_position_ids = True
+
     def forward(self, carry: Carry) -> Carry:
         """Run the decoder layer on the carry's hidden states; pass the rest along."""
-        hidden, attention_mask, position_ids, return_logits = carry
+        hidden, attention_mask, position_ids, *rest = carry
+        out = self.run_layer(hidden, attention_mask, position_ids)
+        return (out, attention_mask, position_ids, *rest)  # type: ignore[return-value]
+
+    def run_layer(
+        self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
+    ) -> Tensor:
+        """The HF decoder layer on (mb, seq, hidden) states, with its mask and rotary."""
         positions = position_ids
         if positions is None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -136,12 +277,16 @@ class DecoderLayer(nn.Module):
         # The caller's position_ids (not the default arange) go to the mask builder: only
         # they can describe packing, and HF's packing check costs a host sync.
         mask = build_causal_mask(
-            self.config, hidden, attention_mask, position_ids, sliding=self.sliding
+            self.config,
+            hidden,
+            attention_mask,
+            position_ids if self.mask_uses_position_ids else None,
+            sliding=self.sliding,
         )
         # Compiled only for half precision on CUDA: fp32 models keep plain PyTorch's exact
         # numerics (inductor's fused kernels differed by ~4e-4 relative in an fp32 test on
         # the H100, unexplained yet), far below fp16/bf16 resolution.
-        compiled = self.use_compile and hidden.is_cuda and hidden.dtype in _HALF
+        compiled = self.use_compile and self.compilable and hidden.is_cuda and hidden.dtype in _HALF
         args = (self.layer, hidden, mask, positions, *position_embeddings)
         mode = self._attention_mode(hidden, mask)
         if mode == "save":
@@ -151,7 +296,7 @@ class DecoderLayer(nn.Module):
         else:
             call = _compiled_decoder_call() if compiled else _decoder_call
             out = call(*args, recompute_data_or_none() if mode == "replay" else None)
-        return (out, attention_mask, position_ids, return_logits)
+        return out
 
     def _attention_mode(self, hidden: Tensor, mask: Any) -> str | None:
         """'save' (a forward that will be recomputed), 'replay' (that recompute) or None.
@@ -165,13 +310,15 @@ class DecoderLayer(nn.Module):
             RECOMPUTE_ATTENTION
             or not self.attention_routed
             or mask is not None
-            or self.sliding
             or not hidden.is_cuda
             or hidden.dtype not in _HALF
         ):
             return None
         attention = self.layer.self_attn
-        if getattr(attention, "sliding_window", None) is not None or (
+        # A sliding window at least as long as the sequence is plain causal attention.
+        window = getattr(self.config, "sliding_window", None)
+        windowed = self.sliding or getattr(attention, "sliding_window", None) is not None
+        if (windowed and (window is None or hidden.shape[1] > window)) or (
             attention.training and getattr(attention, "attention_dropout", 0.0) > 0
         ):
             return None
@@ -264,9 +411,15 @@ def _compiled_saving_call() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
 
 
 class LMHeadLayer(nn.Module):
-    """Last layer: final norm, then logits (inference) or the pair for the chunked loss."""
+    """Last layer: final norm, then HF's causal-LM output (`.loss`, `.logits`, `.aux_loss`).
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear) -> None:
+    With `labels`, `.loss` is taken by the chunked cross-entropy straight from the normed
+    hidden states (no (tokens, vocab) logits for it) and is HF's loss of this micro-batch;
+    `.logits` are computed only where they are returned (see `EmbeddingLayer`'s
+    `return_logits`).
+    """
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, moe: MoeInfo | None = None) -> None:
         super().__init__()
         if lm_head.bias is not None:
             raise NotImplementedError(
@@ -274,34 +427,100 @@ class LMHeadLayer(nn.Module):
             )
         self.norm = norm
         self.lm_head = lm_head
+        self.moe = moe
+        self.loss_chunk_tokens = DEFAULT_LOSS_CHUNK_TOKENS
 
-    def forward(self, carry: Carry) -> Tensor | tuple[Tensor, Tensor]:
-        """Return logits (mb, seq, vocab), or `(normed_hidden, lm_head.weight)` for training."""
-        hidden, _, _, return_logits = carry
+    def forward(self, carry: Carry) -> Any:
+        """Return the HF output object (a tuple with return_dict=False), or, for an
+        explicit `return_logits` without labels, the logits or the training pair."""
+        from ._outputs import CausalLMOutput, LossSpec, MoeCausalLMOutput, build_output
+
+        hidden, _, _, labels, router_stats, options = carry
         hidden = self.norm(hidden)
-        if return_logits is None:
-            # The pair only where a loss is taken right here under autograd (the fused last
+        if (
+            labels is None
+            and router_stats is None
+            and options.return_logits is not None
+            and options.return_dict is None
+        ):
+            if options.return_logits:
+                return self.lm_head(_keep_positions(hidden, options.logits_to_keep))
+            return (hidden, self.lm_head.weight)
+        want_logits = options.return_logits
+        if want_logits is None:
+            # Left out only where a loss is taken right here under autograd (the fused last
             # stage of forward_backward, plain use); a no-grad forward and its recompute
-            # must agree on the output's structure, so both give logits.
-            return_logits = not torch.is_grad_enabled() or doing_recompute()
-        if return_logits:
-            return self.lm_head(hidden)
-        return (hidden, self.lm_head.weight)
+            # must agree on the output's structure, so both keep them.
+            want_logits = labels is None or not torch.is_grad_enabled() or doing_recompute()
+        parts: dict[str, Tensor] = {}
+        ce_mode = None
+        if labels is not None:
+            targets = _shift_labels(labels, IGNORE_INDEX).reshape(-1)
+            total = chunked_cross_entropy_sum(
+                hidden.reshape(-1, hidden.shape[-1]),
+                self.lm_head.weight,
+                targets,
+                chunk_tokens=self.loss_chunk_tokens,
+            )
+            items = options.num_items_in_batch
+            if items is None:
+                ce_mode = "mean"
+                parts["ce_sum"] = total.reshape(1)
+                parts["ce_count"] = (targets != IGNORE_INDEX).sum().reshape(1)
+            else:
+                ce_mode = "items"
+                if isinstance(items, Tensor):
+                    items = items.to(total.device)
+                parts["ce_loss"] = (total / items).reshape(1)
+        spec = LossSpec(ce_mode)
+        if router_stats is not None:
+            assert self.moe is not None
+            counts, probs, rows = router_stats
+            parts["router_counts"] = counts.unsqueeze(0)
+            parts["router_probs"] = probs.unsqueeze(0)
+            parts["router_rows"] = rows.reshape(1)
+            spec = LossSpec(ce_mode, self.moe.num_experts, self.moe.aux_coef)
+        fields: dict[str, Any] = {}
+        if want_logits:
+            fields["logits"] = self.lm_head(_keep_positions(hidden, options.logits_to_keep))
+        cls = CausalLMOutput if self.moe is None else MoeCausalLMOutput
+        out = build_output(cls, fields, parts or None, spec if parts else None)
+        return out.to_tuple() if options.return_dict is False else out
 
 
-def build_causal_lm_sequential(model: nn.Module) -> nn.Sequential:
+def _keep_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:
+    """HF's `logits_to_keep`: the last N positions (0: all), or the given positions."""
+    if isinstance(logits_to_keep, int):
+        return hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
+    return hidden[:, logits_to_keep.to(hidden.device), :]
+
+
+def build_causal_lm_sequential(
+    model: nn.Module,
+    *,
+    decoder_cls: Callable[..., DecoderLayer] | None = None,
+    moe: MoeInfo | None = None,
+) -> nn.Sequential:
     """Return the `nn.Sequential` of a HF `*ForCausalLM` with the usual `model.*` layout.
 
     The layout is `model.model.{embed_tokens, layers, norm, rotary_emb}` and `model.lm_head`
-    (Qwen3, Llama, and their relatives). The HF modules are reused, not copied.
+    (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama, Mistral, GPT-OSS). The HF modules are reused, not
+    copied.
+
+    Args:
+        decoder_cls: Makes the decoder-layer wrapper from `(layer, rotary_emb, config,
+            layer_idx)` (default `DecoderLayer`; MoE families pass one that also sums the
+            router statistics).
+        moe: For mixture-of-experts families: what the router auxiliary loss needs.
     """
     base = model.model
     config = model.config
-    layers: list[nn.Module] = [EmbeddingLayer(base.embed_tokens)]
+    make_decoder = decoder_cls or DecoderLayer
+    layers: list[nn.Module] = [EmbeddingLayer(base.embed_tokens, moe)]
     num_layers = getattr(config, "num_hidden_layers", len(base.layers))
     for idx, layer in enumerate(list(base.layers)[:num_layers]):
-        layers.append(DecoderLayer(layer, base.rotary_emb, config, idx))
-    layers.append(LMHeadLayer(base.norm, model.lm_head))
+        layers.append(make_decoder(layer, base.rotary_emb, config, idx))
+    layers.append(LMHeadLayer(base.norm, model.lm_head, moe))
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         log.warning(
             "gradient checkpointing is on in the HF model; RoundPipe recomputes layers "
@@ -533,7 +752,7 @@ def count_loss_tokens(
 
 
 def causal_lm_loss(
-    outputs: Tensor | tuple[Tensor, Tensor] | list[Tensor],
+    outputs: Any,
     labels: Tensor,
     *,
     num_items_in_batch: int | Tensor | None = None,
@@ -549,7 +768,8 @@ def causal_lm_loss(
 
     Args:
         outputs: The head layer's output: the `(normed_hidden, lm_head_weight)` pair (the
-            chunked path), or logits (mb, seq, vocab).
+            chunked path), logits (mb, seq, vocab), or the HF-style output object (its
+            `.logits`).
         labels: (mb, seq) token ids, `ignore_index` where no loss is wanted.
         num_items_in_batch: Divisor for the summed loss; pass the count over the whole
             batch (`count_loss_tokens`) so per-micro-batch losses add up to the batch mean.
@@ -557,6 +777,14 @@ def causal_lm_loss(
         shifted: `labels` are already the next-token targets (e.g. packed data).
     """
     targets = labels if shifted else _shift_labels(labels, ignore_index)
+    if not isinstance(outputs, (Tensor, tuple, list)) and hasattr(outputs, "logits"):
+        if outputs.logits is None:
+            raise ConfigError(
+                "the model output has no logits (they are left out where a loss is taken "
+                "under autograd); pass labels and use output.loss, or pass "
+                "return_logits=False for the chunked pair, or return_logits=True"
+            )
+        outputs = outputs.logits
     if isinstance(outputs, Tensor):
         logits = outputs
         flat_targets = targets.reshape(-1).to(logits.device)
