@@ -90,8 +90,15 @@ MODELS = [
 ]
 
 
-def test_registry_lists_both_presets() -> None:
-    assert SUPPORTED_MODELS == {"qwen3": "engine.models.qwen3", "llama": "engine.models.llama"}
+def test_registry_lists_the_presets() -> None:
+    assert SUPPORTED_MODELS == {
+        "qwen3": "engine.models.qwen3",
+        "llama": "engine.models.llama",
+        "qwen2": "engine.models.qwen2",
+        "mistral": "engine.models.mistral",
+        "qwen3_moe": "engine.models.qwen3_moe",
+        "gpt_oss": "engine.models.gpt_oss",
+    }
 
 
 @pytest.mark.parametrize(("kind", "tie", "attn"), MODELS)
@@ -101,7 +108,7 @@ def test_preset_logits_match_hf(kind: str, tie: bool, attn: str) -> None:
     ids, _ = batch()
     with torch.no_grad():
         expected = hf(input_ids=ids).logits
-        got = run_sequential(seq, ids)  # grad disabled: the head returns logits
+        got = run_sequential(seq, ids).logits
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
 
 
@@ -266,7 +273,7 @@ def test_roundpipe_inference_returns_hf_logits(cpu3: int) -> None:
     mask[2, 7:] = 0
     with torch.no_grad():
         expected = ref(input_ids=ids, attention_mask=mask).logits
-        got = rp(ids, attention_mask=mask)
+        got = rp(ids, attention_mask=mask).logits
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
 
 
