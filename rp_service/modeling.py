@@ -1,7 +1,8 @@
 """Build the Hugging Face model a job trains: a randomly initialised preset or a local directory.
 
 Presets map to transformers classes (``qwen3`` -> Qwen3Config / Qwen3ForCausalLM, ``llama``
--> LlamaConfig / LlamaForCausalLM), the ones the engine has sequential presets for; the
+-> LlamaConfig / LlamaForCausalLM, and ``qwen2``, ``mistral``, ``qwen3_moe``, ``gpt_oss``;
+see `PRESETS`), the ones the engine has sequential presets for; the
 spec's ``model.config`` overrides the config's defaults. A local directory must hold a
 ``config.json`` of one of those model types and ``*.safetensors`` weights.
 """
@@ -31,6 +32,10 @@ DTYPES: dict[str, torch.dtype] = {
 PRESETS: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # Qwen2 and Qwen2.5
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 """Preset name (and HF ``model_type``) -> (config class, model class) in transformers."""
 
@@ -102,7 +107,7 @@ def build_model(
     """Return the HF causal LM of a job, in `dtype`, in training mode, without KV cache.
 
     Args:
-        preset: ``qwen3`` or ``llama`` for a randomly initialised model (seeded by `seed`).
+        preset: a `PRESETS` name for a randomly initialised model (seeded by `seed`).
         config_overrides: HF config fields for a preset.
         path: a local HF model directory instead of a preset.
         vocab_size: ids of the job's tokenizer; the embedding must cover them.

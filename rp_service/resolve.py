@@ -21,6 +21,9 @@ __all__ = ["PRESET_MAX_POSITIONS", "SpecResolver"]
 # Context length of a preset when `model.config` does not override
 # max_position_embeddings: Qwen3's released configs use 40960, Llama 3's 8192.
 PRESET_MAX_POSITIONS = {"qwen3": 40960, "llama": 8192}
+# The other families: Qwen2.5's and Mistral 7B v0.3's 32768, Qwen3-30B-A3B's 40960,
+# gpt-oss's 131072.
+PRESET_MAX_POSITIONS.update(qwen2=32768, mistral=32768, qwen3_moe=40960, gpt_oss=131072)
 
 
 def _under_roots(raw: str, roots: list[Path], *, param: str, env: str) -> Path:

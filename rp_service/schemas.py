@@ -62,7 +62,7 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """The model to train: a preset with random initialisation, or a local HF directory."""
 
-    preset: Literal["qwen3", "llama"] | None = Field(
+    preset: Literal["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss"] | None = Field(
         None, description="Architecture preset, randomly initialised (exactly one of preset/path)."
     )
     config: dict[str, ConfigValue] = Field(
@@ -80,7 +80,7 @@ class ModelSection(_Section):
     def _one_source(self) -> ModelSection:
         if (self.preset is None) == (self.path is None):
             raise ValueError(
-                "give exactly one of model.preset ('qwen3' or 'llama') or model.path "
+                "give exactly one of model.preset (e.g. 'qwen3') or model.path "
                 "(a local Hugging Face directory)"
             )
         if self.path is not None and self.config:

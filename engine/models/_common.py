@@ -190,9 +190,12 @@ class EmbeddingLayer(nn.Module):
             )
         router_stats = None
         want_router = False
+        # The original bare outputs (see return_logits) have no room for an aux loss: the
+        # config's default does not apply to them.
+        bare = labels is None and return_logits is not None and return_dict is None
         if self.moe is not None:
             want_router = (
-                self.moe.output_router_logits
+                self.moe.output_router_logits and not bare
                 if output_router_logits is None
                 else bool(output_router_logits)
             )

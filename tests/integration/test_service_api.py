@@ -118,7 +118,7 @@ def _error(r: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize(
     ("overrides", "param", "needle"),
     [
-        ({"model": {"preset": "gpt5"}}, "model.preset", "'qwen3' or 'llama'"),
+        ({"model": {"preset": "gpt5"}}, "model.preset", "'qwen3', 'llama'"),
         ({"model": {"preset": "qwen3", "dtype": "float8"}}, "model.dtype", "float32"),
         ({"train": {"lr": -0.1}}, "train.lr", "greater than 0"),
         ({"data": {"train": "synthetic", "seq_len": 50000}}, "data.seq_len", "40960"),
