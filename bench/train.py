@@ -7,6 +7,7 @@ convention), peak GPU memory (torch.cuda.max_memory_allocated) and peak host mem
 
     python bench/train.py                                  # Qwen3-1.7B shape, RoundPipe
     python bench/train.py --baseline                       # + plain PyTorch on the GPU
+    python bench/train.py --model qwen3-30b-a3b-6l         # MoE (bf16), full fine-tune
     RP_DEVICES=cpu:1 python bench/train.py --model tiny    # CPU self-check (a few seconds)
 
 The model is randomly initialised on the host (no download): weights are allocated
@@ -71,6 +72,58 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": False,
     },
+    # Mixture of experts (Qwen3MoeForCausalLM, "family" picks the class). Qwen3-30B-A3B:
+    # 30.5 B parameters, 3.3 B active per token (8 of 128 experts per layer); a full
+    # fine-tune needs ~512 GiB of host memory at 18 bytes per parameter (fp16/bf16 copy,
+    # fp32 master, Adam m and v, fp32 gradient), so on the 125 GiB box it needs --lora.
+    "qwen3-30b-a3b": {
+        "family": "qwen3_moe",
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
+    # The same decoder layers (and routing), 6 of the 48: 4.36 B parameters, 0.96 B active
+    # per token (embedding and head included); a full fine-tune at 18 bytes per parameter
+    # is ~73 GiB of host memory.
+    "qwen3-30b-a3b-6l": {
+        "family": "qwen3_moe",
+        "hidden_size": 2048,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
+    "tiny-moe": {
+        "family": "qwen3_moe",
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "vocab_size": 256,
+        "tie_word_embeddings": True,
+    },
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 3,
@@ -115,6 +168,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="log each iteration's per-layer times and each new execution plan (stderr)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16"],
+        default=None,
+        help="model dtype (float16; bfloat16 for MoE shapes: torch's grouped_mm, which "
+        "transformers' experts use on CUDA, takes bf16 only)",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -124,12 +184,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="self-checks (default: on for --model tiny)",
     )
     args = p.parse_args(argv)
-    tiny = args.model == "tiny"
+    tiny = args.model.startswith("tiny")
     for key, full in (("seq_len", 2048), ("seqs_per_step", 64), ("steps", 5), ("warmup", 2)):
         if getattr(args, key) is None:
             setattr(args, key, TINY_DEFAULTS[key] if tiny else full)
     if args.check is None:
         args.check = tiny
+    if args.dtype is None:
+        args.dtype = "bfloat16" if "family" in SHAPES[args.model] else "float16"
     if args.seqs_per_step % args.num_microbatch:
         p.error("--seqs-per-step must be a multiple of --num-microbatch")
     if args.seqs_per_step % args.baseline_microbatch:
@@ -149,18 +211,22 @@ def _no_hf_init() -> Iterator[None]:
 
 
 def build_model(name: str, dtype: torch.dtype, attn: str, seed: int) -> nn.Module:
-    """A randomly initialised Qwen3ForCausalLM of the named shape, on the host, in `dtype`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A randomly initialised Qwen3ForCausalLM (Qwen3MoeForCausalLM for a MoE shape) of the
+    named shape, on the host, in `dtype`."""
+    import transformers
 
-    config = Qwen3Config(
-        **SHAPES[name], max_position_embeddings=40960, rope_theta=1e6, use_cache=False
-    )
+    shape = dict(SHAPES[name])
+    family = shape.pop("family", "qwen3")
+    prefix = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
+    config = config_cls(**shape, max_position_embeddings=40960, rope_theta=1e6, use_cache=False)
     config._attn_implementation = attn
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # allocate straight in the model dtype
     try:
         with _no_hf_init():
-            model = Qwen3ForCausalLM(config)
+            model = model_cls(config)
     finally:
         torch.set_default_dtype(previous)
     _fill_random(model, seed)
@@ -199,11 +265,23 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
 
 
+def count_active_params(model: nn.Module) -> int:
+    """Parameters a token goes through: an MoE layer's experts count top_k / num_experts."""
+    c = model.config
+    experts = getattr(c, "num_experts", 0)
+    if not experts:
+        return count_params(model)
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    idle = expert_params * (experts - c.num_experts_per_tok) // experts
+    return count_params(model) - idle
+
+
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """6N for the matmuls (forward + backward) + 6 L S h d for causal attention scores."""
+    """6N for the matmuls (forward + backward; N the active parameters of an MoE) + 6 L S h
+    d for causal attention scores."""
     c = model.config
     attention = 6 * c.num_hidden_layers * seq_len * c.num_attention_heads * c.head_dim
-    return 6 * count_params(model) + attention
+    return 6 * count_active_params(model) + attention
 
 
 def make_batches(args: argparse.Namespace, vocab: int) -> list[torch.Tensor]:
@@ -258,6 +336,7 @@ def report(
         "system": system,
         "model": args.model,
         "params": count_params(model),
+        "active_params": count_active_params(model),
         "seq_len": args.seq_len,
         "seqs_per_step": args.seqs_per_step,
         "tokens_per_step": tokens,
@@ -318,7 +397,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     from engine.wrapper import wrap_model_to_roundpipe
 
     t0 = time.perf_counter()
-    model = build_model(args.model, torch.float16, "sdpa", args.seed)
+    model = build_model(args.model, getattr(torch, args.dtype), "sdpa", args.seed)
     build_s = time.perf_counter() - t0
     batches = make_batches(args, model.config.vocab_size)
     expected_first = reference_loss(model, batches[0]) if args.check else None
@@ -371,7 +450,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         async_step=not args.sync,
         recompute_attention=args.recompute_attention,
         optimizer=optimizer_name,
-        model_dtype="float16",
+        model_dtype=args.dtype,
         optim_dtype="float32",
         build_s=round(build_s, 2),
         wrap_s=round(wrap_s, 2),
