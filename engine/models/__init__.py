@@ -1,20 +1,24 @@
 """Sequential presets for supported Hugging Face models, and the causal-LM loss they use.
 
-`SUPPORTED_MODELS` maps a `config.model_type` to the module holding its preset; each
-preset module names the model class it expects (`MODEL_CLASS`) and turns such a model
-into an `nn.Sequential` over the model's own modules (`to_sequential`). `wrap_model` wraps
-that Sequential in a `RoundPipe` whose attributes fall through to the original HF model.
+`SUPPORTED_MODELS` maps a `config.model_type` to the module holding its preset (Qwen3,
+Llama, Qwen2/2.5, Mistral, Qwen3-MoE, GPT-OSS); each preset module names the model class
+it expects (`MODEL_CLASS`) and turns such a model into an `nn.Sequential` over the model's
+own modules (`to_sequential`). `wrap_model` wraps that Sequential in a `RoundPipe` whose
+attributes fall through to the original HF model.
 
-Training a preset model::
+A preset model is called like the HF model (see `_common` and `_outputs`)::
 
     rp = wrap_model_to_roundpipe(hf_model, optim_dtype=torch.float32)
+    with torch.no_grad():
+        logits = rp(input_ids=ids).logits
     loss = rp.forward_backward(
-        input_kwargs={"input_ids": ids, "attention_mask": mask, "return_logits": False},
-        label=labels,
-        loss_fn=causal_lm_loss_fn(labels),  # batch mean, summed over micro-batches
+        input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": labels,
+                      "num_items_in_batch": count_loss_tokens(labels)},
+        loss_fn=lambda out, _: out.loss,  # HF's batch mean, summed over micro-batches
     )
 
-and `rp(input_ids)` under `torch.no_grad()` returns logits.
+and the original convention still works: `return_logits=False` gives the head's
+`(hidden, lm_head_weight)` pair for `causal_lm_loss_fn(labels)`.
 """
 
 from __future__ import annotations
