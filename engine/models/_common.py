@@ -436,7 +436,13 @@ class LMHeadLayer(nn.Module):
     def forward(self, carry: Carry) -> Any:
         """Return the HF output object (a tuple with return_dict=False), or, for an
         explicit `return_logits` without labels, the logits or the training pair."""
-        from ._outputs import CausalLMOutput, LossSpec, MoeCausalLMOutput, build_output
+        from ._outputs import (
+            CausalLMOutput,
+            LossSpec,
+            MoeCausalLMOutput,
+            OutputTuple,
+            build_output,
+        )
 
         hidden, _, _, labels, router_stats, options = carry
         hidden = self.norm(hidden)
@@ -488,7 +494,7 @@ class LMHeadLayer(nn.Module):
             fields["logits"] = self.lm_head(_keep_positions(hidden, options.logits_to_keep))
         cls = CausalLMOutput if self.moe is None else MoeCausalLMOutput
         out = build_output(cls, fields, parts or None, spec if parts else None)
-        return out.to_tuple() if options.return_dict is False else out
+        return OutputTuple.of(out) if options.return_dict is False else out
 
 
 def _keep_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:

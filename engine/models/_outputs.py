@@ -32,6 +32,7 @@ __all__ = [
     "CausalLMOutput",
     "LossSpec",
     "MoeCausalLMOutput",
+    "OutputTuple",
     "build_output",
 ]
 
@@ -155,3 +156,34 @@ def _register(cls: type[CausalLMOutputWithPast]) -> None:
 
 for _cls in (CausalLMOutput, MoeCausalLMOutput):
     _register(_cls)
+
+
+class OutputTuple(tuple):  # type: ignore[type-arg]
+    """HF's `return_dict=False` form of an output (`output.to_tuple()`), which flattens and
+    merges like the output it came from (so a merged `[0]` is the batch loss too)."""
+
+    output: CausalLMOutputWithPast
+
+    @classmethod
+    def of(cls, output: CausalLMOutputWithPast) -> OutputTuple:
+        result = cls(output.to_tuple())
+        result.output = output
+        return result
+
+
+def _flatten_tuple(value: OutputTuple) -> tuple[list[Any], Any]:
+    leaves, context = _flatten(value.output)
+    return leaves, (type(value.output), context)
+
+
+def _unflatten_tuple(leaves: Any, context: Any) -> OutputTuple:
+    cls, inner = context
+    return OutputTuple.of(_unflatten(cls, leaves, inner))
+
+
+pytree.register_pytree_node(
+    OutputTuple,
+    _flatten_tuple,
+    _unflatten_tuple,
+    serialized_type_name=f"{__name__}.OutputTuple",
+)
