@@ -144,9 +144,13 @@ def test_half_family_on_cuda(kind: str, cuda_devices: int) -> None:
     from engine.models import _common
 
     dtype = torch.bfloat16 if kind in MOE else torch.float16
-    exact = tiny_model(kind).cuda()
-    half = copy.deepcopy(exact).to(dtype)
-    mine = copy.deepcopy(half).cpu()
+    base = tiny_model(kind)
+    exact = copy.deepcopy(base)
+    if kind in MOE:
+        exact.set_experts_implementation("eager")  # the fp32 oracle: see the fp32 test
+    exact = exact.cuda()
+    half = copy.deepcopy(base).to(dtype).cuda()  # HF's default experts kernel
+    mine = copy.deepcopy(base).to(dtype)
     kwargs = batch(1)
     exact_out, exact_grads = hf_run(exact, kwargs)
     half_out, half_grads = hf_run(half, kwargs)
