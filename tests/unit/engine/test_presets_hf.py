@@ -80,7 +80,7 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    mask[2, 6:] = 0
+    mask[2, 5:] = 0  # the two halves differ in tokens and in loss tokens
     labels = ids.masked_fill(mask == 0, -100)
     return ids, mask, labels
 
@@ -118,7 +118,7 @@ def test_forward_returns_hf_logits_and_batch_loss(cpu3: int) -> None:
     assert isinstance(got, transformers.modeling_outputs.CausalLMOutputWithPast)
     torch.testing.assert_close(plain.logits, hf(input_ids=ids).logits, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(got.logits, expected.logits, rtol=RTOL, atol=ATOL)
-    # The micro-batches count 9 and 13 loss tokens: the merged loss is the batch mean.
+    # The micro-batches count different loss tokens: the merged loss is the batch mean.
     assert count_loss_tokens(labels[:2]) != count_loss_tokens(labels[2:])
     torch.testing.assert_close(got.loss, expected.loss, rtol=RTOL, atol=ATOL)
     assert got.loss.dim() == 0 and list(got.keys()) == ["loss", "logits"]
@@ -304,3 +304,38 @@ def test_moe_experts_keep_hf_names() -> None:
     assert {"layer.mlp.experts.gate_up_proj", "layer.mlp.experts.down_proj"} <= names
     assert isinstance(seq[2].layer.mlp.gate_proj, nn.Linear)
     assert {id(p) for p in seq.parameters()} == {id(p) for p in hf.parameters()}
+
+
+def test_moe_merged_loss_backward_gives_whole_batch_gradients(cpu3: int) -> None:
+    """`rp(..., labels=...).loss.backward()` over two micro-batches: the router statistics
+    of both are merged before the aux loss is taken, so loss and gradients are HF's on the
+    whole batch."""
+    ref = tiny_model("qwen3_moe")
+    mine = copy.deepcopy(ref)
+    rp = wrap(mine, num_microbatch=2)
+    ids, mask, labels = batch(6)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    expected = ref(**kwargs, output_router_logits=True)
+    expected.loss.backward()
+    got = rp(**kwargs, output_router_logits=True)
+    got.loss.backward()
+    rp.synchronize()
+    torch.testing.assert_close(got.loss, expected.loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got.aux_loss, expected.aux_loss, rtol=RTOL, atol=ATOL)
+    assert_grads_equal(mine, ref)
+
+
+def test_inputs_embeds_instead_of_ids() -> None:
+    from engine.models import to_sequential
+
+    hf = tiny_model("qwen2")
+    seq = to_sequential(copy.deepcopy(hf))
+    ids, mask, labels = batch(7)
+    embeds = hf.model.embed_tokens(ids).detach()
+    with torch.no_grad():
+        expected = hf(inputs_embeds=embeds, attention_mask=mask, labels=labels)
+        out = seq[0](inputs_embeds=embeds, attention_mask=mask, labels=labels)
+        for layer in list(seq)[1:]:
+            out = layer(out)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=RTOL, atol=ATOL)
