@@ -451,6 +451,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         recompute_attention=args.recompute_attention,
         optimizer=optimizer_name,
         model_dtype=args.dtype,
+        experts_implementation=getattr(model.config, "_experts_implementation", None),
         optim_dtype="float32",
         build_s=round(build_s, 2),
         wrap_s=round(wrap_s, 2),
