@@ -24,6 +24,7 @@ import gc
 import json
 import logging
 import math
+import os
 import resource
 import statistics
 import sys
@@ -261,6 +262,33 @@ def _fill_random(model: nn.Module, seed: int) -> None:
                 pos, offset = pos + take, offset + take
 
 
+# fp16/bf16 model copy, fp32 master, Adam m and v, fp32 gradient: a full fine-tune's host
+# bytes per parameter.
+_FULL_FINETUNE_BYTES_PER_PARAM = 18
+
+
+def check_host_memory(args: argparse.Namespace) -> None:
+    """Refuse a full fine-tune that cannot fit in this host's memory, before building it."""
+    if getattr(args, "lora", False):  # adapters only: the optimizer state is tiny
+        return
+    import transformers
+
+    shape = dict(SHAPES[args.model])
+    family = shape.pop("family", "qwen3")
+    prefix = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
+    config = getattr(transformers, f"{prefix}Config")(**shape)
+    with torch.device("meta"):
+        params = count_params(getattr(transformers, f"{prefix}ForCausalLM")(config))
+    need = params * _FULL_FINETUNE_BYTES_PER_PARAM
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > total:
+        raise SystemExit(
+            f"--model {args.model} has {params / 1e9:.1f} B parameters: a full fine-tune needs "
+            f"~{need / 2**30:.0f} GiB of host memory, this host has {total / 2**30:.0f} GiB; "
+            "train adapters (--lora) or pick a smaller shape (e.g. qwen3-30b-a3b-6l)"
+        )
+
+
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
 
@@ -396,6 +424,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     from engine.run_config import RoundPipeRunConfig
     from engine.wrapper import wrap_model_to_roundpipe
 
+    check_host_memory(args)
     t0 = time.perf_counter()
     model = build_model(args.model, getattr(torch, args.dtype), "sdpa", args.seed)
     build_s = time.perf_counter() - t0
