@@ -80,7 +80,7 @@ def main() -> int:
             level="error",
         )
         return 1
-    total = spec["train"]["steps"]
+    total = spec["train"]["steps"] or round(spec["train"]["epochs"] * 10)
     interval = spec["train"]["checkpoint_interval"]
     start = newest_checkpoint(checkpoint_dir)
     emit("status", f"training from step {start}", {"status": "running", "resumed_from": start})

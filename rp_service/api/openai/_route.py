@@ -7,6 +7,7 @@ unsupported; this class turns the validation error into that before it reaches t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -18,20 +19,32 @@ from rp_service.errors import BadRequest
 
 __all__ = ["OpenAIRoute", "bad_request"]
 
+_AUTO_PARAMS = ("hyperparameters.", "method.supervised.hyperparameters.")
+_UNION_MEMBER = re.compile(r"literal\[.*\]|constrained-\w+|int|float|str")
+
 
 def _param(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc]
     if parts and parts[0] in ("body", "query", "path", "header"):
         parts = parts[1:]
+    # pydantic names the member of a union that failed ("literal['auto']", "constrained-int");
+    # the parameter is what the caller knows.
+    parts = [p for p in parts if not _UNION_MEMBER.fullmatch(p)]
     return ".".join(parts) or None
 
 
 def bad_request(exc: RequestValidationError) -> BadRequest:
     """The first validation error as OpenAI's 400, the rest in `details`."""
-    details = []
+    details: list[dict[str, Any]] = []
+    seen: set[str | None] = set()
     for err in exc.errors():
         param = _param(tuple(err.get("loc", ())))
         kind = err.get("type", "")
+        if kind == "literal_error" and "'auto'" in str(err.get("msg", "")):
+            continue  # "auto" | number: the number's error says what was wrong
+        if param in seen:
+            continue
+        seen.add(param)
         if kind == "extra_forbidden":
             message = (
                 f"unsupported parameter {param!r}: this daemon does not implement it; "
@@ -45,6 +58,15 @@ def bad_request(exc: RequestValidationError) -> BadRequest:
             message = "the body is not valid JSON"
         else:
             text = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            if kind in (
+                "greater_than_equal",
+                "greater_than",
+                "less_than_equal",
+                "int_parsing",
+                "float_parsing",
+                "int_from_float",
+            ):
+                text += ' (or "auto")' if param and param.startswith(_AUTO_PARAMS) else ""
             message, code = f"{param}: {text}" if param else text, "invalid_value"
         details.append({"param": param, "message": message, "code": code})
     first = details[0] if details else {"param": None, "message": "invalid request", "code": None}
