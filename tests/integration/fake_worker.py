@@ -107,10 +107,12 @@ def main() -> int:
                 "eta_seconds": (total - step) * step_s,
             },
         )
-        if interval and step % interval == 0 and step < total:
+        saved = bool(interval and step % interval == 0 and step < total)
+        if saved:
             save_checkpoint(checkpoint_dir, step)
         if _flags["pause"] and step < total:
-            save_checkpoint(checkpoint_dir, step)
+            if not saved:  # a pause on a checkpoint step keeps the one just written
+                save_checkpoint(checkpoint_dir, step)
             emit("status", f"paused at step {step}", {"status": "paused", "step": step})
             return 75
     output = Path(resolved["output_dir"])
