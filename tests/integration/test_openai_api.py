@@ -307,8 +307,14 @@ def test_cancel_pause_and_resume(fake_daemon: Daemon) -> None:
         model=MODEL, training_file=file_id, hyperparameters={"n_epochs": 1}
     )
     assert queued.status == "queued"
-    cancelled = client.fine_tuning.jobs.cancel(queued.id)
+    # The cancel's response is lost; the SDK's retry finds the job cancelled: no 409.
+    lossy = _LoseFirstResponse(f"/v1/fine_tuning/jobs/{queued.id}/cancel")
+    flaky = _sdk(fake_daemon, http_client=openai.DefaultHttpxClient(transport=lossy))
+    cancelled = flaky.fine_tuning.jobs.cancel(queued.id)
+    assert lossy.retry_headers == ["0", "1"]
     assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+    with pytest.raises(openai.ConflictError):
+        client.fine_tuning.jobs.cancel(queued.id)  # a new request: the job has ended
     with pytest.raises(openai.ConflictError):
         client.fine_tuning.jobs.resume(queued.id)
 

@@ -25,6 +25,8 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["openai"], route_class=O
 
 JobId = Annotated[str, Path(min_length=1, max_length=200, description="A job id, job-...")]
 After = Annotated[str | None, Query(max_length=200, description="the last id of the page before")]
+# The OpenAI SDK numbers its attempts at one call: > 0 marks a retry.
+RetryCount = Annotated[int | None, Header(ge=0, le=1000)]
 _ERRORS = {
     400: {"model": ErrorEnvelope, "description": "an invalid or unsupported parameter"},
     404: {"model": ErrorEnvelope, "description": "no such job"},
@@ -85,7 +87,7 @@ async def create_job(
     response: Response,
     service: FineTuningDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
-    x_stainless_retry_count: Annotated[int | None, Header(ge=0, le=1000)] = None,
+    x_stainless_retry_count: RetryCount = None,
 ) -> FineTuningJob:
     """`fine_tuning.jobs.create`: translate to a JobSpec and queue it (docs/API.md)."""
     job, created = await service.create(
@@ -114,8 +116,10 @@ async def retrieve_job(job_id: JobId, service: FineTuningDep) -> FineTuningJob:
 @router.post(
     "/{job_id}/cancel", response_model=FineTuningJob, responses=_ERRORS, dependencies=_NO_QUERY
 )
-async def cancel_job(job_id: JobId, service: FineTuningDep) -> FineTuningJob:
-    return await service.cancel(job_id)
+async def cancel_job(
+    job_id: JobId, service: FineTuningDep, x_stainless_retry_count: RetryCount = None
+) -> FineTuningJob:
+    return await service.cancel(job_id, retried=bool(x_stainless_retry_count))
 
 
 @router.post(
@@ -129,8 +133,10 @@ async def pause_job(job_id: JobId, service: FineTuningDep) -> FineTuningJob:
 @router.post(
     "/{job_id}/resume", response_model=FineTuningJob, responses=_ERRORS, dependencies=_NO_QUERY
 )
-async def resume_job(job_id: JobId, service: FineTuningDep) -> FineTuningJob:
-    return await service.resume(job_id)
+async def resume_job(
+    job_id: JobId, service: FineTuningDep, x_stainless_retry_count: RetryCount = None
+) -> FineTuningJob:
+    return await service.resume(job_id, retried=bool(x_stainless_retry_count))
 
 
 @router.get(

@@ -26,7 +26,7 @@ from rp_service.api.openai.schemas import (
     FineTuningJobCreate,
     FineTuningJobEvent,
 )
-from rp_service.errors import BadRequest, InvalidRequest
+from rp_service.errors import BadRequest, Conflict, InvalidRequest
 from rp_service.files import RETRY_WINDOW_S
 from rp_service.resolve import PRESET_MAX_POSITIONS
 from rp_service.schemas import ModelSection
@@ -196,14 +196,30 @@ class FineTuning:
 
     # ------------------------------------------------------------ lifecycle
 
-    async def cancel(self, job_id: str) -> FineTuningJob:
-        return await self._public(await self.orchestrator.cancel(job_id))
+    async def cancel(self, job_id: str, *, retried: bool = False) -> FineTuningJob:
+        try:
+            return await self._public(await self.orchestrator.cancel(job_id))
+        except Conflict as exc:
+            return await self._after_retry(job_id, exc, retried=retried, done={"cancelled"})
 
     async def pause(self, job_id: str) -> FineTuningJob:
         return await self._public(await self.orchestrator.pause(job_id))
 
-    async def resume(self, job_id: str) -> FineTuningJob:
-        return await self._public(await self.orchestrator.resume(job_id))
+    async def resume(self, job_id: str, *, retried: bool = False) -> FineTuningJob:
+        try:
+            return await self._public(await self.orchestrator.resume(job_id))
+        except Conflict as exc:
+            return await self._after_retry(job_id, exc, retried=retried, done={"queued", "running"})
+
+    async def _after_retry(
+        self, job_id: str, conflict: Conflict, *, retried: bool, done: set[str]
+    ) -> FineTuningJob:
+        """A retry whose first attempt did the work (its response was lost) gets the job,
+        not the 409 that the same request would deserve the first time."""
+        job = await self.orchestrator.get(job_id)
+        if retried and job.status in done:
+            return await self._public(job)
+        raise conflict
 
 
 def _max_positions(folder: Path) -> int | None:
