@@ -668,6 +668,25 @@ class OpenAIStore:
         )
         return _openai_job_from_row(row) if row is not None else None
 
+    def list_jobs_by_metadata(
+        self, metadata: dict[str, str] | None, *, after: str | None, limit: int
+    ) -> tuple[list[JobRecord], bool]:
+        """Jobs newest first whose metadata has every pair given; None: jobs without metadata
+        (those of the native API included). Keys are bound as JSON paths, never spliced."""
+        sql = "SELECT j.* FROM jobs j LEFT JOIN openai_jobs o ON o.job_id = j.id WHERE "
+        if metadata is None:
+            where = ["json_extract(o.fields, '$.metadata') IS NULL"]
+            args: list[Any] = []
+        else:
+            where = ["json_extract(o.fields, ?) = ?"] * len(metadata)
+            args = [a for k, v in metadata.items() for a in (f'$.metadata."{k}"', v)]
+        if after is not None:
+            where.append("j.seq < COALESCE((SELECT seq FROM jobs WHERE id = ?), -1)")
+            args.append(after)
+        sql += " AND ".join(where) + " ORDER BY j.seq DESC LIMIT ?"
+        rows = self._conn().execute(sql, (*args, limit + 1)).fetchall()
+        return [_job_from_row(r) for r in rows[:limit]], len(rows) > limit
+
     def list_events_desc(self, job_id: str, *, before: int | None, limit: int) -> list[EventRecord]:
         """Events newest first, with id < `before` (all when None): OpenAI's order."""
         sql = "SELECT * FROM events WHERE job_id = ?"

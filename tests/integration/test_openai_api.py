@@ -275,7 +275,7 @@ def test_refusals_come_as_the_sdks_exceptions(real_daemon: Daemon) -> None:
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.jobs.retrieve("job-nope")
     with pytest.raises(openai.BadRequestError, match="unsupported query parameter"):
-        client.fine_tuning.jobs.list(metadata={"team": "x"})
+        client.fine_tuning.jobs.list(extra_query={"status": "running"})
     wrong = openai.OpenAI(base_url=f"{real_daemon.base_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.fine_tuning.jobs.list()
@@ -401,6 +401,27 @@ def test_a_retried_create_does_not_duplicate(fake_daemon: Daemon, path: str) -> 
     else:
         again = setup.fine_tuning.jobs.create(model=MODEL, training_file=file_id, suffix="retry")
     assert again.id != made.id
+
+
+def test_jobs_are_filtered_by_metadata(fake_daemon: Daemon) -> None:
+    client = _sdk(fake_daemon)
+    file_id = _chat_file(client, n=3)
+    tag = f"run-{time.monotonic_ns()}"
+    made = [
+        client.fine_tuning.jobs.create(
+            model=MODEL, training_file=file_id, metadata={"tag": tag, "i": str(i)}
+        ).id
+        for i in range(3)
+    ]
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"tag": tag})] == made[::-1]
+    page = client.fine_tuning.jobs.list(metadata={"tag": tag}, limit=2)
+    assert [j.id for j in page.data] == [made[2], made[1]] and page.has_more
+    only = client.fine_tuning.jobs.list(metadata={"tag": tag, "i": "1"})
+    assert [j.id for j in only.data] == [made[1]]
+    assert client.fine_tuning.jobs.list(metadata={"tag": "none"}).data == []
+    plain = client.fine_tuning.jobs.create(model=MODEL, training_file=file_id).id
+    untagged = {j.id for j in client.fine_tuning.jobs.list(extra_query={"metadata": "null"})}
+    assert plain in untagged and not untagged & set(made)
 
 
 def test_an_idempotency_key_returns_the_same_job(fake_daemon: Daemon) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Annotated
 
@@ -46,11 +47,15 @@ def _fine_tuning(request: Request) -> FineTuning:
 FineTuningDep = Annotated[FineTuning, Depends(_fine_tuning)]
 
 
-def _only_query(*allowed: str) -> Callable[[Request], None]:
-    """Refuse query parameters the route does not implement (e.g. metadata filters)."""
+def _only_query(*allowed: str, metadata: bool = False) -> Callable[[Request], None]:
+    """Refuse query parameters the route does not implement; `metadata` allows the
+    `metadata[key]=value` filters (and `metadata=null`)."""
 
     def check(request: Request) -> None:
-        unknown = sorted(set(request.query_params) - set(allowed))
+        given = set(request.query_params)
+        if metadata:
+            given -= {k for k in given if k == "metadata" or _METADATA_KEY.fullmatch(k)}
+        unknown = sorted(given - set(allowed))
         if unknown:
             raise BadRequest(
                 f"unsupported query parameter {unknown[0]!r}: this route takes "
@@ -63,6 +68,33 @@ def _only_query(*allowed: str) -> Callable[[Request], None]:
 
 
 _PAGED = [Depends(_only_query("after", "limit"))]
+_METADATA_KEY = re.compile(r"metadata\[(.+)\]")
+
+
+def _metadata_filter(request: Request) -> dict[str, str] | bool | None:
+    """`metadata[k]=v` pairs, None for `metadata=null`, False for no filter."""
+    query = request.query_params
+    pairs = {
+        m.group(1): value
+        for key, value in query.multi_items()
+        if (m := _METADATA_KEY.fullmatch(key)) is not None
+    }
+    if "metadata" in query:
+        if query["metadata"] != "null" or pairs:
+            raise BadRequest(
+                "metadata: filter with metadata[key]=value pairs, or metadata=null alone for "
+                "jobs without metadata",
+                param="metadata",
+            )
+        return None
+    bad = [k for k in pairs if '"' in k]
+    if bad:
+        raise BadRequest(
+            f'metadata key {bad[0]!r}: a key with " cannot be filtered on', param="metadata"
+        )
+    return pairs or False
+
+
 _NO_QUERY = [Depends(_only_query())]
 
 
@@ -97,14 +129,20 @@ async def create_job(
     return job
 
 
-@router.get("", response_model=OpenAIList[FineTuningJob], dependencies=_PAGED)
+@router.get(
+    "",
+    response_model=OpenAIList[FineTuningJob],
+    dependencies=[Depends(_only_query("after", "limit", metadata=True))],
+)
 async def list_jobs(
+    request: Request,
     service: FineTuningDep,
     after: After = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> OpenAIList[FineTuningJob]:
-    """Jobs of both APIs, newest first."""
-    jobs, has_more = await service.list(after=after, limit=limit)
+    """Jobs of both APIs, newest first; `metadata[key]=value` keeps those with the pairs."""
+    metadata = _metadata_filter(request)
+    jobs, has_more = await service.list(after=after, limit=limit, metadata=metadata)
     return OpenAIList[FineTuningJob](**_page(jobs, has_more))
 
 

@@ -167,9 +167,23 @@ class FineTuning:
     async def get(self, job_id: str) -> FineTuningJob:
         return await self._public(await self.orchestrator.get(job_id))
 
-    async def list(self, *, after: str | None, limit: int) -> tuple[list[FineTuningJob], bool]:
-        """Jobs of both APIs, newest first; `after` is the last id of the previous page."""
-        jobs, has_more = await self.orchestrator.list(status=None, after=after, limit=limit)
+    async def list(
+        self, *, after: str | None, limit: int, metadata: dict[str, str] | bool | None = False
+    ) -> tuple[list[FineTuningJob], bool]:
+        """Jobs of both APIs, newest first; `after` is the last id of the previous page.
+
+        `metadata`: False, no filter; a dict, jobs whose metadata has those pairs; None,
+        jobs without metadata.
+        """
+        if metadata is False:
+            jobs, has_more = await self.orchestrator.list(status=None, after=after, limit=limit)
+        else:
+            jobs, has_more = await asyncio.to_thread(
+                self.openai.list_jobs_by_metadata,
+                metadata if isinstance(metadata, dict) else None,
+                after=after,
+                limit=limit,
+            )
         extras = await asyncio.to_thread(self.openai.get_jobs, [j.id for j in jobs])
         return [openai_job(j, extras.get(j.id)) for j in jobs], has_more
 
