@@ -28,6 +28,7 @@ JobId = Annotated[str, Path(min_length=1, max_length=200, description="A job id,
 After = Annotated[str | None, Query(max_length=200, description="the last id of the page before")]
 # The OpenAI SDK numbers its attempts at one call: > 0 marks a retry.
 RetryCount = Annotated[int | None, Header(ge=0, le=1000)]
+_METADATA_KEY = re.compile(r"metadata\[(.+)\]")  # the SDK's form of metadata={k: v}
 _ERRORS = {
     400: {"model": ErrorEnvelope, "description": "an invalid or unsupported parameter"},
     404: {"model": ErrorEnvelope, "description": "no such job"},
@@ -68,7 +69,7 @@ def _only_query(*allowed: str, metadata: bool = False) -> Callable[[Request], No
 
 
 _PAGED = [Depends(_only_query("after", "limit"))]
-_METADATA_KEY = re.compile(r"metadata\[(.+)\]")
+_NO_QUERY = [Depends(_only_query())]
 
 
 def _metadata_filter(request: Request) -> dict[str, str] | bool | None:
@@ -93,9 +94,6 @@ def _metadata_filter(request: Request) -> dict[str, str] | bool | None:
             f'metadata key {bad[0]!r}: a key with " cannot be filtered on', param="metadata"
         )
     return pairs or False
-
-
-_NO_QUERY = [Depends(_only_query())]
 
 
 def _page(data: list, has_more: bool) -> dict:
