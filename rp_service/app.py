@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rp_service import __version__
 from rp_service.api import ROUTERS
+from rp_service.api import openai as openai_api
 from rp_service.api.deps import Services
 from rp_service.api.metrics import build_registry
 from rp_service.errors import ServiceError
@@ -280,6 +281,7 @@ def create_app(settings: Settings) -> FastAPI:
     _install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(openai_api.router)  # OpenAI's fine-tuning API (rp_service/api/openai)
     app.add_middleware(_Guard, settings=settings, latency=latency)
     app.openapi = lambda: _openapi_with_bearer(app)  # type: ignore[method-assign]
     return app

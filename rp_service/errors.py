@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BadRequest",
     "Conflict",
     "InvalidRequest",
     "NotFound",
@@ -66,6 +67,13 @@ class InvalidRequest(ServiceError):
         if details is None and param is not None:
             details = [{"param": param, "message": message}]
         super().__init__(message, code=code, param=param, details=details)
+
+
+class BadRequest(InvalidRequest):
+    """A request the OpenAI-compatible API refuses (400, as OpenAI answers it)."""
+
+    status_code = 400
+    default_code = "invalid_request"
 
 
 class Unauthorized(ServiceError):

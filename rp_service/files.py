@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import IO
 
 from rp_service.errors import InvalidRequest, NotFound, RequestTooLarge
-from rp_service.store import FileRecord, Store
+from rp_service.store import FileRecord, OpenAIStore, Store
 
-__all__ = ["FORMATS", "FileService"]
+__all__ = ["FORMATS", "RETRY_WINDOW_S", "FileService"]
 
 FORMATS = ("text", "chat", "prompt_completion")
+# How far back a client's retry (the OpenAI SDK's x-stainless-retry-count > 0) looks for its
+# first attempt: longer than that SDK's default timeout (600 s) plus its back-off.
+RETRY_WINDOW_S = 900
 _CHUNK_BYTES = 1 << 20
 
 
@@ -44,8 +47,20 @@ class FileService:
         self.files_dir = files_dir
         self.max_upload_bytes = max_upload_bytes
 
-    def save(self, source: IO[bytes], *, filename: str, fmt: str = "auto") -> FileRecord:
+    def save(
+        self,
+        source: IO[bytes],
+        *,
+        filename: str,
+        fmt: str = "auto",
+        retry_since: int | None = None,
+    ) -> tuple[FileRecord, bool]:
         """Copy `source` into the store while checking it; blocking (call it in a thread).
+
+        Returns the record and whether it was stored now. With `retry_since` (the request
+        is a client's retry), an upload of the same bytes under the same name since then
+        is returned instead of a second copy: the first attempt may have been stored
+        before its response was lost.
 
         Raises InvalidRequest naming the first bad line, RequestTooLarge over the limit.
         """
@@ -75,6 +90,13 @@ class FileService:
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
+        if retry_since is not None:
+            earlier = OpenAIStore(self.store).find_retried_file(
+                digest.hexdigest(), filename[:255] or "upload.jsonl", since=retry_since
+            )
+            if earlier is not None:
+                final.unlink(missing_ok=True)
+                return earlier, False
         record = FileRecord(
             id=file_id,
             filename=filename[:255] or "upload.jsonl",
@@ -86,7 +108,7 @@ class FileService:
             path=str(final.resolve()),
         )
         try:
-            return self.store.add_file(record)
+            return self.store.add_file(record), True
         except BaseException:
             final.unlink(missing_ok=True)
             raise

@@ -217,8 +217,15 @@ class File(BaseModel):
     bytes: int
     sha256: str
     line_count: int
-    format: FileFormat
+    format: FileFormat | Literal["csv"] = Field(
+        description="csv: a job's results file (purpose fine-tune-results)"
+    )
     created_at: int
+    # The OpenAI file object's fields, so its SDK reads the same response (docs/API.md).
+    purpose: Literal["fine-tune", "fine-tune-results"] = "fine-tune"
+    status: Literal["processed"] = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
 
 
 class FileDeleted(BaseModel):

@@ -1,19 +1,38 @@
-"""Dataset files: upload (checked), list, read, delete."""
+"""Dataset files: upload (checked), list, read, download, delete.
+
+One route per operation serves both the native API and OpenAI's files API (its SDK posts
+`purpose`, reads `purpose`/`status`, and sends `x-stainless-retry-count` on retries); a
+finished job's results file (`file-results-...`, see rp_service/results.py) is read here too.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Form, Path, Query, UploadFile
+from fastapi import APIRouter, Form, Header, Path, Query, Request, Response, UploadFile
+from fastapi.responses import FileResponse
 
-from rp_service.api.deps import FilesDep
+from rp_service.api.deps import FilesDep, ServicesDep
+from rp_service.errors import BadRequest
+from rp_service.files import RETRY_WINDOW_S
+from rp_service.results import ResultFiles, is_result_file_id
 from rp_service.schemas import ErrorEnvelope, File, FileDeleted, ListPage
+from rp_service.store import FileRecord
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
 FileId = Annotated[str, Path(min_length=1, max_length=200)]
 _404 = {404: {"model": ErrorEnvelope, "description": "no such file"}}
+_FORM_FIELDS = frozenset({"file", "format", "purpose"})
+
+
+def _file(record: FileRecord) -> File:
+    public = File.model_validate(record, from_attributes=True)
+    if is_result_file_id(record.id):
+        public.purpose = "fine-tune-results"
+    return public
 
 
 @router.post(
@@ -21,32 +40,71 @@ _404 = {404: {"model": ErrorEnvelope, "description": "no such file"}}
     response_model=File,
     status_code=201,
     responses={
+        200: {"model": File, "description": "a retried upload that was already stored"},
+        400: {"model": ErrorEnvelope, "description": "an unsupported purpose or form field"},
         413: {"model": ErrorEnvelope, "description": "over RP_MAX_UPLOAD_BYTES"},
         422: {"model": ErrorEnvelope, "description": "a bad line; details.line names it"},
     },
 )
 async def upload_file(
+    request: Request,
+    response: Response,
     file: UploadFile,
     files: FilesDep,
     format: Annotated[
         Literal["auto", "text", "chat", "prompt_completion"], Form(description="jsonl format")
     ] = "auto",
+    purpose: Annotated[
+        str | None, Form(max_length=100, description='OpenAI\'s files API: "fine-tune"')
+    ] = None,
+    x_stainless_retry_count: Annotated[int | None, Header(ge=0, le=1000)] = None,
 ) -> File:
     """Upload a jsonl dataset; each line is checked against the format."""
-    record = await asyncio.to_thread(
-        files.save, file.file, filename=file.filename or "upload.jsonl", fmt=format
+    unknown = sorted(set((await request.form()).keys()) - _FORM_FIELDS)
+    if unknown:
+        raise BadRequest(
+            f"unsupported form field(s) {', '.join(unknown)}: an upload takes file, purpose "
+            "and format",
+            code="unsupported_parameter",
+            param=unknown[0],
+        )
+    if purpose is not None and purpose != "fine-tune":
+        raise BadRequest(
+            f"purpose {purpose!r} is not supported: this daemon stores datasets for "
+            'fine-tuning only; use purpose="fine-tune"',
+            code="unsupported_purpose",
+            param="purpose",
+        )
+    retry_since = int(time.time()) - RETRY_WINDOW_S if x_stainless_retry_count else None
+    record, created = await asyncio.to_thread(
+        files.save,
+        file.file,
+        filename=file.filename or "upload.jsonl",
+        fmt=format,
+        retry_since=retry_since,
     )
-    return File.model_validate(record, from_attributes=True)
+    response.status_code = 201 if created else 200
+    return _file(record)
 
 
 @router.get("", response_model=ListPage[File])
 async def list_files(
-    files: FilesDep,
+    services: ServicesDep,
     after: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 100,
+    purpose: Annotated[
+        Literal["fine-tune", "fine-tune-results"],
+        Query(description="fine-tune-results: the results files of succeeded jobs"),
+    ] = "fine-tune",
+    order: Annotated[Literal["desc"], Query(description="newest first")] = "desc",
 ) -> ListPage[File]:
-    records, has_more = await asyncio.to_thread(files.list, after=after, limit=limit)
-    data = [File.model_validate(r, from_attributes=True) for r in records]
+    if purpose == "fine-tune":
+        records, has_more = await asyncio.to_thread(services.files.list, after=after, limit=limit)
+    else:
+        records, has_more = await asyncio.to_thread(
+            ResultFiles(services.store).page, after=after, limit=limit
+        )
+    data = [_file(r) for r in records]
     return ListPage[File](
         data=data,
         has_more=has_more,
@@ -56,12 +114,40 @@ async def list_files(
 
 
 @router.get("/{file_id}", response_model=File, responses=_404)
-async def get_file(file_id: FileId, files: FilesDep) -> File:
-    record = await asyncio.to_thread(files.get, file_id)
-    return File.model_validate(record, from_attributes=True)
+async def get_file(file_id: FileId, services: ServicesDep) -> File:
+    if is_result_file_id(file_id):
+        record, _ = await asyncio.to_thread(ResultFiles(services.store).record, file_id)
+    else:
+        record = await asyncio.to_thread(services.files.get, file_id)
+    return _file(record)
 
 
-@router.delete("/{file_id}", response_model=FileDeleted, responses=_404)
+@router.get(
+    "/{file_id}/content",
+    response_class=Response,
+    responses={200: {"content": {"application/jsonl": {}, "text/csv": {}}}, **_404},
+)
+async def file_content(file_id: FileId, services: ServicesDep) -> Response:
+    """The file's bytes: an upload as stored, a results file as CSV."""
+    if is_result_file_id(file_id):
+        _, content = await asyncio.to_thread(ResultFiles(services.store).record, file_id)
+        return Response(content, media_type="text/csv")
+    record = await asyncio.to_thread(services.files.get, file_id)
+    return FileResponse(record.path, media_type="application/jsonl", filename=record.filename)
+
+
+@router.delete(
+    "/{file_id}",
+    response_model=FileDeleted,
+    responses={**_404, 400: {"model": ErrorEnvelope, "description": "a results file"}},
+)
 async def delete_file(file_id: FileId, files: FilesDep) -> FileDeleted:
+    if is_result_file_id(file_id):
+        raise BadRequest(
+            f"{file_id} is a job's results file, rendered from the job's events; it cannot "
+            "be deleted on its own",
+            code="file_not_deletable",
+            param="file_id",
+        )
     record = await asyncio.to_thread(files.delete, file_id)
     return FileDeleted(id=record.id)

@@ -80,7 +80,7 @@ def main() -> int:
             level="error",
         )
         return 1
-    total = spec["train"]["steps"]
+    total = spec["train"]["steps"] or round(spec["train"]["epochs"] * 10)
     interval = spec["train"]["checkpoint_interval"]
     start = newest_checkpoint(checkpoint_dir)
     emit("status", f"training from step {start}", {"status": "running", "resumed_from": start})
@@ -107,10 +107,12 @@ def main() -> int:
                 "eta_seconds": (total - step) * step_s,
             },
         )
-        if interval and step % interval == 0 and step < total:
+        saved = bool(interval and step % interval == 0 and step < total)
+        if saved:
             save_checkpoint(checkpoint_dir, step)
         if _flags["pause"] and step < total:
-            save_checkpoint(checkpoint_dir, step)
+            if not saved:  # a pause on a checkpoint step keeps the one just written
+                save_checkpoint(checkpoint_dir, step)
             emit("status", f"paused at step {step}", {"status": "paused", "step": step})
             return 75
     output = Path(resolved["output_dir"])

@@ -1,0 +1,175 @@
+"""OpenAI's fine-tuning shapes: the create request as this daemon accepts it, the objects
+it returns. Field names, types and ranges follow OpenAI's API reference; what this daemon
+does not implement is refused (extra="forbid" and checks in `mapping`), never ignored."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "FineTuningJob",
+    "FineTuningJobCheckpoint",
+    "FineTuningJobCreate",
+    "FineTuningJobEvent",
+    "Hyperparameters",
+    "Method",
+    "OpenAIList",
+    "OpenAIStatus",
+    "ResolvedHyperparameters",
+    "SupervisedMethod",
+]
+
+OpenAIStatus = Literal[
+    "validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"
+]
+_METADATA_KEYS = 16
+_METADATA_KEY_CHARS = 64
+_METADATA_VALUE_CHARS = 512
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Hyperparameters(_Request):
+    """OpenAI's supervised hyperparameters; "auto" lets the daemon choose (docs/API.md)."""
+
+    n_epochs: Literal["auto"] | Annotated[int, Field(ge=1, le=50)] = "auto"
+    batch_size: Literal["auto"] | Annotated[int, Field(ge=1, le=1 << 16)] = "auto"
+    learning_rate_multiplier: Literal["auto"] | Annotated[float, Field(gt=0, le=10)] = "auto"
+
+
+class SupervisedMethod(_Request):
+    hyperparameters: Hyperparameters | None = None
+
+
+class Method(_Request):
+    type: Literal["supervised", "dpo", "reinforcement"]
+    supervised: SupervisedMethod | None = None
+    # Accepted as shapes only so the refusal can name them (mapping.py refuses both).
+    dpo: dict[str, Any] | None = None
+    reinforcement: dict[str, Any] | None = None
+
+
+class FineTuningJobCreate(_Request):
+    """The body of `POST /v1/fine_tuning/jobs` (the SDK's `fine_tuning.jobs.create`)."""
+
+    model: str = Field(..., min_length=1, max_length=4096)
+    training_file: str = Field(..., min_length=1, max_length=200)
+    hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
+    suffix: str | None = Field(None, min_length=1, max_length=64)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    validation_file: str | None = Field(None, min_length=1, max_length=200)
+    metadata: dict[str, str] | None = None
+    integrations: list[Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > _METADATA_KEYS:
+            raise ValueError(f"at most {_METADATA_KEYS} keys, got {len(value)}")
+        for key, item in value.items():
+            if len(key) > _METADATA_KEY_CHARS:
+                raise ValueError(f"key {key[:20]!r}... is over {_METADATA_KEY_CHARS} characters")
+            if len(item) > _METADATA_VALUE_CHARS:
+                raise ValueError(f"the value of {key!r} is over {_METADATA_VALUE_CHARS} characters")
+        return value
+
+
+# ---------------------------------------------------------------- objects
+
+
+class ResolvedHyperparameters(BaseModel):
+    """The values a job runs with ("auto" resolved); None where a native job has none."""
+
+    n_epochs: int | float | None = None
+    batch_size: int | None = None
+    learning_rate_multiplier: float | None = None
+
+
+class _SupervisedOut(BaseModel):
+    hyperparameters: ResolvedHyperparameters
+
+
+class _MethodOut(BaseModel):
+    type: Literal["supervised"] = "supervised"
+    supervised: _SupervisedOut
+
+
+class _JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class FineTuningJob(BaseModel):
+    """OpenAI's `fine_tuning.job`; its `id` is the native job id, so both APIs share it."""
+
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: _JobError | None
+    fine_tuned_model: str | None = Field(
+        description="The trained model's folder (Hugging Face format) once the job succeeded."
+    )
+    finished_at: int | None
+    hyperparameters: ResolvedHyperparameters
+    method: _MethodOut
+    model: str
+    organization_id: str
+    result_files: list[str]
+    seed: int
+    status: OpenAIStatus
+    trained_tokens: int | None
+    training_file: str
+    validation_file: str | None
+    estimated_finish: int | None
+    integrations: list[Any] = Field(default_factory=list)
+    metadata: dict[str, str] | None
+    suffix: str | None
+    user_provided_suffix: str | None
+
+
+class FineTuningJobEvent(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    data: dict[str, Any]
+    type: Literal["message", "metrics"]
+
+
+class CheckpointMetrics(BaseModel):
+    step: int
+    train_loss: float | None = None
+    valid_loss: float | None = None
+    full_valid_loss: float | None = None
+
+
+class FineTuningJobCheckpoint(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str = Field(description="The checkpoint's directory.")
+    fine_tuning_job_id: str
+    metrics: CheckpointMetrics
+    step_number: int
+
+
+T = TypeVar("T")
+
+
+class OpenAIList(BaseModel, Generic[T]):
+    """A cursor page: the next page is `after=<last id>` while `has_more`."""
+
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
