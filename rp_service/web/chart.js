@@ -149,15 +149,10 @@ export class LineChart {
       canvas.dataset.points = "0";
       return;
     }
-    if (hi === lo) {
-      const pad = Math.abs(hi) * 0.05 || 1;
-      lo -= pad;
-      hi += pad;
-    } else {
-      const pad = (hi - lo) * 0.05;
-      lo -= pad;
-      hi += pad;
-    }
+    // 5% room above and below; a series that never goes negative keeps its axis at >= 0
+    const pad = hi === lo ? Math.abs(hi) * 0.05 || 1 : (hi - lo) * 0.05;
+    lo = lo >= 0 ? Math.max(0, lo - pad) : lo - pad;
+    hi += pad;
     const sx = (x) => PAD.left + (x1 > x0 ? ((x - x0) / (x1 - x0)) * plotW : plotW / 2);
     const sy = (y) => PAD.top + (1 - (y - lo) / (hi - lo)) * plotH;
 

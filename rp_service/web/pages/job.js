@@ -117,6 +117,7 @@ export function renderJob(view, jobId) {
   }
 
   async function act(action) {
+    if (action === "cancel" && !confirm(`Cancel ${job ? job.name || job.id : jobId}? This cannot be undone.`)) return;
     message.className = "";
     message.textContent = `${action}…`;
     try {
