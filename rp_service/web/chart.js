@@ -56,11 +56,24 @@ export function niceTicks(lo, hi, count) {
   return ticks;
 }
 
+// A tick label with just enough digits to tell neighbouring ticks `step` apart.
+export function tickLabel(value, step) {
+  if (value === 0) return "0";
+  const magnitude = Math.abs(value);
+  if (magnitude >= 1e5 || magnitude < 1e-3) {
+    const digits = Math.max(0, Math.floor(Math.log10(magnitude)) - Math.floor(Math.log10(step)));
+    return value.toExponential(Math.min(6, digits));
+  }
+  return value.toFixed(Math.max(0, Math.min(8, -Math.floor(Math.log10(step)))));
+}
+
 export class LineChart {
-  constructor(canvas, { title, format = (v) => String(v), series }) {
+  // `format(value)` labels the legend's latest values; `tickFormat(value, step)` the axis.
+  constructor(canvas, { title, format = (v) => String(v), tickFormat = tickLabel, series }) {
     this.canvas = canvas;
     this.title = title;
     this.format = format;
+    this.tickFormat = tickFormat;
     this.series = new Map(series.map((s) => [s.key, s]));
     this.pending = false;
     this.drawn = 0; // points drawn last time, after decimation (tests read it)
@@ -161,13 +174,15 @@ export class LineChart {
     ctx.fillStyle = ink;
     ctx.textAlign = "right";
     ctx.textBaseline = "middle";
-    for (const t of niceTicks(lo, hi, Math.max(2, Math.floor(plotH / 40)))) {
+    const yTicks = niceTicks(lo, hi, Math.max(2, Math.floor(plotH / 40)));
+    const yStep = yTicks.length > 1 ? yTicks[1] - yTicks[0] : Math.abs(yTicks[0]) || 1;
+    for (const t of yTicks) {
       const y = Math.round(sy(t)) + 0.5;
       ctx.beginPath();
       ctx.moveTo(PAD.left, y);
       ctx.lineTo(PAD.left + plotW, y);
       ctx.stroke();
-      ctx.fillText(this.format(t), PAD.left - 6, y);
+      ctx.fillText(this.tickFormat(t, yStep), PAD.left - 6, y);
     }
     ctx.textAlign = "center";
     ctx.textBaseline = "top";

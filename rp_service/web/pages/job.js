@@ -54,7 +54,7 @@ export function renderJob(view, jobId) {
       format: (v) => number(v, 3),
       series: [new Series("tokens_per_second", "tokens/s", COLORS[3])],
     }),
-    memory: new LineChart(memoryCanvas, { title: "memory", format: bytes, series: [] }),
+    memory: new LineChart(memoryCanvas, { title: "memory", format: bytes, tickFormat: bytes, series: [] }),
   };
 
   const checkpointsBody = el("tbody");
