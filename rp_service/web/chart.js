@@ -69,8 +69,9 @@ export function tickLabel(value, step) {
 
 export class LineChart {
   // `format(value)` labels the legend's latest values; `tickFormat(value, step)` the axis.
-  constructor(canvas, { title, format = (v) => String(v), tickFormat = tickLabel, series }) {
+  constructor(canvas, { title, format = (v) => String(v), tickFormat = tickLabel, series, empty = "no data yet" }) {
     this.canvas = canvas;
+    this.empty = empty;
     this.title = title;
     this.format = format;
     this.tickFormat = tickFormat;
@@ -157,7 +158,8 @@ export class LineChart {
     this.drawLegend(ctx, width);
     if (!Number.isFinite(lo)) {
       ctx.fillStyle = grid;
-      ctx.fillText("no data yet", PAD.left + plotW / 2 - 30, PAD.top + plotH / 2);
+      ctx.textAlign = "center";
+      ctx.fillText(this.empty, PAD.left + plotW / 2, PAD.top + plotH / 2);
       this.drawn = 0;
       canvas.dataset.points = "0";
       return;

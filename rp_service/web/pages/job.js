@@ -54,7 +54,13 @@ export function renderJob(view, jobId) {
       format: (v) => number(v, 3),
       series: [new Series("tokens_per_second", "tokens/s", COLORS[3])],
     }),
-    memory: new LineChart(memoryCanvas, { title: "memory", format: bytes, tickFormat: bytes, series: [] }),
+    memory: new LineChart(memoryCanvas, {
+      title: "memory",
+      format: bytes,
+      tickFormat: bytes,
+      series: [],
+      empty: "no memory in use reported (a CPU run reports no GPU memory)",
+    }),
   };
 
   const checkpointsBody = el("tbody");
@@ -143,6 +149,8 @@ export function renderJob(view, jobId) {
     }
     for (const [key, value] of Object.entries(data)) {
       if (!MEMORY_KEY.test(key) || typeof value !== "number") continue;
+      // a column that has only ever been 0 (GPU memory of a CPU run) is left out
+      if (value === 0 && !charts.memory.series.has(key)) continue;
       const label = key.replace(MEMORY_KEY, "");
       charts.memory.ensure(key, () => new Series(key, label, COLORS[charts.memory.series.size % COLORS.length]));
       charts.memory.push(key, step, value);
