@@ -62,7 +62,7 @@ export async function authFetch(path, options = {}) {
 
 // Checks a token the user typed without storing it: true when the daemon accepts it.
 export async function tokenAccepted(candidate) {
-  const response = await fetch("/v1/system", { headers: withAuth({}, candidate) });
+  const response = await fetch("/v1/jobs?limit=1", { headers: withAuth({}, candidate) });
   if (response.status === 401) return false;
   if (!response.ok) throw await errorOf(response);
   return true;

@@ -134,6 +134,7 @@ export class LineChart {
     const styles = getComputedStyle(canvas);
     const ink = styles.getPropertyValue("--chart-ink").trim() || "#333";
     const grid = styles.getPropertyValue("--chart-grid").trim() || "#ddd";
+    const muted = styles.getPropertyValue("--muted").trim() || "#777";
     ctx.font = "12px system-ui, sans-serif";
     ctx.fillStyle = ink;
     ctx.textBaseline = "alphabetic";
@@ -157,7 +158,7 @@ export class LineChart {
     }
     this.drawLegend(ctx, width);
     if (!Number.isFinite(lo)) {
-      ctx.fillStyle = grid;
+      ctx.fillStyle = muted;
       ctx.textAlign = "center";
       ctx.fillText(this.empty, PAD.left + plotW / 2, PAD.top + plotH / 2);
       this.drawn = 0;

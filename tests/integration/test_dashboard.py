@@ -308,12 +308,17 @@ def _oracle(
     return kept
 
 
-_DECIMATE = """async ([xs, ys, x0, x1, columns]) => {
+_DECIMATE = """async ({ xs, ys, cases }) => {
   const { decimateMinMax } = await import("/ui/decimate.js");
   const fx = Float64Array.from(xs);
   const fy = Float64Array.from(ys, (y) => (y === null ? NaN : y));
-  return Array.from(decimateMinMax(fx, fy, fx.length, x0, x1, columns));
+  return cases.map(([x0, x1, columns]) => Array.from(decimateMinMax(fx, fy, fx.length, x0, x1, columns)));
 }"""
+
+
+def _decimate(page: Any, xs: list[float], ys: list[float | None], cases: list[tuple]) -> list:
+    """decimate.js over one data set (sent once) for each (x0, x1, columns)."""
+    return page.evaluate(_DECIMATE, {"xs": xs, "ys": ys, "cases": [list(c) for c in cases]})
 
 
 def test_decimation_matches_its_oracle_and_bounds_what_is_drawn(
@@ -325,27 +330,34 @@ def test_decimation_matches_its_oracle_and_bounds_what_is_drawn(
     page.goto(f"{daemon.base_url}/#/system")
     rng = random.Random(0)
     n = 100_000
-    xs = [float(i + 1) for i in range(n)]
+    xs: list[float] = []
     ys: list[float | None] = []
-    level = 5.0
+    spikes: list[int] = []
+    x, level = 0.0, 5.0
     for i in range(n):
+        x += rng.choice((1.0, 1.0, 2.0, 3.5))  # uneven steps: buckets hold 0 to many points
         level += rng.gauss(0, 0.01)
-        y = level + (50.0 if rng.random() < 1e-4 else 0.0)  # rare spikes must survive
-        ys.append(None if i % 97 == 0 else y)
+        y = level
+        if rng.random() < 1e-4:  # rare spikes, up and down, must survive
+            y += rng.choice((-50.0, 50.0))
+            spikes.append(i)
+        xs.append(x)
+        ys.append(None if i % 97 == 0 and i not in spikes else y)
     cases = [
-        (xs, ys, 1.0, float(n), 800),
-        (xs, ys, 1000.0, 2000.0, 37),  # a window: points outside it are dropped
-        (xs[:5], ys[:5], 1.0, 5.0, 800),  # fewer points than columns: all finite ones kept
-        ([3.0, 3.0, 3.0], [2.0, 1.0, 3.0], 3.0, 3.0, 10),  # one x: one bucket
-        ([], [], 0.0, 1.0, 10),
+        (xs[0], xs[-1], 800),
+        (xs[1000], xs[3000], 37),  # a window: points outside it are dropped
+        (xs[0], xs[-1], 1),
     ]
-    for case in cases:
-        got = page.evaluate(_DECIMATE, list(case))
-        assert got == _oracle(*case)
-    full = page.evaluate(_DECIMATE, [xs, ys, 1.0, float(n), 800])
+    got = _decimate(page, xs, ys, cases)
+    for case, indices in zip(cases, got, strict=True):
+        assert indices == _oracle(xs, ys, *case), case
+    full = got[0]
     assert len(full) <= 4 * 800
-    spikes = [i for i, y in enumerate(ys) if y is not None and y > level + 20]
     assert spikes and set(spikes) <= set(full)
+    # fewer points than columns: every finite one kept; one x: one bucket; nothing at all
+    assert _decimate(page, xs[:5], ys[:5], [(xs[0], xs[4], 800)]) == [[1, 2, 3, 4]]
+    assert _decimate(page, [3.0, 3.0, 3.0], [2.0, 1.0, 3.0], [(3.0, 3.0, 10)]) == [[0, 1, 2]]
+    assert _decimate(page, [], [], [(0.0, 1.0, 10)]) == [[]]
 
     # The chart itself with 100,000 points: what it draws stays within 4 per pixel column.
     drawn = page.evaluate(

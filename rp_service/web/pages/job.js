@@ -122,6 +122,22 @@ export function renderJob(view, jobId) {
     showJob(await api(path));
   }
 
+  // Between polls the summary follows the stream (redrawn at most once a frame).
+  let summaryPending = false;
+  function followMetrics(data) {
+    // events replayed from the start must not move the summary back; the poll corrects it
+    if (!job || TERMINAL.has(job.status) || data.step < (job.progress?.step ?? 0)) return;
+    job.progress = { ...job.progress, step: data.step, total_steps: data.total_steps ?? job.progress.total_steps, eta_seconds: data.eta_seconds ?? null };
+    job.metrics = { ...job.metrics, ...Object.fromEntries(Object.entries(data).filter(([, v]) => v !== null)) };
+    if (typeof data.trained_tokens === "number") job.trained_tokens = data.trained_tokens;
+    if (summaryPending) return;
+    summaryPending = true;
+    requestAnimationFrame(() => {
+      summaryPending = false;
+      showJob(job);
+    });
+  }
+
   async function act(action) {
     if (action === "cancel" && !confirm(`Cancel ${job ? job.name || job.id : jobId}? This cannot be undone.`)) return;
     message.className = "";
@@ -172,7 +188,10 @@ export function renderJob(view, jobId) {
   }
 
   function onEvent(event) {
-    if (event.type === "metrics") onMetrics(event.data);
+    if (event.type === "metrics") {
+      onMetrics(event.data);
+      followMetrics(event.data);
+    }
     if (event.type !== "metrics" || showMetrics.checked) addEventRow(event);
     if (event.type === "status" && job) refreshJob().catch(() => {});
     if (event.type === "checkpoint") loadCheckpoints();
