@@ -69,7 +69,10 @@ export function tickLabel(value, step) {
 
 export class LineChart {
   // `format(value)` labels the legend's latest values; `tickFormat(value, step)` the axis.
-  constructor(canvas, { title, format = (v) => String(v), tickFormat = tickLabel, series, empty = "no data yet" }) {
+  constructor(
+    canvas,
+    { title, format = (v) => String(v), tickFormat = tickLabel, series, empty = "no data yet" },
+  ) {
     this.canvas = canvas;
     this.empty = empty;
     this.title = title;

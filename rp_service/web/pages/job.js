@@ -30,7 +30,11 @@ export function renderJob(view, jobId) {
   const message = el("p", { id: "action-message", role: "alert" });
   const summary = el("dl", { class: "summary", id: "job-summary" });
   const buttons = ["pause", "resume", "cancel"].map((action) =>
-    el("button", { type: "button", id: `${action}-button`, onclick: () => act(action) }, action[0].toUpperCase() + action.slice(1)),
+    el(
+      "button",
+      { type: "button", id: `${action}-button`, onclick: () => act(action) },
+      action[0].toUpperCase() + action.slice(1),
+    ),
   );
 
   const canvas = (id) => el("canvas", { id, class: "chart" });
@@ -42,7 +46,10 @@ export function renderJob(view, jobId) {
     loss: new LineChart(lossCanvas, {
       title: "loss",
       format: (v) => number(v, 3),
-      series: [new Series("train_loss", "train", COLORS[0]), new Series("valid_loss", "valid", COLORS[1], { dots: true })],
+      series: [
+        new Series("train_loss", "train", COLORS[0]),
+        new Series("valid_loss", "valid", COLORS[1], { dots: true }),
+      ],
     }),
     lr: new LineChart(lrCanvas, {
       title: "learning rate",
@@ -69,7 +76,15 @@ export function renderJob(view, jobId) {
   const log = el("pre", { id: "worker-log", class: "log" });
 
   view.append(
-    el("div", { class: "toolbar" }, el("a", { href: "#/jobs" }, "← Jobs"), title, badge, ...buttons, streamState),
+    el(
+      "div",
+      { class: "toolbar" },
+      el("a", { href: "#/jobs" }, "← Jobs"),
+      title,
+      badge,
+      ...buttons,
+      streamState,
+    ),
     message,
     summary,
     el("section", { class: "charts" }, lossCanvas, lrCanvas, speedCanvas, memoryCanvas),
@@ -77,11 +92,26 @@ export function renderJob(view, jobId) {
     el(
       "table",
       { id: "checkpoints" },
-      el("thead", {}, el("tr", {}, ["Step", "Created", "Size", "Loss", ""].map((h) => el("th", {}, h)))),
+      el(
+        "thead",
+        {},
+        el(
+          "tr",
+          {},
+          ["Step", "Created", "Size", "Loss", ""].map((h) => el("th", {}, h)),
+        ),
+      ),
       checkpointsBody,
     ),
-    el("section", { class: "two" },
-      el("div", {}, el("h2", {}, "Events ", el("label", { class: "small" }, showMetrics, " show metrics")), eventsList),
+    el(
+      "section",
+      { class: "two" },
+      el(
+        "div",
+        {},
+        el("h2", {}, "Events ", el("label", { class: "small" }, showMetrics, " show metrics")),
+        eventsList,
+      ),
       el("div", {}, el("h2", {}, "Worker log"), log),
     ),
   );
@@ -114,7 +144,8 @@ export function renderJob(view, jobId) {
       ["finished", time(job.finished_at)],
     ];
     if (job.output_model_path) rows.push(["model", job.output_model_path]);
-    if (job.error) rows.push(["error", el("span", { class: "error" }, `${job.error.code}: ${job.error.message}`)]);
+    if (job.error)
+      rows.push(["error", el("span", { class: "error" }, `${job.error.code}: ${job.error.message}`)]);
     summary.replaceChildren(...rows.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
   }
 
@@ -127,8 +158,16 @@ export function renderJob(view, jobId) {
   function followMetrics(data) {
     // events replayed from the start must not move the summary back; the poll corrects it
     if (!job || TERMINAL.has(job.status) || data.step < (job.progress?.step ?? 0)) return;
-    job.progress = { ...job.progress, step: data.step, total_steps: data.total_steps ?? job.progress.total_steps, eta_seconds: data.eta_seconds ?? null };
-    job.metrics = { ...job.metrics, ...Object.fromEntries(Object.entries(data).filter(([, v]) => v !== null)) };
+    job.progress = {
+      ...job.progress,
+      step: data.step,
+      total_steps: data.total_steps ?? job.progress.total_steps,
+      eta_seconds: data.eta_seconds ?? null,
+    };
+    job.metrics = {
+      ...job.metrics,
+      ...Object.fromEntries(Object.entries(data).filter(([, v]) => v !== null)),
+    };
     if (typeof data.trained_tokens === "number") job.trained_tokens = data.trained_tokens;
     if (summaryPending) return;
     summaryPending = true;
@@ -139,7 +178,8 @@ export function renderJob(view, jobId) {
   }
 
   async function act(action) {
-    if (action === "cancel" && !confirm(`Cancel ${job ? job.name || job.id : jobId}? This cannot be undone.`)) return;
+    if (action === "cancel" && !confirm(`Cancel ${job ? job.name || job.id : jobId}? This cannot be undone.`))
+      return;
     message.className = "";
     message.textContent = `${action}…`;
     try {
@@ -168,7 +208,10 @@ export function renderJob(view, jobId) {
       // a column that has only ever been 0 (GPU memory of a CPU run) is left out
       if (value === 0 && !charts.memory.series.has(key)) continue;
       const label = key.replace(MEMORY_KEY, "");
-      charts.memory.ensure(key, () => new Series(key, label, COLORS[charts.memory.series.size % COLORS.length]));
+      charts.memory.ensure(
+        key,
+        () => new Series(key, label, COLORS[charts.memory.series.size % COLORS.length]),
+      );
       charts.memory.push(key, step, value);
     }
   }
@@ -176,8 +219,15 @@ export function renderJob(view, jobId) {
   function addEventRow(event) {
     const row = el(
       "li",
-      { class: `event level-${event.level} type-${event.type}`, dataset: { eventId: event.id, type: event.type } },
-      el("span", { class: "muted small" }, `#${event.id} ${new Date(event.created_at * 1000).toLocaleTimeString()}`),
+      {
+        class: `event level-${event.level} type-${event.type}`,
+        dataset: { eventId: event.id, type: event.type },
+      },
+      el(
+        "span",
+        { class: "muted small" },
+        `#${event.id} ${new Date(event.created_at * 1000).toLocaleTimeString()}`,
+      ),
       " ",
       el("span", { class: "small" }, event.type),
       " ",
@@ -213,11 +263,20 @@ export function renderJob(view, jobId) {
             el("td", {}, time(c.created_at)),
             el("td", { class: "num" }, bytes(c.size_bytes)),
             el("td", { class: "num" }, number(c.metrics?.train_loss)),
-            el("td", {}, el("button", { type: "button", class: "link", onclick: () => fetchCheckpoint(c.step) }, "download .tar")),
+            el(
+              "td",
+              {},
+              el(
+                "button",
+                { type: "button", class: "link", onclick: () => fetchCheckpoint(c.step) },
+                "download .tar",
+              ),
+            ),
           ),
         ),
       );
-      if (!page.data.length) checkpointsBody.replaceChildren(el("tr", {}, el("td", { colspan: 5, class: "muted" }, "none yet")));
+      if (!page.data.length)
+        checkpointsBody.replaceChildren(el("tr", {}, el("td", { colspan: 5, class: "muted" }, "none yet")));
     } catch (failure) {
       message.className = "error";
       message.textContent = describeError(failure, "Listing checkpoints");
@@ -267,11 +326,14 @@ export function renderJob(view, jobId) {
       streamDone = true;
       streamState.textContent = "ended";
       streamState.dataset.state = "ended";
-      refreshJob().then(readLog).catch(() => {});
+      refreshJob()
+        .then(readLog)
+        .catch(() => {});
     },
     onState: (state, detail) => {
       streamState.dataset.state = state;
-      streamState.textContent = state === "live" ? "● live" : state === "reconnecting" ? "reconnecting…" : detail || state;
+      streamState.textContent =
+        state === "live" ? "● live" : state === "reconnecting" ? "reconnecting…" : detail || state;
     },
   }).start();
 

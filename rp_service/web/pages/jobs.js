@@ -1,16 +1,7 @@
 // Jobs: every job with status, progress, loss, tokens/s and ETA; polled; filter by status.
 
 import { api } from "../api.js";
-import {
-  STATUSES,
-  describeError,
-  duration,
-  el,
-  number,
-  progressBar,
-  statusBadge,
-  time,
-} from "../format.js";
+import { STATUSES, describeError, duration, el, number, progressBar, statusBadge, time } from "../format.js";
 
 const POLL_MS = 2000;
 const PAGE = 100;
@@ -29,12 +20,26 @@ export function renderJobs(view) {
   const more = el("button", { type: "button", hidden: true }, "Show more");
   const error = el("p", { class: "error", role: "alert" });
   view.append(
-    el("div", { class: "toolbar" }, el("h1", {}, "Jobs"), filter, el("a", { class: "button", href: "#/new" }, "New job")),
+    el(
+      "div",
+      { class: "toolbar" },
+      el("h1", {}, "Jobs"),
+      filter,
+      el("a", { class: "button", href: "#/new" }, "New job"),
+    ),
     error,
     el(
       "table",
       { class: "jobs", id: "jobs-table" },
-      el("thead", {}, el("tr", {}, ["Job", "Status", "Progress", "Loss", "Tokens/s", "ETA", "Created"].map((h) => el("th", {}, h)))),
+      el(
+        "thead",
+        {},
+        el(
+          "tr",
+          {},
+          ["Job", "Status", "Progress", "Loss", "Tokens/s", "ETA", "Created"].map((h) => el("th", {}, h)),
+        ),
+      ),
       body,
     ),
     note,
@@ -61,7 +66,11 @@ export function renderJobs(view) {
       if (!hasMore) break;
     }
     body.replaceChildren(...jobs.map(row));
-    note.textContent = jobs.length ? "" : status ? `No ${status} jobs.` : "No jobs yet: submit one from New job.";
+    note.textContent = jobs.length
+      ? ""
+      : status
+        ? `No ${status} jobs.`
+        : "No jobs yet: submit one from New job.";
     more.hidden = !hasMore;
   }
 

@@ -24,9 +24,15 @@ export function renderNewJob(view) {
 
   view.append(
     el("h1", {}, "New job"),
-    el("section", { class: "two" },
-      el("div", {},
-        el("div", { class: "toolbar" },
+    el(
+      "section",
+      { class: "two" },
+      el(
+        "div",
+        {},
+        el(
+          "div",
+          { class: "toolbar" },
           el("button", { type: "button", id: "load-demo", onclick: loadDemo }, "Start from the demo spec"),
           el("label", { class: "button" }, "Open a YAML/JSON file… ", specFile),
         ),
@@ -34,11 +40,22 @@ export function renderNewJob(view) {
         specErrors,
         el("button", { type: "button", id: "submit-job", class: "primary", onclick: submit }, "Submit job"),
       ),
-      el("div", {},
+      el(
+        "div",
+        {},
         el("h2", {}, "Dataset"),
-        el("p", { class: "muted" }, "A .jsonl file, one object a line: {\"text\"}, {\"messages\"} or {\"prompt\", \"completion\"}. The daemon checks every line; the first bad one is named."),
-        el("div", { class: "toolbar" }, dataFile, format,
-          el("button", { type: "button", id: "upload-data", onclick: upload }, "Upload")),
+        el(
+          "p",
+          { class: "muted" },
+          'A .jsonl file, one object a line: {"text"}, {"messages"} or {"prompt", "completion"}. The daemon checks every line; the first bad one is named.',
+        ),
+        el(
+          "div",
+          { class: "toolbar" },
+          dataFile,
+          format,
+          el("button", { type: "button", id: "upload-data", onclick: upload }, "Upload"),
+        ),
         uploadResult,
       ),
     ),
@@ -133,5 +150,8 @@ function showError(target, failure, action) {
   } else if (Array.isArray(details) && details.length > 1) {
     for (const d of details) items.push(el("li", {}, d.param ? `${d.param}: ${d.message}` : d.message));
   }
-  target.replaceChildren(el("p", {}, describeError(failure, action)), items.length ? el("ul", {}, items) : "");
+  target.replaceChildren(
+    el("p", {}, describeError(failure, action)),
+    items.length ? el("ul", {}, items) : "",
+  );
 }

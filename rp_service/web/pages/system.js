@@ -27,33 +27,78 @@ export function renderSystem(view) {
       ? el(
           "table",
           { id: "devices" },
-          el("thead", {}, el("tr", {}, ["GPU", "Name", "Memory", "Capability"].map((h) => el("th", {}, h)))),
+          el(
+            "thead",
+            {},
+            el(
+              "tr",
+              {},
+              ["GPU", "Name", "Memory", "Capability"].map((h) => el("th", {}, h)),
+            ),
+          ),
           el(
             "tbody",
             {},
             system.devices.map((d) =>
-              el("tr", {}, el("td", {}, String(d.index)), el("td", {}, d.name), el("td", { class: "num" }, bytes(d.total_memory_bytes)), el("td", {}, d.capability ?? "–")),
+              el(
+                "tr",
+                {},
+                el("td", {}, String(d.index)),
+                el("td", {}, d.name),
+                el("td", { class: "num" }, bytes(d.total_memory_bytes)),
+                el("td", {}, d.capability ?? "–"),
+              ),
             ),
           ),
         )
-      : el("p", { id: "devices", class: "muted" }, "No GPU visible to the daemon: jobs run on virtual CPU devices (RP_CPU_DEVICES).");
+      : el(
+          "p",
+          { id: "devices", class: "muted" },
+          "No GPU visible to the daemon: jobs run on virtual CPU devices (RP_CPU_DEVICES).",
+        );
     const adam = system.adam
-      ? Object.entries(system.adam).map(([k, v]) => `${k}: ${v}`).join(", ")
+      ? Object.entries(system.adam)
+          .map(([k, v]) => `${k}: ${v}`)
+          .join(", ")
       : "not built (the optimizer falls back to torch)";
     const jobs = Object.entries(system.jobs || {});
     content.replaceChildren(
-      el("dl", { class: "summary" },
-        el("dt", {}, "version"), el("dd", {}, system.version),
-        el("dt", {}, "host memory"), el("dd", {}, bytes(system.host_memory_bytes)),
-        el("dt", {}, "pinned budget"), el("dd", {}, bytes(system.pinned_budget_bytes)),
-        el("dt", {}, "C Adam"), el("dd", { id: "adam" }, adam),
-        el("dt", {}, "queue"), el("dd", { id: "queue" }, `${system.queue_length} queued`),
-        el("dt", {}, "jobs"), el("dd", {}, jobs.length ? jobs.map(([s, n]) => el("span", { class: "count" }, statusBadge(s), ` ${n} `)) : "none"),
+      el(
+        "dl",
+        { class: "summary" },
+        el("dt", {}, "version"),
+        el("dd", {}, system.version),
+        el("dt", {}, "host memory"),
+        el("dd", {}, bytes(system.host_memory_bytes)),
+        el("dt", {}, "pinned budget"),
+        el("dd", {}, bytes(system.pinned_budget_bytes)),
+        el("dt", {}, "C Adam"),
+        el("dd", { id: "adam" }, adam),
+        el("dt", {}, "queue"),
+        el("dd", { id: "queue" }, `${system.queue_length} queued`),
+        el("dt", {}, "jobs"),
+        el(
+          "dd",
+          {},
+          jobs.length
+            ? jobs.map(([s, n]) => el("span", { class: "count" }, statusBadge(s), ` ${n} `))
+            : "none",
+        ),
       ),
       el("h2", {}, "Devices"),
       devices,
       el("h2", {}, "Versions"),
-      el("table", {}, el("tbody", {}, Object.entries(system.versions).map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, v ?? "not installed"))))),
+      el(
+        "table",
+        {},
+        el(
+          "tbody",
+          {},
+          Object.entries(system.versions).map(([k, v]) =>
+            el("tr", {}, el("td", {}, k), el("td", {}, v ?? "not installed")),
+          ),
+        ),
+      ),
     );
   }
 
