@@ -67,6 +67,19 @@ export function tickLabel(value, step) {
   return value.toFixed(Math.max(0, Math.min(8, -Math.floor(Math.log10(step)))));
 }
 
+// The index of the x closest to `x` in the ascending xs[0..n), or -1 when n is 0.
+export function nearest(xs, n, x) {
+  if (n === 0) return -1;
+  let lo = 0;
+  let hi = n - 1;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (xs[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo > 0 && x - xs[lo - 1] < xs[lo] - x ? lo - 1 : lo;
+}
+
 export class LineChart {
   // `format(value)` labels the legend's latest values; `tickFormat(value, step)` the axis.
   constructor(
@@ -81,7 +94,16 @@ export class LineChart {
     this.series = new Map(series.map((s) => [s.key, s]));
     this.pending = false;
     this.drawn = 0; // points drawn last time, after decimation (tests read it)
+    this.hoverX = null; // the pointer's x in CSS pixels, for the crosshair and its values
     new ResizeObserver(() => this.scheduleDraw()).observe(canvas);
+    canvas.addEventListener("pointermove", (event) => {
+      this.hoverX = event.offsetX;
+      this.scheduleDraw();
+    });
+    canvas.addEventListener("pointerleave", () => {
+      this.hoverX = null;
+      this.scheduleDraw();
+    });
   }
 
   // Adds a series the first time its key is seen (memory columns vary by worker version).
@@ -229,9 +251,49 @@ export class LineChart {
       drawn += idx.length;
     }
     ctx.restore();
+    if (this.hoverX !== null && this.hoverX >= PAD.left && this.hoverX <= PAD.left + plotW) {
+      const step = x1 > x0 ? x0 + ((this.hoverX - PAD.left) / plotW) * (x1 - x0) : x0;
+      this.drawHover(ctx, step, sx, sy, { ink, plotH });
+    }
     this.drawn = drawn;
     canvas.dataset.points = String(this.pointCount());
     canvas.dataset.drawn = String(drawn);
+  }
+
+  // A vertical line at the nearest step, each series' value there, in a box beside it.
+  drawHover(ctx, step, sx, sy, { ink, plotH }) {
+    const lines = [];
+    let at = null;
+    for (const s of this.series.values()) {
+      const i = nearest(s.xs, s.n, step);
+      if (i < 0 || !Number.isFinite(s.ys[i])) continue;
+      at = at ?? s.xs[i];
+      lines.push([s.color, `${s.label} ${this.format(s.ys[i])}`]);
+      ctx.fillStyle = s.color;
+      ctx.beginPath();
+      ctx.arc(sx(s.xs[i]), sy(s.ys[i]), 3, 0, 2 * Math.PI);
+      ctx.fill();
+    }
+    if (at === null) return;
+    const x = Math.round(sx(at)) + 0.5;
+    ctx.strokeStyle = ink;
+    ctx.globalAlpha = 0.4;
+    ctx.beginPath();
+    ctx.moveTo(x, PAD.top);
+    ctx.lineTo(x, PAD.top + plotH);
+    ctx.stroke();
+    ctx.globalAlpha = 1;
+    lines.unshift([ink, `step ${Math.round(at)}`]);
+    const boxW = Math.max(...lines.map(([, text]) => ctx.measureText(text).width)) + 12;
+    const boxX = x + 8 + boxW < this.canvas.clientWidth ? x + 8 : x - 8 - boxW;
+    ctx.fillStyle = "rgba(255, 255, 255, 0.9)";
+    ctx.fillRect(boxX, PAD.top + 4, boxW, lines.length * 16 + 6);
+    ctx.textAlign = "left";
+    ctx.textBaseline = "top";
+    lines.forEach(([color, text], k) => {
+      ctx.fillStyle = color;
+      ctx.fillText(text, boxX + 6, PAD.top + 8 + k * 16);
+    });
   }
 
   drawLegend(ctx, width) {

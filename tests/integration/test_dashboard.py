@@ -165,6 +165,7 @@ def test_dashboard_drives_jobs_with_a_token(
     page.click("#resume-button")
     wait_until("running again", lambda: shown_status(page) in ("queued", "running"))
     wait_until("points after resume", lambda: points(page) >= paused_at + 5)
+    page.hover("#chart-loss", position={"x": 300, "y": 100})  # the crosshair's values
     page.screenshot(path=str(tmp_path / "job-running.png"), full_page=True)
 
     # A daemon restart drops the stream; the page reconnects with Last-Event-ID and the
