@@ -103,6 +103,7 @@ const sleep = (ms, signal) =>
   });
 
 // Splits a text/event-stream into events (the WHATWG parsing rules, without the BOM case).
+// Chunks may be cut anywhere, a CRLF included.
 export class SseParser {
   constructor(onEvent, onRetry) {
     this.onEvent = onEvent;
@@ -119,7 +120,8 @@ export class SseParser {
 
   feed(text) {
     this.buffer += text;
-    const lines = this.buffer.split(/\r\n|\r|\n/);
+    // A CR at the very end may be the first half of a CRLF cut by the network: it waits.
+    const lines = this.buffer.split(/\r\n|\r(?!$)|\n/);
     this.buffer = lines.pop(); // an incomplete last line waits for more bytes
     for (const line of lines) this.line(line);
   }

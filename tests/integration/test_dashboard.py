@@ -381,3 +381,47 @@ def test_decimation_matches_its_oracle_and_bounds_what_is_drawn(
     print(json.dumps({"chart_draw_100k_ms": round(drawn["ms"], 1)}))
     assert console.unexpected() == []
     page.close()
+
+
+_SSE_PARSE = """async ({ chunks }) => {
+  const { SseParser } = await import("/ui/api.js");
+  const events = [];
+  const retries = [];
+  const parser = new SseParser((e) => events.push(e), (ms) => retries.push(ms));
+  for (const chunk of chunks) parser.feed(chunk);
+  return { events, retries };
+}"""
+
+
+def test_sse_parser_reads_the_daemons_stream_however_it_is_split(
+    make_daemon: Callable[..., Daemon], browser: Any
+) -> None:
+    """The page's text/event-stream parser on a real stream, cut at every possible byte."""
+    daemon = make_daemon(FAKE_STEP_S="0.01")
+    with daemon.client() as api:
+        job = api.post("/v1/jobs", json=spec(train={"steps": 4, "checkpoint_interval": 2})).json()
+        daemon.wait_for(job["id"], {"succeeded"})
+        stored = api.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+        raw = api.get(f"/v1/jobs/{job['id']}/events", headers={"Accept": "text/event-stream"}).text
+    # CRLF and CR line ends, a comment, a multi-line data field: the other framings allowed.
+    extra = ": ping\r\nevent: note\rdata: a\ndata: b\r\n\r\n"
+    text = raw + extra
+    page = browser.new_page()
+    console = Console(page)
+    page.goto(f"{daemon.base_url}/#/new")
+    expected = [*stored, {"type": "note", "data": "a\nb"}]
+    rng = random.Random(1)
+    cuts = [[text], list(text), *([text[:k], text[k:]] for k in rng.sample(range(len(text)), 20))]
+    for chunks in cuts:
+        parsed = page.evaluate(_SSE_PARSE, {"chunks": chunks})
+        assert parsed["retries"] == [3000]
+        events = parsed["events"]
+        assert events[-2]["type"] == "done"
+        assert json.loads(events[-2]["data"]) == {"job_id": job["id"], "status": "succeeded"}
+        got = [json.loads(e["data"]) for e in events[:-2]] + [
+            {"type": events[-1]["type"], "data": events[-1]["data"]}
+        ]
+        assert [int(e["id"]) for e in events[:-2]] == [e["id"] for e in stored]
+        assert got == expected
+    assert console.unexpected() == []
+    page.close()
