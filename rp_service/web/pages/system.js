@@ -68,10 +68,13 @@ export function renderSystem(view) {
         { class: "summary" },
         el("dt", {}, "version"),
         el("dd", {}, system.version),
-        el("dt", {}, "host memory"),
-        el("dd", {}, bytes(system.host_memory_bytes)),
-        el("dt", {}, "pinned budget"),
-        el("dd", {}, bytes(system.pinned_budget_bytes)),
+        // host_memory_bytes, pinned_budget_bytes and any other byte count the daemon reports
+        Object.entries(system)
+          .filter(([key, value]) => key.endsWith("_bytes") && (value === null || typeof value === "number"))
+          .flatMap(([key, value]) => [
+            el("dt", {}, key.replace(/_bytes$/, "").replaceAll("_", " ")),
+            el("dd", {}, bytes(value)),
+          ]),
         el("dt", {}, "C Adam"),
         el("dd", { id: "adam" }, adam),
         el("dt", {}, "queue"),
