@@ -270,6 +270,12 @@ def test_new_job_page_shows_validation_errors_without_a_token(
     page.wait_for_selector("#upload-result.error li[data-line='3']")
     assert "line 3" in page.inner_text("#upload-result")
 
+    # A spec opened from a YAML file lands in the editor as it is.
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text("# my run\nmodel: {preset: qwen3}\ndata: {train: synthetic}\n")
+    page.set_input_files("#spec-file", str(spec_file))
+    wait_until("the opened spec", lambda: page.input_value("#spec") == spec_file.read_text())
+
     # A good one, used in the spec, submitted as JSON.
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(5)))
@@ -279,10 +285,18 @@ def test_new_job_page_shows_validation_errors_without_a_token(
     spec_text = page.input_value("#spec")
     assert "file-" in spec_text
     page.fill("#spec", json.dumps(spec(data={"train": re.search(r"file-\w+", spec_text)[0]})))
-    page.click("#submit-job")
+    posts: list[str] = []
+    page.on("request", lambda r: r.method == "POST" and "/v1/jobs" in r.url and posts.append(r.url))
+    # Two clicks before the first answer (an impatient user): one Idempotency-Key, one job.
+    page.evaluate(
+        "() => { const b = document.querySelector('#submit-job'); b.click(); b.click(); }"
+    )
     page.wait_for_url(re.compile(r"#/jobs/job-"))
     job_id = page.url.split("#/jobs/")[1]
     daemon.wait_for(job_id, {"succeeded"})
+    assert len(posts) == 2
+    with daemon.client() as api:
+        assert [j["id"] for j in api.get("/v1/jobs").json()["data"]] == [job_id]
     page.wait_for_selector("#stream-state[data-state=ended]")
     assert not page.is_visible("#token-dialog[open]")
     page.screenshot(path=str(tmp_path / "job-done.png"), full_page=True)

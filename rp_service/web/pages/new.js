@@ -61,15 +61,24 @@ export function renderNewJob(view) {
     ),
   );
 
+  // One Idempotency-Key per spec text: a double click or a retry of the same text returns
+  // the job already made instead of a second one; an edited spec gets a new key.
+  let idempotencyKey = newKey();
+  spec.addEventListener("input", () => {
+    idempotencyKey = newKey();
+  });
+
   specFile.addEventListener("change", async () => {
     const file = specFile.files[0];
     if (file) spec.value = await file.text();
+    idempotencyKey = newKey();
     specFile.value = "";
   });
 
   async function loadDemo() {
     try {
       spec.value = dump(await api("/v1/demo"), { lineWidth: 100 });
+      idempotencyKey = newKey();
       specErrors.replaceChildren();
     } catch (failure) {
       specErrors.textContent = describeError(failure, "Loading the demo spec");
@@ -100,7 +109,11 @@ export function renderNewJob(view) {
     const body = parsed();
     if (!body) return;
     try {
-      const job = await api("/v1/jobs", { method: "POST", json: body });
+      const job = await api("/v1/jobs", {
+        method: "POST",
+        json: body,
+        headers: { "Idempotency-Key": idempotencyKey },
+      });
       location.hash = `#/jobs/${encodeURIComponent(job.id)}`;
     } catch (failure) {
       showError(specErrors, failure, "Submit");
@@ -137,7 +150,14 @@ export function renderNewJob(view) {
     if (!body) return;
     body.data = { ...(body.data || {}), train: record.id, format: record.format };
     spec.value = dump(body, { lineWidth: 100 });
+    idempotencyKey = newKey();
   }
+}
+
+// crypto.randomUUID needs a secure context; a daemon reached over plain http on the LAN is not.
+function newKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return "dashboard-" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
 
 // The envelope's message, then one line per detail (field or file line) when there are several.
