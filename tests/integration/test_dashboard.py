@@ -118,6 +118,7 @@ def test_dashboard_drives_jobs_with_a_token(
         assert api.get("/readyz").json()["status"] == "ready"
 
     context = browser.new_context(accept_downloads=True, viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(WAIT_S * 1000)
     page = context.new_page()
     console = Console(page, expected_statuses=(401, 409))
     page.on("dialog", lambda d: d.accept())  # the Cancel button's confirm()
@@ -248,6 +249,7 @@ def test_new_job_page_shows_validation_errors_without_a_token(
 ) -> None:
     daemon = make_daemon()
     page = browser.new_page()
+    page.set_default_timeout(WAIT_S * 1000)
     console = Console(page, expected_statuses=(422,))
     page.goto(f"{daemon.base_url}/#/new")
 
@@ -341,6 +343,7 @@ def test_decimation_matches_its_oracle_and_bounds_what_is_drawn(
 ) -> None:
     daemon = make_daemon()
     page = browser.new_page()
+    page.set_default_timeout(WAIT_S * 1000)
     console = Console(page)
     page.goto(f"{daemon.base_url}/#/system")
     rng = random.Random(0)
@@ -421,6 +424,7 @@ def test_sse_parser_reads_the_daemons_stream_however_it_is_split(
     extra = ": ping\r\nevent: note\rdata: a\ndata: b\r\n\r\n"
     text = raw + extra
     page = browser.new_page()
+    page.set_default_timeout(WAIT_S * 1000)
     console = Console(page)
     page.goto(f"{daemon.base_url}/#/new")
     expected = [*stored, {"type": "note", "data": "a\nb"}]
