@@ -235,6 +235,8 @@ def test_dashboard_drives_jobs_with_a_token(
     page.click("a[data-nav=system]")
     page.wait_for_selector("#queue:has-text('queued')")
     assert page.inner_text("#devices")  # a table, or the line saying there is no GPU
+    assert "isa" in page.inner_text("#adam") or "not built" in page.inner_text("#adam")
+    assert "torch" in page.inner_text("#versions")
     page.screenshot(path=str(tmp_path / "system.png"), full_page=True)
 
     # The token never went into a URL.
@@ -271,6 +273,7 @@ def test_new_job_page_shows_validation_errors_without_a_token(
     page.click("#upload-data")
     page.wait_for_selector("#upload-result.error li[data-line='3']")
     assert "line 3" in page.inner_text("#upload-result")
+    page.screenshot(path=str(tmp_path / "new-job-errors.png"), full_page=True)
 
     # A spec opened from a YAML file lands in the editor as it is.
     spec_file = tmp_path / "spec.yaml"

@@ -57,10 +57,8 @@ export function renderSystem(view) {
           "No GPU visible to the daemon: jobs run on virtual CPU devices (RP_CPU_DEVICES).",
         );
     const adam = system.adam
-      ? Object.entries(system.adam)
-          .map(([k, v]) => `${k}: ${v}`)
-          .join(", ")
-      : "not built (the optimizer falls back to torch)";
+      ? keyValues("adam", Object.entries(system.adam))
+      : el("p", { id: "adam", class: "muted" }, "not built: the optimizer falls back to torch");
     const jobs = Object.entries(system.jobs || {});
     content.replaceChildren(
       el(
@@ -75,8 +73,6 @@ export function renderSystem(view) {
             el("dt", {}, key.replace(/_bytes$/, "").replaceAll("_", " ")),
             el("dd", {}, bytes(value)),
           ]),
-        el("dt", {}, "C Adam"),
-        el("dd", { id: "adam" }, adam),
         el("dt", {}, "queue"),
         el("dd", { id: "queue" }, `${system.queue_length} queued`),
         el("dt", {}, "jobs"),
@@ -90,17 +86,12 @@ export function renderSystem(view) {
       ),
       el("h2", {}, "Devices"),
       devices,
+      el("h2", {}, "C Adam"),
+      adam,
       el("h2", {}, "Versions"),
-      el(
-        "table",
-        {},
-        el(
-          "tbody",
-          {},
-          Object.entries(system.versions).map(([k, v]) =>
-            el("tr", {}, el("td", {}, k), el("td", {}, v ?? "not installed")),
-          ),
-        ),
+      keyValues(
+        "versions",
+        Object.entries(system.versions).map(([k, v]) => [k, v ?? "not installed"]),
       ),
     );
   }
@@ -110,4 +101,16 @@ export function renderSystem(view) {
     stopped = true;
     clearTimeout(timer);
   };
+}
+
+function keyValues(id, pairs) {
+  return el(
+    "table",
+    { id, class: "pairs" },
+    el(
+      "tbody",
+      {},
+      pairs.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, String(v)))),
+    ),
+  );
 }
