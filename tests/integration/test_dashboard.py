@@ -273,6 +273,7 @@ def test_new_job_page_shows_validation_errors_without_a_token(
     page.click("#upload-data")
     page.wait_for_selector("#upload-result.error li[data-line='3']")
     assert "line 3" in page.inner_text("#upload-result")
+    assert page.inner_text("#upload-result li[data-line='3'] pre") == "not json"
     page.screenshot(path=str(tmp_path / "new-job-errors.png"), full_page=True)
 
     # A spec opened from a YAML file lands in the editor as it is.

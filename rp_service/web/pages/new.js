@@ -140,7 +140,7 @@ export function renderNewJob(view) {
         el("button", { type: "button", id: "use-file", onclick: () => useFile(record) }, "Use as data.train"),
       );
     } catch (failure) {
-      showError(uploadResult, failure, "Upload");
+      showError(uploadResult, failure, "Upload", await lineOf(file, failure.details?.line));
     }
   }
 
@@ -161,12 +161,27 @@ function newKey() {
 }
 
 // The envelope's message, then one line per detail (field or file line) when there are several.
-function showError(target, failure, action) {
+// The text of a file's 1-based line `n` (cut to 300 characters), or null.
+async function lineOf(file, n) {
+  if (!Number.isInteger(n) || n < 1 || file.size > 64 * 1024 * 1024) return null;
+  const line = (await file.text()).split(/\r?\n/)[n - 1];
+  return line === undefined ? null : line.length > 300 ? line.slice(0, 300) + "…" : line;
+}
+
+// `quoted`: the bad line itself, shown under its number when the file is at hand.
+function showError(target, failure, action, quoted = null) {
   target.className = "error";
   const items = [];
   const details = failure.details;
   if (details && !Array.isArray(details) && details.line) {
-    items.push(el("li", { dataset: { line: details.line } }, `line ${details.line}`));
+    items.push(
+      el(
+        "li",
+        { dataset: { line: details.line } },
+        `line ${details.line}`,
+        quoted === null ? "" : el("pre", { class: "bad-line" }, quoted),
+      ),
+    );
   } else if (Array.isArray(details) && details.length > 1) {
     for (const d of details) items.push(el("li", {}, d.param ? `${d.param}: ${d.message}` : d.message));
   }
