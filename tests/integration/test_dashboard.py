@@ -290,7 +290,8 @@ def test_new_job_page_shows_validation_errors_without_a_token(
     page.click("#use-file")
     spec_text = page.input_value("#spec")
     assert "file-" in spec_text
-    page.fill("#spec", json.dumps(spec(data={"train": re.search(r"file-\w+", spec_text)[0]})))
+    file_id = re.search(r"file-\w+", spec_text)[0]
+    page.fill("#spec", json.dumps(spec(data={"train": file_id})))
     posts: list[str] = []
     page.on("request", lambda r: r.method == "POST" and "/v1/jobs" in r.url and posts.append(r.url))
     # Two clicks before the first answer (an impatient user): one Idempotency-Key, one job.
@@ -306,6 +307,11 @@ def test_new_job_page_shows_validation_errors_without_a_token(
     page.wait_for_selector("#stream-state[data-state=ended]")
     assert not page.is_visible("#token-dialog[open]")
     page.screenshot(path=str(tmp_path / "job-done.png"), full_page=True)
+
+    # "Edit as a new job": the New job page opens with this job's spec.
+    page.click("#clone-button")
+    page.wait_for_url(re.compile(r"#/new$"))
+    wait_until("the cloned spec", lambda: file_id in page.input_value("#spec"))
     assert console.unexpected() == []
     page.close()
 

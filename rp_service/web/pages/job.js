@@ -2,6 +2,7 @@
 
 import { ApiError, JobEventStream, api, authFetch, download } from "../api.js";
 import { LineChart, Series } from "../chart.js";
+import { dump } from "../vendor/js-yaml.min.mjs";
 import {
   TERMINAL,
   bytes,
@@ -16,6 +17,7 @@ import {
 } from "../format.js";
 
 const POLL_MS = 2000;
+export const DRAFT_KEY = "rp.draft";
 const MAX_EVENT_ROWS = 300;
 const MAX_LOG_CHARS = 200000;
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c"];
@@ -29,6 +31,14 @@ export function renderJob(view, jobId) {
   const streamState = el("span", { id: "stream-state", class: "muted small" }, "connecting");
   const message = el("p", { id: "action-message", role: "alert" });
   const summary = el("dl", { class: "summary", id: "job-summary" });
+  const specText = el("pre", { class: "spec" });
+  const specBox = el("details", { id: "job-spec" }, el("summary", {}, "JobSpec"), specText);
+  const cloneButton = el(
+    "button",
+    { type: "button", id: "clone-button", onclick: () => clone() },
+    "Edit as a new job",
+  );
+
   const buttons = ["pause", "resume", "cancel"].map((action) =>
     el(
       "button",
@@ -83,10 +93,12 @@ export function renderJob(view, jobId) {
       title,
       badge,
       ...buttons,
+      cloneButton,
       streamState,
     ),
     message,
     summary,
+    specBox,
     el("section", { class: "charts" }, lossCanvas, lrCanvas, speedCanvas, memoryCanvas),
     el("h2", {}, "Checkpoints"),
     el(
@@ -147,6 +159,7 @@ export function renderJob(view, jobId) {
     if (job.error)
       rows.push(["error", el("span", { class: "error" }, `${job.error.code}: ${job.error.message}`)]);
     summary.replaceChildren(...rows.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
+    if (!specText.textContent) specText.textContent = dump(job.spec, { lineWidth: 100 });
   }
 
   async function refreshJob() {
@@ -175,6 +188,13 @@ export function renderJob(view, jobId) {
       summaryPending = false;
       showJob(job);
     });
+  }
+
+  // The New job page opens with this job's spec in its editor.
+  function clone() {
+    if (!job) return;
+    sessionStorage.setItem(DRAFT_KEY, dump(job.spec, { lineWidth: 100 }));
+    location.hash = "#/new";
   }
 
   async function act(action) {

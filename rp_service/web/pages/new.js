@@ -2,6 +2,7 @@
 
 import { api } from "../api.js";
 import { describeError, el, integer } from "../format.js";
+import { DRAFT_KEY } from "./job.js";
 import { YAMLException, dump, load } from "../vendor/js-yaml.min.mjs";
 
 export function renderNewJob(view) {
@@ -60,6 +61,13 @@ export function renderNewJob(view) {
       ),
     ),
   );
+
+  // A spec handed over by a job page's "Edit as a new job".
+  const draft = sessionStorage.getItem(DRAFT_KEY);
+  if (draft !== null) {
+    sessionStorage.removeItem(DRAFT_KEY);
+    spec.value = draft;
+  }
 
   // One Idempotency-Key per spec text: a double click or a retry of the same text returns
   // the job already made instead of a second one; an edited spec gets a new key.
