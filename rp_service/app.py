@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rp_service import __version__
 from rp_service.api import ROUTERS
 from rp_service.api import openai as openai_api
+from rp_service.api import ROUTERS, dashboard
 from rp_service.api.deps import Services
 from rp_service.api.metrics import build_registry
 from rp_service.errors import ServiceError
@@ -115,7 +116,7 @@ class _Guard:
 
     def _refuse(self, scope: Scope) -> JSONResponse | None:
         headers = dict(scope["headers"])
-        if self.token is not None and scope["path"] != "/healthz":
+        if self.token is not None and not dashboard.is_public_path(scope["path"]):
             auth = headers.get(b"authorization", b"")
             scheme, _, given = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
@@ -282,6 +283,7 @@ def create_app(settings: Settings) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     app.include_router(openai_api.router)  # OpenAI's fine-tuning API (rp_service/api/openai)
+    app.include_router(dashboard.router)
     app.add_middleware(_Guard, settings=settings, latency=latency)
     app.openapi = lambda: _openapi_with_bearer(app)  # type: ignore[method-assign]
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,6 +185,9 @@ def test_rp_serve_runs_the_daemon_and_stops_on_sigterm(tmp_path):
             assert time.monotonic() < deadline, "rp serve: not ready"
             time.sleep(0.25)
         assert (tmp_path / "data" / "rp.sqlite3").exists()
+        assert f"dashboard: http://127.0.0.1:{port}/" in (tmp_path / "serve.log").read_text()
+        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)
+        assert page.status_code == 200 and "/ui/app.js" in page.text
         proc.send_signal(signal.SIGTERM)  # reaches the daemon itself: rp serve execs it
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
     finally:
@@ -212,6 +216,7 @@ def test_rp_demo_end_to_end(tmp_path):
     assert model_dir.is_dir() and (model_dir / "config.json").exists()
     assert list(model_dir.glob("*.safetensors"))
     assert "stopping the daemon" in result.stderr
+    assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/ ", result.stderr)
     assert "Traceback" not in result.stderr
 
 

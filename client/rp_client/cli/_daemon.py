@@ -49,6 +49,16 @@ def daemon_env(**settings: object) -> dict[str, str]:
     return env
 
 
+def dashboard_url(env: dict[str, str]) -> str:
+    """Where a browser on this machine finds the daemon's dashboard (served at `/`)."""
+    host = env.get("RP_HOST") or "127.0.0.1"
+    if host in ("0.0.0.0", "::", ""):  # every interface: this machine reaches it on loopback
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{env.get('RP_PORT') or 8321}/"
+
+
 def start_daemon(env: dict[str, str], log: IO[bytes] | None = None) -> subprocess.Popen[bytes]:
     """Starts the daemon; its output goes to `log` (default: this terminal)."""
     return subprocess.Popen(

@@ -15,6 +15,7 @@ from ._daemon import (
     INSTALL_HINT,
     DaemonStartError,
     daemon_env,
+    dashboard_url,
     free_port,
     server_installed,
     start_daemon,
@@ -52,6 +53,10 @@ def demo(
         proc = start_daemon(env, log)
         try:
             wait_ready(client, proc, start_timeout_s)
+            say(
+                f"dashboard: {dashboard_url(env)} (live loss curves while the demo trains; "
+                "the daemon stops when it ends)"
+            )
             job = client.jobs.create(client.demo_spec())
             say(f"submitted {job.id}")
             job = follow_job(client, job.id, json_lines=json_lines)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
 
 from ._app import EXIT_FAILED, app, fail
-from ._daemon import INSTALL_HINT, daemon_env, exec_daemon, server_installed
+from ._daemon import INSTALL_HINT, daemon_env, dashboard_url, exec_daemon, server_installed
 
 
 @app.command()
@@ -40,5 +41,7 @@ def serve(
         dataset_roots=[str(p.resolve()) for p in dataset_root] if dataset_root else None,
         log_level=log_level,
     )
+    asks = " (it asks for the token once)" if env.get("RP_TOKEN") else ""
+    sys.stderr.write(f"dashboard: {dashboard_url(env)}{asks}\n")
     code = exec_daemon(env)
     raise typer.Exit(code if code >= 0 else 1)

@@ -1,0 +1,116 @@
+// System: versions, devices, memory, the C Adam build, the queue (GET /v1/system, polled).
+
+import { api } from "../api.js";
+import { bytes, describeError, el, statusBadge } from "../format.js";
+
+const POLL_MS = 5000;
+
+export function renderSystem(view) {
+  const content = el("div", { id: "system" });
+  const error = el("p", { class: "error", role: "alert" });
+  view.append(el("h1", {}, "System"), error, content);
+  let timer = null;
+  let stopped = false;
+
+  async function tick() {
+    try {
+      show(await api("/v1/system"));
+      error.textContent = "";
+    } catch (failure) {
+      error.textContent = describeError(failure, "Reading /v1/system");
+    }
+    if (!stopped) timer = setTimeout(tick, POLL_MS);
+  }
+
+  function show(system) {
+    const devices = system.devices.length
+      ? el(
+          "table",
+          { id: "devices" },
+          el(
+            "thead",
+            {},
+            el(
+              "tr",
+              {},
+              ["GPU", "Name", "Memory", "Capability"].map((h) => el("th", {}, h)),
+            ),
+          ),
+          el(
+            "tbody",
+            {},
+            system.devices.map((d) =>
+              el(
+                "tr",
+                {},
+                el("td", {}, String(d.index)),
+                el("td", {}, d.name),
+                el("td", { class: "num" }, bytes(d.total_memory_bytes)),
+                el("td", {}, d.capability ?? "–"),
+              ),
+            ),
+          ),
+        )
+      : el(
+          "p",
+          { id: "devices", class: "muted" },
+          "No GPU visible to the daemon: jobs run on virtual CPU devices (RP_CPU_DEVICES).",
+        );
+    const adam = system.adam
+      ? keyValues("adam", Object.entries(system.adam))
+      : el("p", { id: "adam", class: "muted" }, "not built: the optimizer falls back to torch");
+    const jobs = Object.entries(system.jobs || {});
+    content.replaceChildren(
+      el(
+        "dl",
+        { class: "summary" },
+        el("dt", {}, "version"),
+        el("dd", {}, system.version),
+        // host_memory_bytes, pinned_budget_bytes and any other byte count the daemon reports
+        Object.entries(system)
+          .filter(([key, value]) => key.endsWith("_bytes") && (value === null || typeof value === "number"))
+          .flatMap(([key, value]) => [
+            el("dt", {}, key.replace(/_bytes$/, "").replaceAll("_", " ")),
+            el("dd", {}, bytes(value)),
+          ]),
+        el("dt", {}, "queue"),
+        el("dd", { id: "queue" }, `${system.queue_length} queued`),
+        el("dt", {}, "jobs"),
+        el(
+          "dd",
+          {},
+          jobs.length
+            ? jobs.map(([s, n]) => el("span", { class: "count" }, statusBadge(s), ` ${n} `))
+            : "none",
+        ),
+      ),
+      el("h2", {}, "Devices"),
+      devices,
+      el("h2", {}, "C Adam"),
+      adam,
+      el("h2", {}, "Versions"),
+      keyValues(
+        "versions",
+        Object.entries(system.versions).map(([k, v]) => [k, v ?? "not installed"]),
+      ),
+    );
+  }
+
+  tick();
+  return () => {
+    stopped = true;
+    clearTimeout(timer);
+  };
+}
+
+function keyValues(id, pairs) {
+  return el(
+    "table",
+    { id, class: "pairs" },
+    el(
+      "tbody",
+      {},
+      pairs.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, String(v)))),
+    ),
+  );
+}
