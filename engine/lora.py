@@ -438,11 +438,8 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
         if name in seen:  # two targets naming the same module
             continue
         seen.add(name)
-        _set_child(
-            model,
-            name,
-            LoraLinear(linear, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout),
-        )
+        lora = LoraLinear(linear, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout)
+        _set_child(model, name, lora.train(linear.training))  # an eval model stays in eval
     object.__setattr__(model, "_rp_lora_config", cfg)
     log.info("LoRA: %d adapters (rank %d) on %s", len(seen), cfg.rank, type(model).__name__)
     return model

@@ -306,3 +306,38 @@ def test_adapter_state_that_does_not_fit_is_refused(cpu3: int) -> None:
         load_adapter_state_dict(rp, wrong)
     with pytest.raises(ConfigError, match="no LoRA adapters"):
         adapter_state_dict(tiny_model("qwen3", layers=1))
+
+
+def test_dropout_runs_unmerged_in_training_and_merged_in_eval(cpu3: int) -> None:
+    config = LoraConfig(rank=RANK, alpha=ALPHA, dropout=0.5, target_modules=("q_proj", "up_proj"))
+    ids, labels = batch(50)
+    # Training: the adapter sees dropout(x) and the base x, so it is not merged on upload.
+    rp = wrap_model_to_roundpipe(tiny_model("qwen3", layers=1), lora_config=config)
+    loss = rp.forward_backward(
+        input_kwargs={"input_ids": ids}, label=labels, loss_fn=causal_lm_loss_fn(labels)
+    )
+    rp.synchronize()
+    assert torch.isfinite(loss)
+    replicas = [m for rep in rp._replicas.values() for m in rep.module.modules()]
+    merged = [m.merged for m in replicas if isinstance(m, LoraLinear)]
+    assert merged and not any(merged)
+    assert all(m.lora_A.weight.grad is not None for _, m in lora_modules(rp))
+    # Eval (dropout off): merged, and the same logits as peft's model in eval mode.
+    hf = tiny_model("qwen3", layers=1).eval()
+    ref = peft.get_peft_model(
+        copy.deepcopy(hf),
+        peft.LoraConfig(
+            r=RANK, lora_alpha=ALPHA, lora_dropout=0.5, target_modules=["q_proj", "up_proj"]
+        ),
+    ).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    rp = wrap_model_to_roundpipe(hf, lora_config=config)
+    load_adapter_state_dict(rp, peft.get_peft_model_state_dict(ref))
+    with torch.no_grad():
+        torch.testing.assert_close(rp(ids), ref(input_ids=ids).logits, rtol=RTOL, atol=ATOL)
+    replicas = [m for rep in rp._replicas.values() for m in rep.module.modules()]
+    merged = [m.merged for m in replicas if isinstance(m, LoraLinear)]
+    assert merged and all(merged)
