@@ -225,6 +225,13 @@ def _fill_random(model: nn.Module, seed: int) -> None:
                 pos, offset = pos + take, offset + take
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (engine.timer's counter)."""
+    from engine.timer import _compiled_graphs as graphs
+
+    return graphs()
+
+
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
 
@@ -385,8 +392,9 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
 
     reset_gpu_peak()
-    times, losses = [], []
-    for ids in batches:
+    times, losses, compiled = [], [], []
+    for k, ids in enumerate(batches):
+        graphs = _compiled_graphs()
         start = time.perf_counter()
         loss = rp.forward_backward(
             input_kwargs={"input_ids": ids, "return_logits": False},
@@ -396,7 +404,14 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         rp.step(step_fn, is_async=not args.sync)
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
+        if _compiled_graphs() != graphs:
+            compiled.append(k)
     rp.synchronize()
+    # A re-plan can put layers together in a new way (e.g. LoRA's frozen embedding with
+    # the first decoder layer: an input without grad) and torch.compile builds a variant
+    # during a measured step; the median includes it, the steady figure does not.
+    steady = [t for k, t in enumerate(times) if k >= args.warmup and k not in compiled]
+    tokens = args.seqs_per_step * args.seq_len
 
     checks: dict[str, Any] = {}
     if args.check:
@@ -419,6 +434,10 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         build_s=round(build_s, 2),
         wrap_s=round(wrap_s, 2),
         plan=_last_plan(rp),
+        steps_with_compile=compiled,
+        tokens_per_s_steps_without_compile=(
+            round(tokens / statistics.median(steady), 1) if steady else None
+        ),
         **checks,
     )
     return result
