@@ -32,7 +32,7 @@ from engine.lora import (
 from engine.models import causal_lm_loss_fn
 from engine.optim import Adam
 
-from ._models import make_batch, make_model
+from ._models import DIM, IN_DIM, OUT_DIM, MLPBlock, make_batch, make_model
 from .test_models import batch, tiny_model
 
 peft = pytest.importorskip("peft")
@@ -341,3 +341,41 @@ def test_dropout_runs_unmerged_in_training_and_merged_in_eval(cpu3: int) -> None
     replicas = [m for rep in rp._replicas.values() for m in rep.module.modules()]
     merged = [m.merged for m in replicas if isinstance(m, LoraLinear)]
     assert merged and all(merged)
+
+
+class _Net(nn.Module):
+    """Not one Sequential: the auto-split wraps `blocks` in a RoundPipe, the rest stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN_DIM, DIM)
+        self.blocks = nn.Sequential(MLPBlock(DIM, 0.0), MLPBlock(DIM, 0.0))
+        self.out = nn.Linear(DIM, OUT_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.inp(x)))
+
+
+def test_lora_through_the_auto_split_keeps_the_model_names(cpu3: int) -> None:
+    from engine import AutoRoundPipe
+
+    torch.manual_seed(0)
+    net = _Net()
+    ref = peft_twin(net, ("up", "down", "out"))
+    rp = wrap_model_to_roundpipe(
+        net,
+        lora_config=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=("up", "down", "out")),
+        lower_threshold=1,
+        upper_threshold=3000,
+    )
+    assert isinstance(rp, AutoRoundPipe) and isinstance(rp.model.blocks, RoundPipe)
+    # Names without the RoundPipe wrapper's '.model.': peft's state loads as it is.
+    load_adapter_state_dict(rp, peft.get_peft_model_state_dict(ref))
+    x, y = make_batch()
+    got = ((rp(x) - y) ** 2).mean()
+    got.backward()
+    rp.synchronize()
+    expected = ((ref(x) - y) ** 2).mean()
+    expected.backward()
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert_adapters_equal(rp, ref, grads=True, atol=ATOL)
