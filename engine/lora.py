@@ -296,10 +296,17 @@ class LoraLinear(nn.Module):
     def rp_after_upload(self) -> None:
         """Called by the engine (transfer.upload_layers) on a device replica after each
         upload, under no_grad on the compute stream: merge the adapter into the weight."""
-        if self.training and isinstance(self.lora_dropout, nn.Dropout):
-            self.merged = False  # the adapter sees dropout(x), the base x: not mergeable
-            return
         w = self.base_layer.weight
+        bias = self.base_layer.bias
+        if (
+            (self.training and isinstance(self.lora_dropout, nn.Dropout))
+            or w.requires_grad
+            or (bias is not None and bias.requires_grad)
+        ):
+            # Dropout: the adapter sees dropout(x), the base x. A base unfrozen by the
+            # user needs its own gradient, which the merged backward does not give.
+            self.merged = False
+            return
         w.addmm_(self.lora_B.weight.to(w.dtype), self.lora_A.weight.to(w.dtype), alpha=self.scaling)
         self.merged = True
 
