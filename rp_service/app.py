@@ -19,9 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rp_service import __version__
-from rp_service.api import ROUTERS
-from rp_service.api import openai as openai_api
 from rp_service.api import ROUTERS, dashboard
+from rp_service.api import openai as openai_api
 from rp_service.api.deps import Services
 from rp_service.api.metrics import build_registry
 from rp_service.errors import ServiceError
