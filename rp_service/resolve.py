@@ -76,15 +76,15 @@ class SpecResolver:
                 code="seq_len_too_long",
                 param="data.seq_len",
             )
+        if spec.lora is not None:
+            config = self._model_config(spec)
+            if config is not None:
+                check_lora_rank(spec.lora, config)
         if spec.tokenizer.path is not None:
             self._model_dir(spec.tokenizer.path, param="tokenizer.path")
         self._data("data.train", spec.data.train, spec.data.format)
         if spec.data.valid is not None:
             self._data("data.valid", spec.data.valid, spec.data.format)
-        if spec.lora is not None:
-            config = self._model_config(spec)
-            if config is not None:
-                check_lora_rank(spec.lora, config)
         if gpu_count > 0 and spec.engine.gpus > gpu_count:
             raise InvalidRequest(
                 f"engine.gpus: {spec.engine.gpus} requested but this daemon has {gpu_count} "

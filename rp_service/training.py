@@ -64,6 +64,7 @@ MASTER_FILE = "master.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 CHECKPOINT_VERSION = 1
+MERGED_DIR = "merged"  # a LoRA job's merged model, inside its adapter output folder
 
 
 class JobFailure(Exception):
@@ -296,9 +297,15 @@ class _Run:
                     resume_state.get("num_blocks"),
                     len(self.blocks),
                 )
+        # LoRA: the state_dict names of the adapter weights; None: every weight trains
+        self.adapter_keys: list[str] | None = None
         self.hf_model = self._build_model(resume_tensors)
         self.rp = self._wrap()
         self.masters = list(self.rp.optim_parameters())
+        self.parameters = {
+            "trainable": sum(p.numel() for p in self.masters),
+            "total": sum(p.numel() for p in self.hf_model.parameters()),
+        }
         self.optimizer = self._optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.meter = _Meter(emit=emit, total_steps=self.total_steps, order=self.order)
@@ -330,10 +337,63 @@ class _Run:
             )
         except ModelError as exc:
             raise JobFailure("invalid_model", exc.message, param=exc.param) from exc
+        if self.spec.train.method == "lora":
+            self._apply_lora(hf_model)
         if resume_tensors:
             # The weights the first resumed forward reads (see the module docstring).
-            hf_model.load_state_dict(resume_tensors[MODEL_FILE], strict=True)
+            self._load_model_tensors(hf_model, resume_tensors[MODEL_FILE])
         return hf_model
+
+    def _apply_lora(self, hf_model: torch.nn.Module) -> None:
+        """Add the spec's adapters in place and freeze the base weights."""
+        from engine.errors import ConfigError
+        from engine.lora import LoraConfig, apply_lora
+
+        lora = self.spec.lora
+        assert lora is not None  # JobSpec fills the defaults for method lora
+        config = LoraConfig(
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=tuple(lora.target_modules),
+        )
+        # The adapters' random init is part of the job's reproducible state, for a local
+        # model directory too (a preset's build seeds only its own init).
+        torch.manual_seed(self.spec.train.seed)
+        try:
+            apply_lora(hf_model, config)
+        except ConfigError as exc:
+            raise JobFailure("invalid_lora", f"lora: {exc}", param="lora") from exc
+        self.adapter_keys = [n for n, p in hf_model.named_parameters() if p.requires_grad]
+        if not self.adapter_keys:
+            raise JobFailure(
+                "invalid_lora",
+                f"lora.target_modules {lora.target_modules} matched no layer of the model",
+                param="lora.target_modules",
+            )
+        log.info("LoRA: %d adapter tensors on %s", len(self.adapter_keys), lora.target_modules)
+
+    def _load_model_tensors(
+        self, hf_model: torch.nn.Module, saved: dict[str, torch.Tensor]
+    ) -> None:
+        if self.adapter_keys is None:
+            hf_model.load_state_dict(saved, strict=True)
+            return
+        # A LoRA checkpoint holds the adapters only; the frozen base is rebuilt as it was.
+        if sorted(saved) != sorted(self.adapter_keys):
+            raise JobFailure(
+                "checkpoint_mismatch",
+                f"checkpoint {self.resume_from.path} holds other adapter tensors than the "
+                "model's; the model or lora spec changed since it was written",
+                param="lora",
+            )
+        hf_model.load_state_dict(saved, strict=False)
+
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the model-copy weights a checkpoint keeps: all, or the adapters only."""
+        state = self.hf_model.state_dict()
+        keys = state.keys() if self.adapter_keys is None else self.adapter_keys
+        return {k: state[k].detach().clone() for k in keys}
 
     def _wrap(self) -> Any:
         from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
@@ -457,7 +517,7 @@ class _Run:
         opt_tensors, opt_meta = ckpt.flatten_optimizer_state(self.optimizer.state_dict())
         rng_tensors, rng_meta = ckpt.capture_rng()
         if next_model is None:  # at a sync point the model copy holds the step-k weights
-            next_model = {k: v.detach().clone() for k, v in self.hf_model.state_dict().items()}
+            next_model = self._model_tensors()
         tensors = {
             MODEL_FILE: next_model,
             MASTER_FILE: self._master_tensors(),
@@ -477,6 +537,7 @@ class _Run:
             "rng": rng_meta,
             "metrics": metrics,
             "parameter_shapes": [list(p.shape) for p in self.masters],
+            "method": self.spec.train.method,
         }
         config = self.hf_model.config.to_json_string().encode()
         path, size_bytes = ckpt.write_checkpoint(
@@ -491,12 +552,24 @@ class _Run:
         self.emit("checkpoint", f"checkpoint at step {step}", data)
 
     def save_output(self) -> Path:
-        """Write the final model (HF format) and tokenizer; return the output directory."""
+        """Write the final model (HF format) and tokenizer; return the output directory.
+
+        A LoRA job's output directory is the PEFT adapter folder (adapter_config.json +
+        adapter_model.safetensors), with the merged model in its ``merged/`` subdirectory
+        when ``lora.merge`` asks for one.
+        """
         out = self.paths.output_dir
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.hf_model.save_pretrained(str(tmp), safe_serialization=True)
+        if self.adapter_keys is None:
+            self.hf_model.save_pretrained(str(tmp), safe_serialization=True)
+        else:
+            lora = self.spec.lora
+            merged = tmp / MERGED_DIR if lora is not None and lora.merge else None
+            self.rp.save_adapter(str(tmp), merged_path=None if merged is None else str(merged))
+            if merged is not None:
+                self.tokenizer.save(merged)
         self.tokenizer.save(tmp)
         (tmp / "training_metrics.json").write_text(json.dumps(self.meter.last, indent=1))
         shutil.rmtree(out, ignore_errors=True)
@@ -511,7 +584,12 @@ class _Run:
         self.emit(
             "status",
             "running",
-            {"status": "running", "step": self.start_step, "total_steps": self.total_steps},
+            {
+                "status": "running",
+                "step": self.start_step,
+                "total_steps": self.total_steps,
+                "parameters": self.parameters,
+            },
         )
         self.meter.start_time = time.perf_counter()
         step = self.start_step
@@ -528,7 +606,7 @@ class _Run:
                 # The next forward of an uninterrupted run would read the step-(k-1) weights:
                 # keep them, then finish step k.
                 self.rp.synchronize()
-                next_model = {k: v.detach().clone() for k, v in self.hf_model.state_dict().items()}
+                next_model = self._model_tensors()
             self.rp.step(self._step_fn(step), is_async=async_step)
             loss = float(loss_t)  # the one host sync of a step
             lr = train.lr * self._lr_factor(step - 1)
