@@ -10,6 +10,7 @@ from __future__ import annotations
 from .context import doing_recompute, get_recompute_data, save_for_recompute
 from .errors import ConfigError, DeviceError, RoundPipeError, StepError
 from .grad_scaler import GradScaler
+from .lora import LoraConfig, apply_lora
 from .roundpipe import AutoRoundPipe, RoundPipe
 from .run_config import RoundPipeRunConfig
 from .scheduler import ModelExecutePlan
@@ -20,11 +21,13 @@ __all__ = [
     "ConfigError",
     "DeviceError",
     "GradScaler",
+    "LoraConfig",
     "ModelExecutePlan",
     "RoundPipe",
     "RoundPipeError",
     "RoundPipeRunConfig",
     "StepError",
+    "apply_lora",
     "doing_recompute",
     "get_recompute_data",
     "save_for_recompute",

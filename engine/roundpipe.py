@@ -236,6 +236,13 @@ class RoundPipeBase(nn.Module):
             else:
                 p.grad = None
 
+    def save_adapter(self, path: str | os.PathLike[str], *, merged_path: Any = None) -> None:
+        """Write the LoRA adapters in peft's format (see `engine.lora.save_adapter`);
+        `merged_path`: also the model with the adapters folded in, HF format."""
+        from .lora import save_adapter
+
+        save_adapter(self, path, merged_path=merged_path)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: pending host gradients, optimizer-side and model `.grad`."""
         synchronize_optim()

@@ -1,0 +1,596 @@
+"""LoRA: low-rank adapters on a model's linear layers, the frozen base, PEFT-format files.
+
+`apply_lora(model, config)` replaces each targeted `nn.Linear` (matched by name, like
+peft's `target_modules`) with a `LoraLinear` that holds the original layer as
+`base_layer` and two small fp32 matrices `lora_A` (rank x in) and `lora_B` (out x rank),
+and freezes every other parameter. RoundPipe then gives optimizer-side copies, gradient
+buffers and optimizer state to the adapters only: a frozen base parameter costs the bytes
+of its own (half-precision) copy in pinned host memory and nothing else.
+
+Why a layer of our own rather than peft's modules: the engine deep-copies every layer into
+per-device replicas (`transfer.make_replica`) and runs fp16/bf16 decoder layers through
+one torch.compile'd function; peft's `lora.Linear` carries per-adapter dictionaries,
+mixed-batch and merge state and dtype bookkeeping that each replica would copy and that
+dynamo would trace and guard on. `LoraLinear` is the same math (y = W x + s B A x,
+s = alpha / rank; A Kaiming-uniform, B zero, like peft's default) in a dozen lines with the
+same parameter names, so peft's file format maps one to one:
+
+    <module path>.lora_A.weight  <->  base_model.model.<module path>.lora_A.weight
+
+`save_adapter` writes `adapter_config.json` + `adapter_model.safetensors`, which
+`peft.PeftModel.from_pretrained(base, path)` loads; `load_adapter_state_dict` reads the
+same keys back. peft itself is not needed at run time (the tests use it as the oracle);
+a `peft.LoraConfig` is accepted wherever a `LoraConfig` is, by its attributes.
+
+Adapters compute in the activations' dtype (fp16/bf16 on the GPU: their weights are cast
+per call, gradients come back in fp32 through the cast) while peft computes them in fp32;
+in fp32 the two are the same function.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .attribute import ParamAttribute
+from .errors import ConfigError
+from .optim_stream import synchronize_optim
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "DEFAULT_TARGET_MODULES",
+    "LoraConfig",
+    "LoraLinear",
+    "adapter_state_dict",
+    "apply_lora",
+    "count_parameters",
+    "load_adapter_state_dict",
+    "lora_modules",
+    "save_adapter",
+    "save_merged",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+# peft's saved keys are relative to PeftModel -> LoraModel -> the base model.
+_PEFT_PREFIX = "base_model.model."
+# Merged exports are written in shards of at most this many bytes (HF's sharded layout),
+# so a 32B model is never copied whole in host memory.
+_SHARD_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """What adapters to add: rank, scale (alpha / rank), dropout, and where.
+
+    Attributes:
+        rank: Rank r of each adapter (peft's `r`); 1 <= r <= min(in, out) of every target.
+        alpha: Scale numerator (peft's `lora_alpha`): the update is (alpha / rank) B A x.
+        dropout: Dropout on the adapter's input (peft's `lora_dropout`), in [0, 1).
+        target_modules: Names of the `nn.Linear` modules to adapt; a module matches when
+            its full name equals a target or ends with '.' + target (peft's rule). Every
+            target must match at least one linear layer.
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = field(default=DEFAULT_TARGET_MODULES)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str):
+            object.__setattr__(self, "target_modules", (self.target_modules,))
+        elif not isinstance(self.target_modules, tuple):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(f"lora.rank must be an integer >= 1, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
+            raise ConfigError(f"lora.alpha must be a finite number, got {self.alpha!r}")
+        if self.alpha <= 0:
+            raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise ConfigError(
+                "lora.target_modules is empty; name the linear layers to adapt, e.g. "
+                f"{list(DEFAULT_TARGET_MODULES)}"
+            )
+        for name in self.target_modules:
+            if not isinstance(name, str) or not name:
+                raise ConfigError(
+                    f"lora.target_modules must be non-empty module names, got {name!r}"
+                )
+
+    @property
+    def scaling(self) -> float:
+        """The factor on B A x: alpha / rank."""
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_any(cls, config: Any) -> LoraConfig:
+        """A `LoraConfig` from ours, a `peft.LoraConfig`, or a mapping of our field names.
+
+        A peft config is read by its attributes (`r`, `lora_alpha`, `lora_dropout`,
+        `target_modules`); options this engine does not implement raise ConfigError.
+        """
+        if isinstance(config, LoraConfig):
+            return config
+        if isinstance(config, Mapping):
+            unknown = set(config) - {"rank", "alpha", "dropout", "target_modules"}
+            if unknown:
+                raise ConfigError(
+                    f"unknown LoRA config keys {sorted(unknown)}; "
+                    "use rank, alpha, dropout, target_modules"
+                )
+            return cls(**config)
+        if hasattr(config, "r") and hasattr(config, "lora_alpha"):
+            return _from_peft(config)
+        raise ConfigError(
+            "lora_config must be an engine.lora.LoraConfig, a peft.LoraConfig or a mapping, "
+            f"got {type(config).__name__}"
+        )
+
+    def to_peft_json(self, base_model_name_or_path: str | None, task_type: str | None) -> dict:
+        """The `adapter_config.json` content peft reads back as an equal LoraConfig."""
+        return {
+            "peft_type": "LORA",
+            "task_type": task_type,
+            "base_model_name_or_path": base_model_name_or_path,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": sorted(self.target_modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+            "init_lora_weights": True,
+            "use_rslora": False,
+            "use_dora": False,
+            "modules_to_save": None,
+            "layers_to_transform": None,
+            "layers_pattern": None,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+        }
+
+
+# peft options with a value other than these change the math or the parameter set.
+_PEFT_UNSUPPORTED: dict[str, Any] = {
+    "use_dora": False,
+    "use_rslora": False,
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "exclude_modules": None,
+    "target_parameters": None,
+}
+
+
+def _from_peft(config: Any) -> LoraConfig:
+    for name, neutral in _PEFT_UNSUPPORTED.items():
+        value = getattr(config, name, neutral)
+        if value not in (neutral, None) and not (isinstance(value, (dict, list)) and not value):
+            raise ConfigError(
+                f"peft LoraConfig.{name}={value!r} is not supported by the engine's LoRA; "
+                f"leave it at {neutral!r}"
+            )
+    targets = config.target_modules
+    if targets is None:
+        raise ConfigError(
+            "peft LoraConfig.target_modules is None (peft's per-architecture default); "
+            f"name the modules, e.g. {list(DEFAULT_TARGET_MODULES)}"
+        )
+    if isinstance(targets, str):
+        raise ConfigError(
+            f"peft LoraConfig.target_modules={targets!r} is a regular expression; the engine "
+            "takes a list of module names"
+        )
+    return LoraConfig(
+        rank=config.r,
+        alpha=float(config.lora_alpha),
+        dropout=float(config.lora_dropout),
+        target_modules=tuple(sorted(targets)),
+    )
+
+
+class LoraLinear(nn.Module):
+    """`base_layer(x) + (alpha / rank) * lora_B(lora_A(dropout(x)))`, base frozen.
+
+    The adapter weights are fp32 parameters (what the optimizer updates); they are cast to
+    the input's dtype for the two small GEMMs, and the second one accumulates into the
+    base output (`addmm`), so the adapter adds one read and one write of the output.
+    """
+
+    def __init__(self, base_layer: nn.Linear, *, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        device = base_layer.weight.device
+        self.lora_A = nn.Linear(
+            base_layer.in_features, rank, bias=False, device=device, dtype=torch.float32
+        )
+        self.lora_B = nn.Linear(
+            rank, base_layer.out_features, bias=False, device=device, dtype=torch.float32
+        )
+        self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = alpha / rank
+        self.rank = rank
+        # peft's default initialisation: the adapted model starts as the base model.
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    @property
+    def weight(self) -> Tensor:
+        """The base weight (code that reads `proj.weight`, e.g. for its dtype, still works)."""
+        return self.base_layer.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.base_layer(x)
+        a = self.lora_A.weight
+        b = self.lora_B.weight
+        if a.dtype != x.dtype:
+            a, b = a.to(x.dtype), b.to(x.dtype)
+        low = F.linear(self.lora_dropout(x), a)  # (..., rank)
+        flat = torch.addmm(
+            out.reshape(-1, out.shape[-1]),
+            low.reshape(-1, low.shape[-1]),
+            b.t(),
+            alpha=self.scaling,
+        )
+        return flat.view(out.shape)
+
+    def merged_weight(self, a: Tensor | None = None, b: Tensor | None = None) -> Tensor:
+        """W + s B A in the base weight's dtype (computed in fp32), from `a`/`b` if given."""
+        a = self.lora_A.weight if a is None else a
+        b = self.lora_B.weight if b is None else b
+        w = self.base_layer.weight
+        delta = (b.detach().float() @ a.detach().float()) * self.scaling
+        return (w.detach().float() + delta.to(w.device)).to(w.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, scaling={self.scaling:g}"
+
+
+# ---- finding the model's modules ---------------------------------------------------------
+
+
+def _root(model_or_rp: nn.Module) -> nn.Module:
+    """The user's model behind a RoundPipe (the HF model of a preset), else the model."""
+    from .roundpipe import RoundPipeBase
+
+    if isinstance(model_or_rp, RoundPipeBase):
+        return model_or_rp.original_model or model_or_rp.model
+    return model_or_rp
+
+
+def _named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """`named_modules()` that looks through RoundPipe wrappers (an auto-split inserts them
+    as `child -> RoundPipe(model=child)`), so names stay those of the user's model."""
+    from .roundpipe import RoundPipeBase
+
+    if isinstance(module, RoundPipeBase):
+        yield from _named_modules(module.model, prefix)
+        return
+    yield prefix, module
+    for name, child in module.named_children():
+        yield from _named_modules(child, f"{prefix}.{name}" if prefix else name)
+
+
+def lora_modules(model_or_rp: nn.Module) -> list[tuple[str, LoraLinear]]:
+    """The model's LoRA layers with their module paths in the user's model."""
+    return [(n, m) for n, m in _named_modules(_root(model_or_rp)) if isinstance(m, LoraLinear)]
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is nn.Linear})
+
+
+def _set_child(root: nn.Module, name: str, child: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, attr, child)
+
+
+# ---- applying ----------------------------------------------------------------------------
+
+
+def apply_lora(model: nn.Module, config: Any) -> nn.Module:
+    """Add LoRA adapters to `model` in place and freeze everything else; return `model`.
+
+    Args:
+        model: A Hugging Face model (before `wrap_model_to_roundpipe`) or any module whose
+            submodules include the targeted `nn.Linear` layers (e.g. an `nn.Sequential`).
+        config: An `engine.lora.LoraConfig`, a `peft.LoraConfig`, or a mapping of
+            LoraConfig fields.
+
+    Raises:
+        ConfigError: A target name matches no linear layer (the message lists the linear
+            layers there are), matches a module that is not an `nn.Linear`, the rank is
+            out of range for a layer, or the model already has adapters.
+    """
+    from .roundpipe import RoundPipeBase
+
+    cfg = LoraConfig.from_any(config)
+    if isinstance(model, RoundPipeBase):
+        raise ConfigError(
+            "apply_lora takes the model before wrapping; pass lora_config= to "
+            "wrap_model_to_roundpipe, or call apply_lora first and wrap the result"
+        )
+    if any(isinstance(m, LoraLinear) for m in model.modules()):
+        raise ConfigError("the model already has LoRA adapters; apply_lora once per model")
+    chosen: list[tuple[str, nn.Linear]] = []
+    for target in cfg.target_modules:
+        found = [(n, m) for n, m in model.named_modules() if n and _matches(n, target)]
+        if not found:
+            raise ConfigError(
+                f"lora.target_modules: no module named {target!r} in {type(model).__name__}; "
+                f"its linear layers are named {_linear_names(model)}"
+            )
+        for name, module in found:
+            if type(module) is not nn.Linear:
+                raise ConfigError(
+                    f"lora.target_modules: {name!r} is a {type(module).__name__}, not an "
+                    f"nn.Linear; LoRA adapts linear layers ({_linear_names(model)})"
+                )
+            limit = min(module.in_features, module.out_features)
+            if cfg.rank > limit:
+                raise ConfigError(
+                    f"lora.rank={cfg.rank} exceeds min(in, out)={limit} of {name!r} "
+                    f"({module.in_features} -> {module.out_features}); use rank <= {limit}"
+                )
+            chosen.append((name, module))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    seen: set[str] = set()
+    for name, linear in chosen:
+        if name in seen:  # two targets naming the same module
+            continue
+        seen.add(name)
+        _set_child(
+            model,
+            name,
+            LoraLinear(linear, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout),
+        )
+    object.__setattr__(model, "_rp_lora_config", cfg)
+    log.info("LoRA: %d adapters (rank %d) on %s", len(seen), cfg.rank, type(model).__name__)
+    return model
+
+
+def lora_config_of(model_or_rp: nn.Module) -> LoraConfig:
+    """The LoraConfig `apply_lora` used on this model."""
+    cfg = getattr(_root(model_or_rp), "_rp_lora_config", None)
+    if cfg is None:
+        raise ConfigError("the model has no LoRA adapters; apply_lora (or lora_config=) first")
+    return cfg
+
+
+# ---- state -------------------------------------------------------------------------------
+
+
+def _latest(p: nn.Parameter) -> Tensor:
+    """A parameter's newest value: the optimizer-side master when RoundPipe has one."""
+    if ParamAttribute.has(p):
+        optim = ParamAttribute.get(p).optim
+        if optim is not None:
+            return optim.detach()
+    return p.detach()
+
+
+def adapter_state_dict(model_or_rp: nn.Module) -> dict[str, Tensor]:
+    """The adapters' weights under peft's saved key names, fp32 copies of the latest values.
+
+    Waits for pending optimizer steps first, so an asynchronous step is included.
+    """
+    synchronize_optim()
+    out: dict[str, Tensor] = {}
+    for name, mod in lora_modules(model_or_rp):
+        for part in ("lora_A", "lora_B"):
+            w = getattr(mod, part).weight
+            out[f"{_PEFT_PREFIX}{name}.{part}.weight"] = _latest(w).to(
+                "cpu", torch.float32, copy=True
+            )
+    if not out:
+        raise ConfigError("the model has no LoRA adapters; apply_lora (or lora_config=) first")
+    return out
+
+
+def _normalise_key(key: str) -> str:
+    # peft's in-memory names carry the adapter name ("lora_A.default.weight"); files do not.
+    key = key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+    return key if key.startswith(_PEFT_PREFIX) else _PEFT_PREFIX + key
+
+
+def load_adapter_state_dict(model_or_rp: nn.Module, state: Mapping[str, Tensor]) -> None:
+    """Set the adapters from `state` (peft key names; with or without the
+    'base_model.model.' prefix), in the model and in RoundPipe's optimizer-side copies.
+
+    Raises:
+        ConfigError: Keys missing or unexpected, or a shape that does not fit.
+    """
+    synchronize_optim()
+    given = {_normalise_key(k): v for k, v in state.items()}
+    params: dict[str, nn.Parameter] = {}
+    for name, mod in lora_modules(model_or_rp):
+        for part in ("lora_A", "lora_B"):
+            params[f"{_PEFT_PREFIX}{name}.{part}.weight"] = getattr(mod, part).weight
+    if not params:
+        raise ConfigError("the model has no LoRA adapters; apply_lora (or lora_config=) first")
+    missing, unexpected = sorted(params.keys() - given.keys()), sorted(given.keys() - params.keys())
+    if missing or unexpected:
+        raise ConfigError(
+            f"adapter state does not fit the model: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''} (was it saved for another model or "
+            "other target_modules?)"
+        )
+    for key, p in params.items():
+        value = given[key]
+        if tuple(value.shape) != tuple(p.shape):
+            raise ConfigError(
+                f"adapter weight {key} has shape {tuple(value.shape)}, the model's is "
+                f"{tuple(p.shape)} (another rank?)"
+            )
+    with torch.no_grad():
+        for key, p in params.items():
+            value = given[key]
+            p.data.copy_(value)
+            if ParamAttribute.has(p) and ParamAttribute.get(p).optim is not None:
+                ParamAttribute.get(p).optim.data.copy_(value)
+
+
+def count_parameters(model_or_rp: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts of the model (a tied weight counts once)."""
+    params = list(nn.Module.parameters(_root(model_or_rp)))
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return trainable, sum(p.numel() for p in params)
+
+
+# ---- files -------------------------------------------------------------------------------
+
+
+def _task_type(root: nn.Module) -> str | None:
+    return "CAUSAL_LM" if type(root).__name__.endswith("ForCausalLM") else None
+
+
+def save_adapter(
+    model_or_rp: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    merged_path: str | os.PathLike[str] | None = None,
+) -> None:
+    """Write the adapter in peft's format (adapter_config.json + adapter_model.safetensors).
+
+    `peft.PeftModel.from_pretrained(base_model, path)` loads it onto the base model.
+    With `merged_path`, also write the model with the adapters folded into its weights, as
+    a plain model: for a Hugging Face model its config and safetensors weights (what
+    `AutoModelForCausalLM.from_pretrained` loads), else the safetensors weights.
+    """
+    from safetensors.torch import save_file
+
+    cfg = lora_config_of(model_or_rp)
+    state = adapter_state_dict(model_or_rp)
+    root = _root(model_or_rp)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = getattr(root, "config", None)
+    base_name = getattr(config, "_name_or_path", None) or None
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS_NAME))
+    (out / ADAPTER_CONFIG_NAME).write_text(
+        json.dumps(cfg.to_peft_json(base_name, _task_type(root)), indent=2) + "\n"
+    )
+    if merged_path is not None:
+        save_merged(model_or_rp, merged_path)
+
+
+def _merged_tensors(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, int, Tensor]]:
+    """(key, id of the model's tensor, value) of the model's state dict as it would be
+    without adapters (adapted weights merged), walked through RoundPipe wrappers; a tied
+    tensor comes under each of its names with the same id (the caller drops repeats)."""
+    from .roundpipe import RoundPipeBase
+
+    if isinstance(module, RoundPipeBase):
+        yield from _merged_tensors(module.model, prefix)
+        return
+    dot = f"{prefix}." if prefix else ""
+    if isinstance(module, LoraLinear):
+        base = module.base_layer
+        yield (
+            f"{dot}weight",
+            id(base.weight),
+            module.merged_weight(_latest(module.lora_A.weight), _latest(module.lora_B.weight)),
+        )
+        if base.bias is not None:
+            yield f"{dot}bias", id(base.bias), base.bias.detach()
+        return
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield f"{dot}{name}", id(p), p.detach()
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            yield f"{dot}{name}", id(b), b.detach()
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _merged_tensors(child, f"{dot}{name}")
+
+
+def save_merged(model_or_rp: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Write the model with its adapters folded in: Hugging Face's layout (config.json,
+    generation_config.json, model.safetensors, or shards of <= 4 GiB with an index), one
+    shard in memory at a time. A tied weight is written once, under its first name."""
+    from safetensors.torch import save_file
+
+    synchronize_optim()
+    root = _root(model_or_rp)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[list[str]] = []  # keys of each written shard
+    current: dict[str, Tensor] = {}
+    size = 0
+    seen: set[int] = set()
+
+    def flush() -> None:
+        save_file(current, str(out / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+        shards.append(list(current))
+        current.clear()
+
+    for key, ident, tensor in _merged_tensors(root):
+        if ident in seen:  # the model's tensors live on: their ids are not reused
+            continue
+        seen.add(ident)
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > _SHARD_BYTES:
+            flush()
+            size = 0
+        current[key] = tensor.to("cpu").contiguous()
+        size += nbytes
+    flush()
+    if len(shards) == 1:
+        (out / "shard-0.tmp").rename(out / "model.safetensors")
+    else:
+        weight_map: dict[str, str] = {}
+        for i, keys in enumerate(shards):
+            final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            (out / f"shard-{i}.tmp").rename(out / final)
+            weight_map.update(dict.fromkeys(keys, final))
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for attr in ("config", "generation_config"):
+        obj = getattr(root, attr, None)
+        if obj is not None and hasattr(obj, "save_pretrained"):
+            obj.save_pretrained(out)
