@@ -110,6 +110,7 @@ class Outcome:
     status: str
     step: int
     output_model_path: str | None = None
+    merged_model_path: str | None = None  # a LoRA job's merged model, when lora.merge
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str) -> float:
@@ -628,7 +629,13 @@ class _Run:
         self.rp.synchronize()
         self.meter.flush()
         out = self.save_output()
-        return Outcome(status="succeeded", step=step, output_model_path=str(out))
+        merged = out / MERGED_DIR
+        return Outcome(
+            status="succeeded",
+            step=step,
+            output_model_path=str(out),
+            merged_model_path=str(merged) if self.adapter_keys and merged.is_dir() else None,
+        )
 
 
 def run_job(spec: JobSpec, paths: JobPaths, emit: Emit, pause: threading.Event) -> Outcome:

@@ -84,6 +84,11 @@ def test_lora_job_trains_only_the_adapter_and_checkpoints_it_alone(straight) -> 
     out = job_dir / "output"
     assert (out / "adapter_config.json").is_file() and (out / "tokenizer.json").is_file()
     assert not (out / "model.safetensors").exists() and not (out / "merged").exists()
+    assert events[-1]["data"] == {
+        "status": "succeeded",
+        "step": STEPS,
+        "output_model_path": str(out),
+    }
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == LORA["rank"] and config["lora_alpha"] == LORA["alpha"]
     assert sorted(config["target_modules"]) == sorted(LORA["target_modules"])
@@ -211,7 +216,14 @@ def test_lora_job_through_the_daemon_loads_with_peft(make_daemon, tmp_path: Path
         done = daemon.wait_for(job["id"], {"succeeded", "failed", "cancelled"}, timeout_s=300)
         assert done["status"] == "succeeded", (done, c.get(f"/v1/jobs/{job['id']}/logs").text)
         checkpoints = c.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]
+        events = c.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
     out = Path(done["output_model_path"])
+    reported = next(
+        e["data"]
+        for e in events
+        if e["type"] == "message" and e["data"].get("status") == "succeeded"
+    )
+    assert reported["merged_model_path"] == str(out / "merged")
     weights = adapter(out)
     trainable = numel(weights)
     total = base_numel(MODEL_CONFIG, VOCAB) + trainable
