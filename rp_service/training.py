@@ -65,6 +65,7 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 CHECKPOINT_VERSION = 1
 MERGED_DIR = "merged"  # a LoRA job's merged model, inside its adapter output folder
+_LORA_FIELDS = ("lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules")
 
 
 class JobFailure(Exception):
@@ -364,7 +365,12 @@ class _Run:
         try:
             apply_lora(hf_model, config)
         except ConfigError as exc:
-            raise JobFailure("invalid_lora", f"lora: {exc}", param="lora") from exc
+            message = str(exc)  # the engine's messages start with the field they are about
+            param = next(
+                (f for f in _LORA_FIELDS if message.startswith(f)),
+                "lora",
+            )
+            raise JobFailure("invalid_lora", message, param=param) from exc
         self.adapter_keys = [n for n, p in hf_model.named_parameters() if p.requires_grad]
         if not self.adapter_keys:
             raise JobFailure(

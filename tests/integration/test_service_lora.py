@@ -148,6 +148,16 @@ def test_lora_pause_then_resume_is_bit_identical(straight, tmp_path: Path) -> No
         assert torch.equal(got[name], want[name]), name
 
 
+def test_a_rank_the_model_cannot_take_fails_the_job_naming_the_field(tmp_path: Path) -> None:
+    # The daemon refuses this at submission; a worker given it anyway fails cleanly.
+    job_dir = make_job(tmp_path / "wide", {**SMALL_LORA, "lora": {"rank": 40}})
+    code, events = run(job_dir)
+    assert code == 1
+    (event,) = [e for e in events if e["level"] == "error"]
+    assert event["data"]["code"] == "invalid_lora" and event["data"]["param"] == "lora.rank"
+    assert "use rank <= 32" in event["message"]
+
+
 # ---------------------------------------------------------------- through the daemon
 
 
