@@ -60,18 +60,26 @@ def main() -> None:
     p.add_argument("--variants", default="adam")
     p.add_argument("--trace-dir", default=os.environ.get("OUT"))
     p.add_argument("--profile", action="store_true", help="print the kernel table")
+    p.add_argument("--lora", action="store_true", help="LoRA rank 16 on every projection")
+    p.add_argument("--pin-model", choices=["alloc", "register"], default="alloc")
+    p.add_argument("--recompute-attention", action="store_true")
     args = p.parse_args()
 
+    import engine.models
     from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
+    from engine.lora import LoraConfig
     from engine.models import causal_lm_loss_fn
     from engine.optim import Adam
 
     dtype = torch.float16
+    engine.models.RECOMPUTE_ATTENTION = args.recompute_attention
     model = build_model(args.model, dtype, "sdpa", 0)
     rp = wrap_model_to_roundpipe(
         model,
         optim_dtype=torch.float32,
         model_run_config=RoundPipeRunConfig(num_microbatch=args.num_microbatch),
+        lora_config=LoraConfig(rank=16, alpha=32.0) if args.lora else None,
+        pin_model=args.pin_model,
     )
     tokens = args.seq_len * args.seqs_per_step
     ns = argparse.Namespace(
@@ -142,6 +150,7 @@ def main() -> None:
             "bench": "profile_train",
             "variant": variant,
             "model": args.model,
+            "lora": args.lora,
             "tokens_per_s": round(tokens / med, 1),
             "step_s_median": round(med, 3),
             "profiled_wall_ms_2_iterations": round(wall_ms, 1),

@@ -8,6 +8,15 @@ convention), peak GPU memory (torch.cuda.max_memory_allocated) and peak host mem
     python bench/train.py                                  # Qwen3-1.7B shape, RoundPipe
     python bench/train.py --baseline                       # + plain PyTorch on the GPU
     RP_DEVICES=cpu:1 python bench/train.py --model tiny    # CPU self-check (a few seconds)
+    python bench/train.py --lora --model qwen3-8b --baseline  # LoRA, + peft LoRA on the GPU
+    python bench/train.py --lora --model qwen3-32b --seqs-per-step 16 --pin-model register
+
+`--lora`: rank-16 adapters (alpha 32) on every attention and MLP projection
+(engine.lora), the fp16 base frozen (no master, gradient or optimizer state), fp32
+adapters stepped by engine.optim.Adam. Its baseline is peft's LoRA on the HF model
+entirely on the GPU: bf16 base, bf16 autocast, per-layer activation checkpointing,
+fused AdamW on the adapters. LoRA's model TFLOP/s count 4N + attention per token (no
+weight gradients of the frozen base).
 
 The model is randomly initialised on the host (no download): weights are allocated
 without HF's initialisers and filled with normal(0, 0.02) in place, so the 1.7B shape is
@@ -71,6 +80,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": False,
     },
+    # hidden 5120, 64 layers, 64 query / 8 kv heads of 128, intermediate 25600: ~33 B
+    # parameters, 66 GB in fp16 (LoRA only: the fp32 optimizer would need ~530 GB)
+    "qwen3-32b": {
+        "hidden_size": 5120,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 25600,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 3,
@@ -114,6 +135,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-plans",
         action="store_true",
         help="log each iteration's per-layer times and each new execution plan (stderr)",
+    )
+    p.add_argument("--lora", action="store_true", help="LoRA fine-tuning (see above)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument(
+        "--pin-model",
+        choices=["alloc", "register"],
+        default="alloc",
+        help="pinning of the host model: torch's allocator (rounds each tensor up to a "
+        "power of two) or cudaHostRegister in place",
     )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
@@ -199,11 +229,17 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
 
 
-def flops_per_token(model: nn.Module, seq_len: int) -> float:
-    """6N for the matmuls (forward + backward) + 6 L S h d for causal attention scores."""
+def count_base_params(model: nn.Module) -> int:
+    """Parameters without LoRA adapters (peft's and engine.lora's are named lora_*)."""
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def flops_per_token(model: nn.Module, seq_len: int, lora: bool = False) -> float:
+    """6N for the matmuls (forward + backward) + 6 L S h d for causal attention scores;
+    LoRA: 4N (no weight gradients) + the same attention term."""
     c = model.config
     attention = 6 * c.num_hidden_layers * seq_len * c.num_attention_heads * c.head_dim
-    return 6 * count_params(model) + attention
+    return (4 if lora else 6) * count_base_params(model) + attention
 
 
 def make_batches(args: argparse.Namespace, vocab: int) -> list[torch.Tensor]:
@@ -257,14 +293,18 @@ def report(
         "bench": "train",
         "system": system,
         "model": args.model,
-        "params": count_params(model),
+        "params": count_base_params(model),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "lora_rank": args.lora_rank if args.lora else None,
         "seq_len": args.seq_len,
         "seqs_per_step": args.seqs_per_step,
         "tokens_per_step": tokens,
         "steps": args.steps,
         "warmup": args.warmup,
         "tokens_per_s": round(tokens_per_s, 1),
-        "model_tflops": round(tokens_per_s * flops_per_token(model, args.seq_len) / 1e12, 2),
+        "model_tflops": round(
+            tokens_per_s * flops_per_token(model, args.seq_len, args.lora) / 1e12, 2
+        ),
         "step_s_median": round(step_s, 4),
         "step_s": [round(t, 4) for t in times_s],
         "loss_first": losses[0],
@@ -334,6 +374,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         ),
         optim_dtype=torch.float32,
         name=f"bench-{args.model}",
+        lora_config=lora_config(args) if args.lora else None,
+        pin_model=args.pin_model if torch.cuda.is_available() else "alloc",
     )
     wrap_s = time.perf_counter() - t0
     optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr)
@@ -358,7 +400,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
 
     checks: dict[str, Any] = {}
     if args.check:
-        checks = self_check(model, initial, losses, expected_first)
+        checks = self_check(model, initial, losses, expected_first, lora=args.lora)
     result = report(
         "roundpipe",
         args,
@@ -373,6 +415,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         optimizer=optimizer_name,
         model_dtype="float16",
         optim_dtype="float32",
+        pin_model=args.pin_model,
         build_s=round(build_s, 2),
         wrap_s=round(wrap_s, 2),
         plan=_last_plan(rp),
@@ -381,22 +424,41 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def lora_config(args: argparse.Namespace) -> Any:
+    from engine.lora import LoraConfig
+
+    return LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+
+
 def self_check(
     model: nn.Module,
     initial: dict[str, torch.Tensor],
     losses: list[float],
     expected_first: float | None,
+    lora: bool = False,
 ) -> dict[str, Any]:
-    """Fail loudly if the run did not train the HF model it was given."""
+    """Fail loudly if the run did not train the HF model it was given (LoRA: if the
+    adapters did not move or the frozen base did)."""
     problems = []
     if not all(math.isfinite(x) for x in losses):
         problems.append(f"non-finite loss: {losses}")
     # fp16 model vs the fp32 reference on the same weights: agree to fp16 accuracy.
     if expected_first is not None and abs(losses[0] - expected_first) > 1e-2 * abs(expected_first):
         problems.append(f"first loss {losses[0]} != HF loss {expected_first}")
-    changed = sum(
-        not torch.equal(p.detach().cpu(), initial[n]) for n, p in model.named_parameters()
-    )
+    changed = 0
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            changed += 1  # checked below: the last step's update is in the optimizer copy
+            continue
+        moved = not torch.equal(p.detach().cpu(), initial[n.replace(".base_layer", "")])
+        if lora and moved:
+            problems.append(f"frozen base weight {n} changed")
+        changed += moved
+    if lora:
+        from engine.lora import adapter_state_dict
+
+        if all(not v.any() for k, v in adapter_state_dict(model).items() if "lora_B" in k):
+            problems.append("no LoRA adapter moved from its zero initialisation")
     if changed == 0:
         problems.append("no parameter of the HF model changed after training")
     if problems:
@@ -404,19 +466,41 @@ def self_check(
     return {"check": "ok", "reference_loss_first": expected_first, "params_changed": changed}
 
 
+def _enable_checkpointing(model: nn.Module) -> None:
+    """Per-layer activation checkpointing, non-reentrant (with a frozen embedding, the
+    reentrant form would give the LoRA weights inside no gradient)."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:  # the name of later transformers 5.x releases
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
-    """HF model on the GPU: fp32 master, bf16 autocast, per-layer checkpointing, fused AdamW."""
+    """HF model on the GPU: fp32 master, bf16 autocast, per-layer checkpointing, fused AdamW.
+
+    With --lora: peft's LoRA (same rank, alpha and targets; fp32 adapters, peft's default)
+    on the bf16 HF model, bf16 autocast, per-layer checkpointing, fused AdamW on the
+    adapters."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(args.model, torch.float32, "sdpa", args.seed).to(device)
-    # Per-layer activation checkpointing; renamed in later transformers 5.x releases.
-    enable = (
-        getattr(model, "activation_checkpointing_enable", None)
-        or model.gradient_checkpointing_enable
-    )
-    enable()
+    dtype = torch.bfloat16 if args.lora else torch.float32
+    model = build_model(args.model, dtype, "sdpa", args.seed).to(device)
+    if args.lora:
+        import peft
+
+        cfg = lora_config(args)
+        model = peft.get_peft_model(
+            model,
+            peft.LoraConfig(
+                r=cfg.rank, lora_alpha=cfg.alpha, target_modules=list(cfg.target_modules)
+            ),
+        )
+    _enable_checkpointing(model)
     model.config.use_cache = False
     fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=fused)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0, fused=fused)
     batches = make_batches(args, model.config.vocab_size)
     accum = args.seqs_per_step // args.baseline_microbatch
 
@@ -436,7 +520,7 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
         losses.append(float(total))  # syncs: the step is done when its time is taken
         times.append(time.perf_counter() - start)
     result = report(
-        "pytorch-baseline",
+        "peft-lora-baseline" if args.lora else "pytorch-baseline",
         args,
         model,
         times,
@@ -445,6 +529,8 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
         grad_accum=accum,
         optimizer=f"torch.optim.AdamW(fused={fused})",
         master_dtype="float32",
+        base_dtype=str(dtype).removeprefix("torch."),
+        lora="peft" if args.lora else None,
         autocast="bfloat16",
         activation_checkpointing="per-layer",
     )
