@@ -16,6 +16,12 @@ asynchronous "restore" step, so it continues exactly as the uninterrupted run wo
 
 The batch of every step is a function of the seed and the step (`data.BatchOrder`), so
 the data position needs nothing but the step number.
+
+A LoRA job (``train.method: lora``) adds the engine's adapters to the model right after
+building it and freezes the rest, so the masters and the optimizer hold the adapters only.
+Its checkpoints keep the adapters' model copy, masters and optimizer state, not the base,
+which a resumed run rebuilds from the spec exactly as the first one did. Its output is the
+PEFT adapter folder, with the merged model in ``merged/`` when ``lora.merge`` asks for it.
 """
 
 from __future__ import annotations
@@ -359,9 +365,12 @@ class _Run:
             dropout=lora.dropout,
             target_modules=tuple(lora.target_modules),
         )
-        # The adapters' random init is part of the job's reproducible state, for a local
-        # model directory too (a preset's build seeds only its own init).
-        torch.manual_seed(self.spec.train.seed)
+        # The adapters' random init is part of the job's reproducible state. A preset's
+        # build seeded the generator and the adapters continue its stream; loading a model
+        # directory draws nothing, so seed here (not for a preset too: its base and the
+        # adapters would start from the same random numbers).
+        if self.paths.model_path is not None:
+            torch.manual_seed(self.spec.train.seed)
         try:
             apply_lora(hf_model, config)
         except ConfigError as exc:
