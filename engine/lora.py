@@ -218,12 +218,47 @@ def _from_peft(config: Any) -> LoraConfig:
     )
 
 
+class _MergedLoraLinear(torch.autograd.Function):
+    """y = x W'^T (+ bias) with W' = W + s B A already in `weight`; backward gives the
+    input gradient through W' and the adapter gradients from the factors:
+    dA = s (g B)^T x, dB = s g^T (x A^T). The frozen W and bias get none."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, s: float
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight, a, b)
+        ctx.scaling = s
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight, a, b = ctx.saved_tensors
+        s = ctx.scaling
+        g = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[3]:
+            gb = g @ b.to(g.dtype)  # (tokens, rank)
+            grad_a = ((gb.t() @ x2) * s).to(a.dtype)
+        if ctx.needs_input_grad[4]:
+            low = x2 @ a.to(x2.dtype).t()  # (tokens, rank)
+            grad_b = ((g.t() @ low) * s).to(b.dtype)
+        return grad_x, None, None, grad_a, grad_b, None
+
+
 class LoraLinear(nn.Module):
     """`base_layer(x) + (alpha / rank) * lora_B(lora_A(dropout(x)))`, base frozen.
 
     The adapter weights are fp32 parameters (what the optimizer updates); they are cast to
-    the input's dtype for the two small GEMMs, and the second one accumulates into the
-    base output (`addmm`), so the adapter adds one read and one write of the output.
+    the input's dtype for the two small GEMMs. In a RoundPipe device replica (no dropout)
+    the adapter is merged into the uploaded copy of the frozen weight once per upload
+    (`rp_after_upload`: W' = W + s B A, one small GEMM), so the forward is the base GEMM
+    alone and the backward the base input-gradient GEMM plus the adapter gradients; the
+    host weights stay untouched. The merged weight is rounded to the base dtype, as in a
+    merged export: in fp16 a change of the adapter below half an ulp of a weight does not
+    reach the forward, an error of the size of rounding the layer's output to fp16.
     """
 
     def __init__(self, base_layer: nn.Linear, *, rank: int, alpha: float, dropout: float) -> None:
@@ -239,6 +274,8 @@ class LoraLinear(nn.Module):
         self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank
         self.rank = rank
+        # True in a RoundPipe device replica while the uploaded base weight holds W + s B A.
+        self.merged = False
         # peft's default initialisation: the adapted model starts as the base model.
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
@@ -256,7 +293,26 @@ class LoraLinear(nn.Module):
         """The base weight (code that reads `proj.weight`, e.g. for its dtype, still works)."""
         return self.base_layer.weight
 
+    def rp_after_upload(self) -> None:
+        """Called by the engine (transfer.upload_layers) on a device replica after each
+        upload, under no_grad on the compute stream: merge the adapter into the weight."""
+        if self.training and isinstance(self.lora_dropout, nn.Dropout):
+            self.merged = False  # the adapter sees dropout(x), the base x: not mergeable
+            return
+        w = self.base_layer.weight
+        w.addmm_(self.lora_B.weight.to(w.dtype), self.lora_A.weight.to(w.dtype), alpha=self.scaling)
+        self.merged = True
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.merged:
+            return _MergedLoraLinear.apply(
+                x,
+                self.base_layer.weight,
+                self.base_layer.bias,
+                self.lora_A.weight,
+                self.lora_B.weight,
+                self.scaling,
+            )
         out = self.base_layer(x)
         a = self.lora_A.weight
         b = self.lora_B.weight

@@ -33,6 +33,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+# A submodule with a method of this name has it called after each upload, on the compute
+# stream, with the freshly uploaded device tensors bound (engine.lora merges its adapters
+# into the device copy of the frozen weight there).
+AFTER_UPLOAD_HOOK = "rp_after_upload"
+
+
 @dataclass
 class LayerReplica:
     """A device-side twin of one host layer; tensors are rebound on every upload."""
@@ -40,6 +46,7 @@ class LayerReplica:
     module: nn.Module
     params: list[tuple[nn.Parameter, nn.Parameter]]  # (host, placeholder)
     buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (host, placeholder)
+    after_upload: list[Any] = field(default_factory=list)  # AFTER_UPLOAD_HOOK methods
 
 
 def make_replica(layer: nn.Module) -> LayerReplica:
@@ -58,7 +65,10 @@ def make_replica(layer: nn.Module) -> LayerReplica:
             memo[id(b)] = bh
             buffers.append((b, bh))
     module = copy.deepcopy(layer, memo)
-    return LayerReplica(module, params, buffers)
+    hooks = [
+        getattr(m, AFTER_UPLOAD_HOOK) for m in module.modules() if hasattr(m, AFTER_UPLOAD_HOOK)
+    ]
+    return LayerReplica(module, params, buffers, hooks)
 
 
 @dataclass
@@ -131,6 +141,11 @@ def upload_layers(
         dev.wait_event(dev.compute_stream, uploaded)
         for d in group.device_tensors.values():
             dev.mark_used(d, dev.compute_stream)
+    hooks = [hook for rep in replicas for hook in rep.after_upload]
+    if hooks:
+        with dev.compute(), torch.no_grad():
+            for hook in hooks:
+                hook()
     return group
 
 
