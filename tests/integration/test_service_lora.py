@@ -149,13 +149,20 @@ def test_lora_pause_then_resume_is_bit_identical(straight, tmp_path: Path) -> No
 
 
 def test_a_rank_the_model_cannot_take_fails_the_job_naming_the_field(tmp_path: Path) -> None:
-    # The daemon refuses this at submission; a worker given it anyway fails cleanly.
+    # The daemon refuses this at submission; a worker given it anyway fails cleanly, before
+    # it trains (in-process here: the failure comes before any device is used).
+    import threading
+
+    from rp_service.schemas import JobSpec
+    from rp_service.training import JobFailure, JobPaths, run_job
+
     job_dir = make_job(tmp_path / "wide", {**SMALL_LORA, "lora": {"rank": 40}})
-    code, events = run(job_dir)
-    assert code == 1
-    (event,) = [e for e in events if e["level"] == "error"]
-    assert event["data"]["code"] == "invalid_lora" and event["data"]["param"] == "lora.rank"
-    assert "use rank <= 32" in event["message"]
+    payload = json.loads((job_dir / "spec.json").read_text())
+    spec, paths = JobSpec.model_validate(payload["spec"]), JobPaths.from_json(payload["resolved"])
+    with pytest.raises(JobFailure) as failure:
+        run_job(spec, paths, lambda *args, **kwargs: None, threading.Event())
+    assert failure.value.code == "invalid_lora" and failure.value.param == "lora.rank"
+    assert "use rank <= 32" in failure.value.message
 
 
 # ---------------------------------------------------------------- through the daemon
