@@ -90,6 +90,16 @@ def prepare_job_dir(
     return env, log_file
 
 
+def _parameter_counts(value: Any) -> dict[str, int] | None:
+    """`{trainable, total}` from a worker's status event, if it is well-formed."""
+    if not isinstance(value, dict):
+        return None
+    counts = {k: value.get(k) for k in ("trainable", "total")}
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
+        return counts
+    return None
+
+
 @dataclass(eq=False)
 class WorkerHandle:
     """One worker process of a job and what its events told us so far."""
@@ -148,6 +158,9 @@ class WorkerHandle:
             )
         elif type_ == "status":
             reported = data.get("status")
+            counts = _parameter_counts(data.get("parameters"))
+            if counts is not None:
+                out["job_fields"] = {"parameters": counts}
             if reported == "succeeded":
                 self.succeeded = True
                 path = data.get("output_model_path")

@@ -14,6 +14,7 @@ from typing import Any
 from rp_service.errors import InvalidRequest
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
+from rp_service.shapes import PRESET_DEFAULTS, check_lora_rank
 from rp_service.store import Store
 
 __all__ = ["PRESET_MAX_POSITIONS", "SpecResolver"]
@@ -78,6 +79,10 @@ class SpecResolver:
                 code="seq_len_too_long",
                 param="data.seq_len",
             )
+        if spec.lora is not None:
+            config = self._model_config(spec)
+            if config is not None:
+                check_lora_rank(spec.lora, config)
         if spec.tokenizer.path is not None:
             self._model_dir(spec.tokenizer.path, param="tokenizer.path")
         self._data("data.train", spec.data.train, spec.data.format)
@@ -145,6 +150,19 @@ class SpecResolver:
             ) from None
         value = config.get("max_position_embeddings") if isinstance(config, dict) else None
         return value if isinstance(value, int) and value > 0 else None
+
+    def _model_config(self, spec: JobSpec) -> dict[str, Any] | None:
+        """The model's HF config fields: a preset's defaults with the overrides, or config.json."""
+        if spec.model.preset is not None:
+            return {**PRESET_DEFAULTS[spec.model.preset], **spec.model.config}
+        if spec.model.path is None:
+            return None
+        config_path = self._model_dir(spec.model.path, param="model.path") / "config.json"
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            return None  # _max_positions has reported an unreadable config.json already
+        return config if isinstance(config, dict) else None
 
     def _data(self, param: str, raw: str, fmt: str) -> str:
         if raw == "synthetic":

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
+    "LORA_TARGET_MODULES",
     "TERMINAL_STATUSES",
     "Checkpoint",
     "DataSection",
@@ -25,7 +33,9 @@ __all__ = [
     "JobSpec",
     "JobStatus",
     "ListPage",
+    "LoraSection",
     "ModelSection",
+    "ParameterCounts",
     "Progress",
     "Ready",
     "SystemInfo",
@@ -126,6 +136,9 @@ class TrainSection(_Section):
     eval_interval: int = Field(50, ge=0, description="Steps between evaluations; 0 = never.")
     checkpoint_interval: int = Field(50, ge=0, description="Steps; 0 = only at pause/end.")
     keep_checkpoints: int = Field(2, ge=1, le=1000)
+    method: Literal["full", "lora"] = Field(
+        "full", description="full: train every weight; lora: frozen base + LoRA adapters."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -152,6 +165,47 @@ class EngineSection(_Section):
     async_step: bool = True
 
 
+LORA_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+"""Projections LoRA can adapt, by their Hugging Face name (the engine's default: all)."""
+
+
+class LoraSection(_Section):
+    """LoRA adapters of a `train.method: lora` job (peft's LoraConfig names)."""
+
+    rank: int = Field(16, ge=1, le=1 << 16, description="Adapter rank r, <= the layer width.")
+    alpha: float = Field(32.0, gt=0, le=1e6, description="Scale: updates are alpha/rank * BA.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGET_MODULES),
+        min_length=1,
+        description="Projections to adapt; default all attention and MLP projections.",
+    )
+    merge: bool = Field(
+        False, description="Also save the merged model (adapter folded in, HF format)."
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_modules(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in LORA_TARGET_MODULES]
+        if unknown:
+            raise ValueError(
+                f"unknown target module(s) {', '.join(map(repr, unknown))}; use any of "
+                f"{', '.join(LORA_TARGET_MODULES)}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"a target module is listed twice in {names}; list each once")
+        return names
+
+
 class JobSpec(_Section):
     """What to train and how: the body of `POST /v1/jobs`."""
 
@@ -162,6 +216,28 @@ class JobSpec(_Section):
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)
     engine: EngineSection = Field(default_factory=EngineSection)
+    lora: LoraSection | None = Field(
+        None, description="With train.method lora; null there means the defaults."
+    )
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_needs_the_method(
+        cls, lora: LoraSection | None, info: ValidationInfo
+    ) -> LoraSection | None:
+        train = info.data.get("train")  # absent when train itself was invalid
+        if lora is not None and isinstance(train, TrainSection) and train.method != "lora":
+            raise ValueError(
+                "a lora section is given but train.method is 'full'; set train.method to "
+                "'lora' or remove the lora section"
+            )
+        return lora
+
+    @model_validator(mode="after")
+    def _lora_defaults(self) -> JobSpec:
+        if self.train.method == "lora" and self.lora is None:
+            self.lora = LoraSection()
+        return self
 
 
 # ---------------------------------------------------------------- objects
@@ -172,6 +248,11 @@ class Progress(BaseModel):
     total_steps: int | None = None
     epoch: float | None = None
     eta_seconds: float | None = None
+
+
+class ParameterCounts(BaseModel):
+    trainable: int = Field(description="Parameters the optimizer updates (the adapters in LoRA).")
+    total: int = Field(description="All parameters of the model, adapters included.")
 
 
 class JobError(BaseModel):
@@ -197,6 +278,9 @@ class Job(BaseModel):
     output_model_path: str | None
     gpus: list[int]
     error: JobError | None
+    parameters: ParameterCounts | None = Field(
+        None, description="Set once the worker has built the model; null before."
+    )
 
 
 class Event(BaseModel):

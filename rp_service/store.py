@@ -97,10 +97,14 @@ _MIGRATIONS: list[str] = [
         created_at INTEGER NOT NULL
     );
     """,
+    # 2: the model's parameter counts {trainable, total}, reported by the worker.
+    """
+    ALTER TABLE jobs ADD COLUMN parameters TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
-_JSON_COLUMNS = {"spec", "progress", "metrics", "gpus", "error"}
+_JSON_COLUMNS = {"spec", "progress", "metrics", "gpus", "error", "parameters"}
 _JOB_COLUMNS = {
     "name",
     "status",
@@ -117,6 +121,7 @@ _JOB_COLUMNS = {
     "error",
     "worker_pid",
     "worker_started",
+    "parameters",
 }
 
 
@@ -141,6 +146,7 @@ class JobRecord:
     worker_pid: int | None = None
     worker_started: str | None = None
     seq: int = 0
+    parameters: dict[str, int] | None = None
 
 
 @dataclass(slots=True)

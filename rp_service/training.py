@@ -16,6 +16,12 @@ asynchronous "restore" step, so it continues exactly as the uninterrupted run wo
 
 The batch of every step is a function of the seed and the step (`data.BatchOrder`), so
 the data position needs nothing but the step number.
+
+A LoRA job (``train.method: lora``) adds the engine's adapters to the model right after
+building it and freezes the rest, so the masters and the optimizer hold the adapters only.
+Its checkpoints keep the adapters' model copy, masters and optimizer state, not the base,
+which a resumed run rebuilds from the spec exactly as the first one did. Its output is the
+PEFT adapter folder, with the merged model in ``merged/`` when ``lora.merge`` asks for it.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ MASTER_FILE = "master.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 CHECKPOINT_VERSION = 1
+MERGED_DIR = "merged"  # a LoRA job's merged model, inside its adapter output folder
+_LORA_FIELDS = ("lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules")
 
 
 class JobFailure(Exception):
@@ -109,6 +117,7 @@ class Outcome:
     status: str
     step: int
     output_model_path: str | None = None
+    merged_model_path: str | None = None  # a LoRA job's merged model, when lora.merge
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str) -> float:
@@ -296,9 +305,15 @@ class _Run:
                     resume_state.get("num_blocks"),
                     len(self.blocks),
                 )
+        # LoRA: the state_dict names of the adapter weights; None: every weight trains
+        self.adapter_keys: list[str] | None = None
         self.hf_model = self._build_model(resume_tensors)
         self.rp = self._wrap()
         self.masters = list(self.rp.optim_parameters())
+        self.parameters = {
+            "trainable": sum(p.numel() for p in self.masters),
+            "total": sum(p.numel() for p in self.hf_model.parameters()),
+        }
         self.optimizer = self._optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.meter = _Meter(emit=emit, total_steps=self.total_steps, order=self.order)
@@ -330,10 +345,71 @@ class _Run:
             )
         except ModelError as exc:
             raise JobFailure("invalid_model", exc.message, param=exc.param) from exc
+        if self.spec.train.method == "lora":
+            self._apply_lora(hf_model)
         if resume_tensors:
             # The weights the first resumed forward reads (see the module docstring).
-            hf_model.load_state_dict(resume_tensors[MODEL_FILE], strict=True)
+            self._load_model_tensors(hf_model, resume_tensors[MODEL_FILE])
         return hf_model
+
+    def _apply_lora(self, hf_model: torch.nn.Module) -> None:
+        """Add the spec's adapters in place and freeze the base weights."""
+        from engine.errors import ConfigError
+        from engine.lora import LoraConfig, apply_lora
+
+        lora = self.spec.lora
+        assert lora is not None  # JobSpec fills the defaults for method lora
+        config = LoraConfig(
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=tuple(lora.target_modules),
+        )
+        # The adapters' random init is part of the job's reproducible state. A preset's
+        # build seeded the generator and the adapters continue its stream; loading a model
+        # directory draws nothing, so seed here (not for a preset too: its base and the
+        # adapters would start from the same random numbers).
+        if self.paths.model_path is not None:
+            torch.manual_seed(self.spec.train.seed)
+        try:
+            apply_lora(hf_model, config)
+        except ConfigError as exc:
+            message = str(exc)  # the engine's messages start with the field they are about
+            param = next(
+                (f for f in _LORA_FIELDS if message.startswith(f)),
+                "lora",
+            )
+            raise JobFailure("invalid_lora", message, param=param) from exc
+        self.adapter_keys = [n for n, p in hf_model.named_parameters() if p.requires_grad]
+        if not self.adapter_keys:
+            raise JobFailure(
+                "invalid_lora",
+                f"lora.target_modules {lora.target_modules} matched no layer of the model",
+                param="lora.target_modules",
+            )
+        log.info("LoRA: %d adapter tensors on %s", len(self.adapter_keys), lora.target_modules)
+
+    def _load_model_tensors(
+        self, hf_model: torch.nn.Module, saved: dict[str, torch.Tensor]
+    ) -> None:
+        if self.adapter_keys is None:
+            hf_model.load_state_dict(saved, strict=True)
+            return
+        # A LoRA checkpoint holds the adapters only; the frozen base is rebuilt as it was.
+        if sorted(saved) != sorted(self.adapter_keys):
+            raise JobFailure(
+                "checkpoint_mismatch",
+                f"checkpoint {self.resume_from.path} holds other adapter tensors than the "
+                "model's; the model or lora spec changed since it was written",
+                param="lora",
+            )
+        hf_model.load_state_dict(saved, strict=False)
+
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the model-copy weights a checkpoint keeps: all, or the adapters only."""
+        state = self.hf_model.state_dict()
+        keys = state.keys() if self.adapter_keys is None else self.adapter_keys
+        return {k: state[k].detach().clone() for k in keys}
 
     def _wrap(self) -> Any:
         from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
@@ -457,7 +533,7 @@ class _Run:
         opt_tensors, opt_meta = ckpt.flatten_optimizer_state(self.optimizer.state_dict())
         rng_tensors, rng_meta = ckpt.capture_rng()
         if next_model is None:  # at a sync point the model copy holds the step-k weights
-            next_model = {k: v.detach().clone() for k, v in self.hf_model.state_dict().items()}
+            next_model = self._model_tensors()
         tensors = {
             MODEL_FILE: next_model,
             MASTER_FILE: self._master_tensors(),
@@ -477,6 +553,7 @@ class _Run:
             "rng": rng_meta,
             "metrics": metrics,
             "parameter_shapes": [list(p.shape) for p in self.masters],
+            "method": self.spec.train.method,
         }
         config = self.hf_model.config.to_json_string().encode()
         path, size_bytes = ckpt.write_checkpoint(
@@ -491,12 +568,24 @@ class _Run:
         self.emit("checkpoint", f"checkpoint at step {step}", data)
 
     def save_output(self) -> Path:
-        """Write the final model (HF format) and tokenizer; return the output directory."""
+        """Write the final model (HF format) and tokenizer; return the output directory.
+
+        A LoRA job's output directory is the PEFT adapter folder (adapter_config.json +
+        adapter_model.safetensors), with the merged model in its ``merged/`` subdirectory
+        when ``lora.merge`` asks for one.
+        """
         out = self.paths.output_dir
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.hf_model.save_pretrained(str(tmp), safe_serialization=True)
+        if self.adapter_keys is None:
+            self.hf_model.save_pretrained(str(tmp), safe_serialization=True)
+        else:
+            lora = self.spec.lora
+            merged = tmp / MERGED_DIR if lora is not None and lora.merge else None
+            self.rp.save_adapter(str(tmp), merged_path=None if merged is None else str(merged))
+            if merged is not None:
+                self.tokenizer.save(merged)
         self.tokenizer.save(tmp)
         (tmp / "training_metrics.json").write_text(json.dumps(self.meter.last, indent=1))
         shutil.rmtree(out, ignore_errors=True)
@@ -511,7 +600,12 @@ class _Run:
         self.emit(
             "status",
             "running",
-            {"status": "running", "step": self.start_step, "total_steps": self.total_steps},
+            {
+                "status": "running",
+                "step": self.start_step,
+                "total_steps": self.total_steps,
+                "parameters": self.parameters,
+            },
         )
         self.meter.start_time = time.perf_counter()
         step = self.start_step
@@ -528,7 +622,7 @@ class _Run:
                 # The next forward of an uninterrupted run would read the step-(k-1) weights:
                 # keep them, then finish step k.
                 self.rp.synchronize()
-                next_model = {k: v.detach().clone() for k, v in self.hf_model.state_dict().items()}
+                next_model = self._model_tensors()
             self.rp.step(self._step_fn(step), is_async=async_step)
             loss = float(loss_t)  # the one host sync of a step
             lr = train.lr * self._lr_factor(step - 1)
@@ -550,7 +644,13 @@ class _Run:
         self.rp.synchronize()
         self.meter.flush()
         out = self.save_output()
-        return Outcome(status="succeeded", step=step, output_model_path=str(out))
+        merged = out / MERGED_DIR
+        return Outcome(
+            status="succeeded",
+            step=step,
+            output_model_path=str(out),
+            merged_model_path=str(merged) if self.adapter_keys and merged.is_dir() else None,
+        )
 
 
 def run_job(spec: JobSpec, paths: JobPaths, emit: Emit, pause: threading.Event) -> Outcome:

@@ -147,15 +147,14 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
     if outcome.status == "paused":
         emit("status", f"paused at step {outcome.step}", {"status": "paused", "step": outcome.step})
         return EXIT_PAUSED
-    emit(
-        "status",
-        "succeeded",
-        {
-            "status": "succeeded",
-            "step": outcome.step,
-            "output_model_path": outcome.output_model_path,
-        },
-    )
+    done = {
+        "status": "succeeded",
+        "step": outcome.step,
+        "output_model_path": outcome.output_model_path,
+    }
+    if outcome.merged_model_path is not None:
+        done["merged_model_path"] = outcome.merged_model_path
+    emit("status", "succeeded", done)
     return 0
 
 

@@ -29,6 +29,7 @@ from .models import (
     JobSpec,
     LogChunk,
     Page,
+    ParameterCounts,
     System,
 )
 
@@ -56,6 +57,7 @@ __all__ = [
     "LogChunk",
     "NotFound",
     "Page",
+    "ParameterCounts",
     "RequestTooLarge",
     "ServerError",
     "System",

@@ -24,8 +24,10 @@ __all__ = [
     "JobProgress",
     "JobSpec",
     "LogChunk",
+    "LoraSection",
     "ModelSection",
     "Page",
+    "ParameterCounts",
     "System",
     "TokenizerSection",
     "TrainSection",
@@ -55,6 +57,18 @@ class JobError(_Model):
     param: str | None = None
 
 
+class ParameterCounts(_Model):
+    """How many parameters the optimizer trains, and how many the model has in all."""
+
+    trainable: int
+    total: int
+
+    @property
+    def trainable_fraction(self) -> float:
+        """trainable / total (0.0 for an empty model)."""
+        return self.trainable / self.total if self.total else 0.0
+
+
 class Job(_Model):
     id: str
     object: str = "job"
@@ -72,6 +86,7 @@ class Job(_Model):
     output_model_path: str | None = None
     gpus: list[int] = []
     error: JobError | None = None
+    parameters: ParameterCounts | None = None  # null until the worker has built the model
 
     @property
     def is_terminal(self) -> bool:
@@ -188,6 +203,7 @@ class TrainSection(_Model):
     eval_interval: int | None = None
     checkpoint_interval: int | None = None
     keep_checkpoints: int | None = None
+    method: str | None = None  # "full" | "lora"
 
 
 class EngineSection(_Model):
@@ -197,6 +213,14 @@ class EngineSection(_Model):
     pin_model: str | None = None
     gpus: int | None = None
     async_step: bool | None = None
+
+
+class LoraSection(_Model):
+    rank: int | None = None
+    alpha: float | None = None
+    dropout: float | None = None
+    target_modules: list[str] | None = None
+    merge: bool | None = None
 
 
 class JobSpec(_Model):
@@ -209,6 +233,7 @@ class JobSpec(_Model):
     data: DataSection | None = None
     train: TrainSection | None = None
     engine: EngineSection | None = None
+    lora: LoraSection | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> JobSpec:

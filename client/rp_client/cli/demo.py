@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -25,6 +26,8 @@ from ._daemon import (
 )
 from .progress import follow_job, report_outcome
 
+_LORA_DEMO_LR = 1e-2
+
 
 @app.command()
 def demo(
@@ -35,6 +38,15 @@ def demo(
     json_lines: bool = typer.Option(False, "--json", help="Events as JSON lines."),
     start_timeout_s: float = typer.Option(
         180.0, "--start-timeout", help="Seconds to wait for readiness."
+    ),
+    lora: bool = typer.Option(
+        False,
+        "--lora",
+        help="Train LoRA adapters on the frozen demo model (train.method lora) and save the "
+        "adapter plus the merged model.",
+    ),
+    steps: int = typer.Option(
+        None, "--steps", min=1, help="Optimizer steps instead of the demo's own."
     ),
 ) -> None:
     """Start a local daemon, train the embedded demo model, print where it is saved."""
@@ -57,7 +69,7 @@ def demo(
                 f"dashboard: {dashboard_url(env)} (live loss curves while the demo trains; "
                 "the daemon stops when it ends)"
             )
-            job = client.jobs.create(client.demo_spec())
+            job = client.jobs.create(_demo_body(client.demo_spec(), lora=lora, steps=steps))
             say(f"submitted {job.id}")
             job = follow_job(client, job.id, json_lines=json_lines)
         except DaemonStartError as exc:
@@ -72,8 +84,27 @@ def demo(
     if not json_lines:
         report_outcome(job)
         if job.status == "succeeded" and job.output_model_path:
+            model_path = (
+                str(Path(job.output_model_path) / "merged") if lora else job.output_model_path
+            )
             sys.stdout.write(
-                "load it with: transformers.AutoModelForCausalLM.from_pretrained("
-                f"{job.output_model_path!r})\n"
+                f"load it with: transformers.AutoModelForCausalLM.from_pretrained({model_path!r})\n"
             )
     raise typer.Exit(job_exit_code(job))
+
+
+def _demo_body(spec: dict[str, Any], *, lora: bool, steps: int | None) -> dict[str, Any]:
+    """The demo spec, as LoRA (with the merged model saved) and/or with other step counts."""
+    train = dict(spec.get("train") or {})
+    if steps is not None:
+        train.update(steps=steps, epochs=None)
+        # keep a checkpoint and an evaluation inside a short run
+        for key in ("eval_interval", "checkpoint_interval"):
+            if isinstance(train.get(key), int) and train[key] > steps:
+                train[key] = steps
+    if lora:
+        train["method"] = "lora"
+        # LoRA's usual learning rate is several times full fine-tuning's
+        train["lr"] = _LORA_DEMO_LR
+        spec = {**spec, "lora": {"rank": 16, "alpha": 32.0, "merge": True}}
+    return {**spec, "train": train}

@@ -6,12 +6,13 @@ import itertools
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import typer
 import yaml
 from rich.table import Table
 
-from ..models import Job, load_spec_file
+from ..models import Job, ParameterCounts, load_spec_file
 from ._app import app, get_client, handle_errors, job_exit_code, print_json, stdout
 from .progress import follow_job, report_outcome
 
@@ -23,6 +24,14 @@ def _when(ts: int | None) -> str:
 def _steps(job: Job) -> str:
     total = job.progress.total_steps
     return f"{job.progress.step}/{total}" if total else str(job.progress.step)
+
+
+def _parameters(counts: ParameterCounts, spec: dict[str, Any]) -> str:
+    method = (spec.get("train") or {}).get("method") or "full"
+    return (
+        f"{counts.trainable:,} trainable of {counts.total:,} "
+        f"({100 * counts.trainable_fraction:.2f}%, {method})"
+    )
 
 
 def _finish(ctx: typer.Context, job: Job, follow: bool, json_lines: bool) -> None:
@@ -113,6 +122,8 @@ def status(
         ("finished", _when(job.finished_at)),
         ("trained tokens", f"{job.trained_tokens:,}"),
     ]
+    if job.parameters is not None:
+        lines.append(("parameters", _parameters(job.parameters, job.spec)))
     lines += [(k, f"{v:.6g}" if isinstance(v, float) else str(v)) for k, v in job.metrics.items()]
     if job.progress.eta_seconds is not None and not job.is_terminal:
         lines.append(("eta", f"{job.progress.eta_seconds:.0f} s"))

@@ -96,7 +96,10 @@ def follow_job(client: Client, job_id: str, *, json_lines: bool = False) -> Job:
 def report_outcome(job: Job) -> None:
     """One closing line: where the model is, or why the job did not succeed."""
     if job.status == "succeeded":
-        where = f"; model: {job.output_model_path}" if job.output_model_path else ""
+        # a LoRA job's output folder is the PEFT adapter (the merged model, if any, inside)
+        lora = (job.spec.get("train") or {}).get("method") == "lora"
+        label = "adapter" if lora else "model"
+        where = f"; {label}: {job.output_model_path}" if job.output_model_path else ""
         sys.stdout.write(f"{job.id} succeeded{where}\n")
     elif job.status == "failed":
         reason = job.error.message if job.error else "no reason given"

@@ -1,0 +1,75 @@
+"""LoRA in the client: parameter counts in `rp status` and the SDK, `rp demo --lora`'s body."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from rp_client import Job
+from rp_client.cli import app
+from rp_client.cli.demo import _demo_body
+from typer.testing import CliRunner
+
+from ._fakes import job_obj
+
+LORA_SPEC = {"train": {"steps": 3, "method": "lora"}, "lora": {"rank": 8}}
+
+
+@pytest.fixture
+def rp(make_client):
+    def invoke(handler, *args):
+        client, _ = make_client(handler, max_retries=0)
+        return CliRunner().invoke(app, list(args), obj={"client": client})
+
+    return invoke
+
+
+def test_status_shows_trainable_and_total_parameters(rp):
+    counts = {"trainable": 1_234, "total": 98_765}
+    job = job_obj(status="running", spec=LORA_SPEC, parameters=counts)
+    result = rp(lambda r: httpx.Response(200, json=job), "status", "job-1")
+    assert result.exit_code == 0, result.output
+    assert "1,234 trainable of 98,765 (1.25%, lora)" in result.stdout
+    result = rp(lambda r: httpx.Response(200, json=job), "status", "job-1", "--json")
+    assert json.loads(result.stdout)["parameters"] == counts
+
+
+def test_status_without_counts_yet_omits_the_line(rp):
+    result = rp(lambda r: httpx.Response(200, json=job_obj()), "status", "job-1")
+    assert result.exit_code == 0 and "parameters" not in result.stdout
+
+
+def test_sdk_job_parses_the_counts() -> None:
+    job = Job.model_validate(job_obj(parameters={"trainable": 5, "total": 20}))
+    assert job.parameters is not None and job.parameters.trainable_fraction == 0.25
+    assert Job.model_validate(job_obj()).parameters is None
+
+
+def test_lora_job_outcome_names_the_adapter(rp):
+    done = job_obj(status="succeeded", spec=LORA_SPEC, output_model_path="/d/output")
+
+    def handler(request):
+        if request.url.path.endswith("/events"):
+            body = b'retry: 3000\n\nevent: done\ndata: {"status": "succeeded"}\n\n'
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json=done)
+
+    result = rp(handler, "follow", "job-1")
+    assert result.exit_code == 0, result.output
+    assert "job-1 succeeded; adapter: /d/output" in result.stdout
+
+
+def test_demo_body_as_lora_with_fewer_steps() -> None:
+    demo = {
+        "name": "demo",
+        "train": {"steps": 200, "lr": 0.003, "eval_interval": 25, "checkpoint_interval": 50},
+        "lora": None,
+    }
+    body = _demo_body(demo, lora=True, steps=20)
+    assert body["train"]["method"] == "lora" and body["train"]["steps"] == 20
+    assert body["train"]["eval_interval"] == 20 and body["train"]["checkpoint_interval"] == 20
+    assert body["lora"]["merge"] is True and body["lora"]["rank"] > 0
+    assert demo["train"]["steps"] == 200  # the fetched spec is not changed
+    plain = _demo_body(demo, lora=False, steps=None)
+    assert plain == demo
