@@ -8,6 +8,11 @@ convention), peak GPU memory (torch.cuda.max_memory_allocated) and peak host mem
     python bench/train.py                                  # Qwen3-1.7B shape, RoundPipe
     python bench/train.py --baseline                       # + plain PyTorch on the GPU
     RP_DEVICES=cpu:1 python bench/train.py --model tiny    # CPU self-check (a few seconds)
+    torchrun --nproc-per-node 2 bench/train.py             # data parallel: a process per GPU
+
+Under torchrun (WORLD_SIZE > 1) every rank builds the same model, takes its share of the
+same global batch (engine.distributed) and only rank 0 prints, with every rank's peak host
+memory; NCCL on GPUs, gloo on CPU ranks (`RP_DEVICES=cpu:1 torchrun ... --model tiny`).
 
 The model is randomly initialised on the host (no download): weights are allocated
 without HF's initialisers and filled with normal(0, 0.02) in place, so the 1.7B shape is
@@ -114,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-plans",
         action="store_true",
         help="log each iteration's per-layer times and each new execution plan (stderr)",
+    )
+    p.add_argument(
+        "--shard-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="under torchrun: fp32 masters and Adam state sharded across ranks (ZeRO-1)",
     )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
@@ -336,6 +347,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         name=f"bench-{args.model}",
     )
     wrap_s = time.perf_counter() - t0
+    dp = getattr(rp, "_dp", None)
     optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr)
 
     def step_fn() -> None:
@@ -359,6 +371,10 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     checks: dict[str, Any] = {}
     if args.check:
         checks = self_check(model, initial, losses, expected_first)
+    if dp is not None:
+        checks.update(_ranks_summary(dp, args))
+        if dp.rank != 0:
+            return checks
     result = report(
         "roundpipe",
         args,
@@ -379,6 +395,20 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         **checks,
     )
     return result
+
+
+def _ranks_summary(dp: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Data-parallel fields of the result: world size, backend, every rank's host peak."""
+    import torch.distributed as dist
+
+    peaks: list[Any] = [None] * dp.world
+    dist.all_gather_object(peaks, round(host_peak_gib(), 2), group=dp.control)
+    return {
+        "world_size": dp.world,
+        "backend": str(dist.get_backend(dp.bulk)),
+        "shard_optimizer": dp.sharded,
+        "peak_host_mem_gib_per_rank": peaks,
+    }
 
 
 def self_check(
@@ -457,8 +487,37 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _init_distributed(args: argparse.Namespace) -> None:
+    """Under torchrun: join the process group (NCCL with GPUs, else gloo) and split the
+    box's cores between its ranks (the C Adam and torch's CPU ops)."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    if args.baseline or args.baseline_only:
+        raise SystemExit("--baseline is a single-process run; drop it under torchrun")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and not os.environ.get("RP_DEVICES", "").startswith("cpu")
+    if cuda:
+        gpus_per_rank = max(1, torch.cuda.device_count() // local_world)
+        device = torch.device("cuda", local_rank * gpus_per_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    from engine.optim import physical_cores, set_num_threads
+
+    threads = max(1, physical_cores() // local_world)
+    set_num_threads(threads)
+    torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    _init_distributed(args)
     logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
     if args.log_plans:
         for name in ("engine.timer", "engine.roundpipe"):

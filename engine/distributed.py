@@ -321,7 +321,7 @@ class DataParallel:
                 seen.add(id(p))
                 data = p.data
                 buf = data.to(self.device)
-                dist.broadcast(buf, group_src=0, group=self.bulk)
+                dist.broadcast(buf, src=dist.get_global_rank(self.bulk, 0), group=self.bulk)
                 if buf.data_ptr() != data.data_ptr():
                     data.copy_(buf)
         for layout in self.layouts:
