@@ -345,6 +345,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         ),
         optim_dtype=torch.float32,
         name=f"bench-{args.model}",
+        shard_optimizer=args.shard_optimizer,
     )
     wrap_s = time.perf_counter() - t0
     dp = getattr(rp, "_dp", None)
@@ -529,6 +530,10 @@ def main(argv: list[str] | None = None) -> None:
         _release_memory()  # the baseline's model and optimizer died with its frame
     if not args.baseline_only:
         run_roundpipe(args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
