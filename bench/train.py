@@ -351,13 +351,19 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     dp = getattr(rp, "_dp", None)
     optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr)
 
+    adam_s: list[float] = []
+
     def step_fn() -> None:
+        start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        adam_s.append(time.perf_counter() - start)
 
     reset_gpu_peak()
     times, losses = [], []
-    for ids in batches:
+    for k, ids in enumerate(batches):
+        if dp is not None and k == args.warmup:
+            dp.stats.update(steps=0, publish_s=0.0, reduce_s=0.0)  # count measured steps only
         start = time.perf_counter()
         loss = rp.forward_backward(
             input_kwargs={"input_ids": ids, "return_logits": False},
@@ -388,6 +394,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         async_step=not args.sync,
         recompute_attention=args.recompute_attention,
         optimizer=optimizer_name,
+        optimizer_s_median=round(statistics.median(adam_s[args.warmup :] or adam_s), 4),
         model_dtype="float16",
         optim_dtype="float32",
         build_s=round(build_s, 2),
@@ -404,7 +411,10 @@ def _ranks_summary(dp: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     peaks: list[Any] = [None] * dp.world
     dist.all_gather_object(peaks, round(host_peak_gib(), 2), group=dp.control)
+    steps = max(1, dp.stats["steps"])
     return {
+        "dp_publish_s_per_step": round(dp.stats["publish_s"] / steps, 4),
+        "dp_reduce_s_per_step": round(dp.stats["reduce_s"] / steps, 4),
         "world_size": dp.world,
         "backend": str(dist.get_backend(dp.bulk)),
         "shard_optimizer": dp.sharded,

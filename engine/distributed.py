@@ -43,6 +43,7 @@ import hashlib
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,6 +265,9 @@ class DataParallel:
             for group_params in model._params_by_owner()
         ]
         self._staging: dict[torch.dtype, torch.Tensor] = {}
+        # Seconds the optimizer thread spent publishing (all-gather) and reducing, summed
+        # over steps: what docs/SCALING.md's cost model predicts from bytes and bandwidth.
+        self.stats = {"steps": 0, "publish_s": 0.0, "reduce_s": 0.0}
         self._grad_buffers: dict[int, torch.Tensor] = {}
         self._check_same_model(model)
         self._broadcast_weights(model)
@@ -382,12 +386,17 @@ class DataParallel:
     # ---- the step (optimizer thread) -------------------------------------------------
     def publish_weights_take_grads(self, model: RoundPipeBase) -> None:
         """The data-parallel twin of roundpipe._publish_weights_take_grads."""
+        start = time.perf_counter()
         for attr, layout in zip(model.layer_attrs, self.layouts, strict=True):
             if model._optim_ahead:
                 self._publish(layout)
             attr.param_copied.set()
         object.__setattr__(model, "_optim_ahead", False)
+        published = time.perf_counter()
         self._reduce_grads(model, set_events=True)
+        self.stats["steps"] += 1
+        self.stats["publish_s"] += published - start
+        self.stats["reduce_s"] += time.perf_counter() - published
 
     def sync_optim_param(self, model: RoundPipeBase) -> None:
         """Bring every rank's model parameters to the latest weights (collective)."""
