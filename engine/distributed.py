@@ -14,8 +14,9 @@ rank returns the global loss.
 
 The step keeps the staleness-one protocol of `engine.attribute` on every rank. On the
 optimizer thread, per layer: publish w[k] (sharded: all-gather the updated half-precision
-shards into the model's parameters), set param_copied; then, in reverse layer order (the
-next backward downloads the last layers first), sum the layer's gradients across ranks
+shards into the model's parameters), set param_copied; then, in the order the next
+backward downloads (by last use, descending: a tied embedding first), sum the layer's
+gradients across ranks
 (sharded: reduce-scatter, each rank keeping its shard; else all-reduce), fold them into
 the optimizer-side gradients and set grad_copied. The collectives run while the next
 iteration computes. NCCL ranks bounce host tensors through their first GPU; gloo ranks
@@ -216,6 +217,21 @@ def _row_cuts(sizes: list[tuple[int, int]], offsets: list[int], world: int) -> l
     return cuts
 
 
+def _reduce_order(model: RoundPipe) -> list[int]:
+    """Owner layers in the order the next backward downloads into their gradients.
+
+    The backward runs from the last layer down and each download waits on its owner's
+    grad_copied, so owners go by the last layer that uses their parameters, descending.
+    A tied embedding (owned by layer 0, used again by the head) thus comes first: in
+    plain reverse order the head's download would wait for every other layer's reduction.
+    """
+    last_use = list(range(model.num_layers))
+    for j, params in enumerate(model.layer_params):
+        for _, pa in params:
+            last_use[pa.owner_layer] = max(last_use[pa.owner_layer], j)
+    return sorted(range(model.num_layers), key=lambda o: (-last_use[o], -o))
+
+
 def _piece_shape(p: torch.Tensor, span: _Span) -> tuple[int, ...]:
     if p.dim() == 0:
         return ()
@@ -264,6 +280,7 @@ class DataParallel:
             )
             for group_params in model._params_by_owner()
         ]
+        self.reduce_order = _reduce_order(model)
         self._staging: dict[torch.dtype, torch.Tensor] = {}
         # Seconds the optimizer thread spent publishing (all-gather) and reducing, summed
         # over steps: what docs/SCALING.md's cost model predicts from bytes and bandwidth.
@@ -438,9 +455,7 @@ class DataParallel:
 
     def _reduce_grads(self, model: RoundPipeBase, *, set_events: bool) -> None:
         flags = self._pending_flags()
-        # Reverse layer order: the next iteration's backward downloads the last layers
-        # first and waits on their grad_copied.
-        for index in reversed(range(len(self.layouts))):
+        for index in self.reduce_order:
             layout = self.layouts[index]
             if any(flags[index]):
                 self._reduce_layer(layout, flags[index])

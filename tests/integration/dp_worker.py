@@ -23,21 +23,36 @@ STEPS = 3
 LR = 1e-2
 
 
+class TiedOut(nn.Module):
+    """x @ W with the first layer's weight: a tied parameter used by two layers (owner 0),
+    like a tied embedding and LM head."""
+
+    def __init__(self, tied: nn.Linear) -> None:
+        super().__init__()
+        self.tied = tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.tied.weight
+
+
 def make_model(width: int = 17) -> nn.Sequential:
-    """Layers of odd sizes; the Tanh has no parameters (an empty shard)."""
+    """Layers of odd sizes; the Tanh has no parameters (an empty shard); the last layer
+    reuses the first one's weight."""
     torch.manual_seed(0)
+    first = nn.Linear(5, width)
     return nn.Sequential(
-        nn.Linear(5, width),
+        first,
         nn.Tanh(),
         nn.Linear(width, 13),
         nn.LayerNorm(13),
-        nn.Linear(13, 3),
+        nn.Linear(13, width),
+        TiedOut(first),
     )
 
 
 def batch(k: int, rows: int = GLOBAL_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + k)
-    return torch.randn(rows, 5, generator=gen), torch.randn(rows, 3, generator=gen)
+    return torch.randn(rows, 5, generator=gen), torch.randn(rows, 5, generator=gen)
 
 
 def loss_fn(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
