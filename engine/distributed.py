@@ -484,28 +484,33 @@ class DataParallel:
             else:
                 dist.all_reduce(buf, group=self.bulk)
                 out, base = buf, 0
-            for _, pa, _ in layout.params:
-                pa.grad_pending = False
-            for span in layout.mine:
-                if not flags[span.param]:
-                    continue
-                _, pa, _ = layout.params[span.param]
-                target = pa.optim
-                assert target is not None
-                lo = span.seg - base
-                g = out[lo : lo + span.stop - span.start].to(target.dtype).view(target.shape)
-                if target.grad is None:
-                    # Reused across steps: a fresh fp32 buffer per step page-faults each time.
-                    held = self._grad_buffers.get(id(target))
-                    if held is None or held.shape != target.shape:
-                        held = torch.empty(target.shape, dtype=target.dtype)
-                        self._grad_buffers[id(target)] = held
-                    held.copy_(g)  # a blocking download on NCCL: the reduction has finished
-                    target.grad = held
-                else:
-                    target.grad.add_(g.cpu())
             if self.stream is not None:
-                self.stream.synchronize()  # grad_host is read by then: the next download may overwrite it
+                # Down in the model dtype into pinned memory (fast, half the bytes); the
+                # widening to fp32 happens on the host, as the single-process fold does.
+                host = self._staging_buffer(out.numel(), out.dtype)
+                host.copy_(out, non_blocking=True)
+                self.stream.synchronize()  # grad_host read: the next download may overwrite it
+                out = host
+        for _, pa, _ in layout.params:
+            pa.grad_pending = False
+        for span in layout.mine:
+            if not flags[span.param]:
+                continue
+            _, pa, _ = layout.params[span.param]
+            target = pa.optim
+            assert target is not None
+            lo = span.seg - base
+            g = out[lo : lo + span.stop - span.start].view(target.shape)
+            if target.grad is None:
+                # Reused across steps: a fresh fp32 buffer per step page-faults each time.
+                held = self._grad_buffers.get(id(target))
+                if held is None or held.shape != target.shape:
+                    held = torch.empty(target.shape, dtype=target.dtype)
+                    self._grad_buffers[id(target)] = held
+                held.copy_(g)
+                target.grad = held
+            else:
+                target.grad.add_(g)
 
     def _staging_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         held = self._staging.get(dtype)
