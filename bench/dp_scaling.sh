@@ -5,7 +5,7 @@
 #   one_gpu         one process, one GPU
 #   dp2_replicated  two processes, every rank keeping the whole optimizer state
 #   one_proc_2gpu   one process driving both GPUs
-# Each run's log goes to $OUT/<name>.log; its JSON line is echoed.
+# Each run's log goes to $OUT/<name>.log; its JSON line is echoed. ONLY="a b" runs those.
 set -u
 OUT=${OUT:-/tmp/dp_scaling}
 mkdir -p "$OUT"
@@ -13,6 +13,7 @@ ARGS=(--steps "${STEPS:-3}" --warmup "${WARMUP:-3}")
 run() {
     local name=$1 limit=$2
     shift 2
+    if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi
     echo "### $name: $*"
     local t0=$SECONDS
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
