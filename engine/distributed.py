@@ -375,6 +375,11 @@ class DataParallel:
         batch = None
         if cfg.split_input is None:
             _, batch = guess_split_spec((args, kwargs))
+        if batch is None and cfg.split_input is None:
+            raise ConfigError(
+                "data parallel forward_backward found no batched tensor in the inputs to "
+                "share across ranks; pass tensors with the batch in dim 0 (or split_input)"
+            )
         if batch is not None and batch % self.world:
             raise ConfigError(
                 f"data parallel: the global batch has {batch} rows, which {self.world} ranks "
@@ -602,6 +607,8 @@ def grad_norm(model: RoundPipeBase, norm_type: float = 2.0) -> float:
     gradient. Without data parallel, the norm of the local gradients.
     """
     dp: DataParallel | None = getattr(model, "_dp", None)
+    if dp is not None and not dp.sharded:
+        dp = None  # replicated state: every rank already holds the global gradients
     grads = [p.grad for p in model.optim_parameters() if p.grad is not None]
     if math.isinf(norm_type):
         local = max((float(g.abs().max()) for g in grads), default=0.0)

@@ -84,9 +84,18 @@ def build(
 
 
 def run_steps(
-    rp: Any, opt: torch.optim.Optimizer, first: int, last: int, sync: bool
+    rp: Any,
+    opt: torch.optim.Optimizer,
+    first: int,
+    last: int,
+    sync: bool,
+    norms: list[float] | None = None,
 ) -> list[float]:
+    from engine.distributed import grad_norm
+
     def step_fn() -> None:
+        if norms is not None:
+            norms.append(grad_norm(rp))  # global on every rank, as clipping needs it
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -113,12 +122,14 @@ def train(
         optimizer=optimizer,
         process_group=process_group,
     )
-    losses = run_steps(rp, opt, 0, STEPS, sync)
+    norms: list[float] = []
+    losses = run_steps(rp, opt, 0, STEPS, sync, norms)
     x, y = batch(STEPS)
     losses.append(float(rp.forward_backward((x,), label=y, loss_fn=loss_fn)))
     rp.synchronize()
     return {
         "losses": losses,
+        "norms": norms,
         "grads": {n: p.grad.clone() for n, p in rp.named_parameters()},
         "weights": {n: p.detach().clone() for n, p in rp.named_parameters()},
         "shard_numel": sum(p.numel() for p in rp.optim_parameters()),

@@ -76,6 +76,8 @@ def test_two_ranks_equal_one_process(spawned: dict[str, Any], sync: bool, shard:
     for rank, got in enumerate(spawned["ranks"]):
         run = got[f"sync={sync},shard={shard}"]
         torch.testing.assert_close(run["losses"], expected["losses"], **TOL)
+        torch.testing.assert_close(run["norms"], expected["norms"], **TOL)
+        assert len(run["norms"]) == dp_worker.STEPS
         for name, w in expected["weights"].items():
             torch.testing.assert_close(run["weights"][name], w, **TOL, msg=f"rank {rank} {name}")
             torch.testing.assert_close(run["grads"][name], expected["grads"][name], **TOL)
