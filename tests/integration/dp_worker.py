@@ -155,6 +155,25 @@ def resume(
     }
 
 
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 17)
+        self.b = nn.Linear(17, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def _auto_split() -> None:
+    """A model the auto-split wraps as an AutoRoundPipe: refused under a process group."""
+    from engine import wrap_model_to_roundpipe
+
+    wrap_model_to_roundpipe(
+        _TwoLayers(), use_sequential_preset=False, lower_threshold=0, upper_threshold=500
+    )
+
+
 def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
     os.environ["RP_DEVICES"] = "cpu:1"
     torch.set_num_threads(1)
@@ -211,6 +230,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
             # Still usable after the refused call: a good batch goes through.
             x, y = batch(0)
             result["after_odd"] = float(rp.forward_backward((x,), label=y, loss_fn=loss_fn))
+            result["auto_split"] = _expect_error(_auto_split)
             result["mismatch"] = _expect_error(
                 lambda: build(
                     shard=True,

@@ -126,6 +126,7 @@ def test_checkpoint_two_ranks_to_one_and_back(spawned: dict[str, Any]) -> None:
         assert "ConfigError" in got["odd_batch"] and "11 rows" in got["odd_batch"]
         assert "multiple of the world size 2" in got["odd_batch"]
         assert got["after_odd"] > 0
+        assert "ConfigError" in got["auto_split"] and "one RoundPipe" in got["auto_split"]
         assert "ConfigError" in got["mismatch"] and "differs from rank 0" in got["mismatch"]
         assert "(19, 5)" in got["mismatch"] or "19" in got["mismatch"]
 
