@@ -174,17 +174,26 @@ def _auto_split() -> None:
     )
 
 
-def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
-    os.environ["RP_DEVICES"] = "cpu:1"
-    torch.set_num_threads(1)
+def _init(rank: int, world: int, port: int, timeout_s: float, nccl: bool = False) -> None:
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
+    device = None
+    if nccl:  # one GPU a rank, TF32 off so fp32 compares tightly
+        os.environ["RP_DEVICES"] = f"cuda:{rank}"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        os.environ["RP_DEVICES"] = "cpu:1"
     dist.init_process_group(
-        "gloo",
+        "nccl" if nccl else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device,
     )
 
 
@@ -200,9 +209,12 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
     """Entry point of one spawned rank."""
     out = Path(out_dir)
     try:
-        _init(rank, world, port, timeout_s=20.0 if scenario != "dead" else 5.0)
+        _init(rank, world, port, 20.0 if scenario != "dead" else 5.0, nccl=scenario == "nccl")
         result: dict[str, Any] = {}
-        if scenario == "equal":
+        if scenario == "nccl":
+            for sync, shard in ((False, True), (True, False)):
+                result[f"sync={sync},shard={shard}"] = train(sync=sync, shard=shard, world=world)
+        elif scenario == "equal":
             for sync in (True, False):
                 for shard in (True, False):
                     result[f"sync={sync},shard={shard}"] = train(
