@@ -11,6 +11,7 @@ convention), peak GPU memory (torch.cuda.max_memory_allocated) and peak host mem
     RP_DEVICES=cpu:1 python bench/train.py --model tiny    # CPU self-check (a few seconds)
     python bench/train.py --lora --model qwen3-8b --baseline  # LoRA, + peft LoRA on the GPU
     python bench/train.py --lora --model qwen3-32b --seqs-per-step 16 --pin-model register
+    torchrun --nproc-per-node 2 bench/train.py             # data parallel: a process per GPU
 
 `--lora`: rank-16 adapters (alpha 32) on every attention and MLP projection
 (engine.lora), the fp16 base frozen (no master, gradient or optimizer state), fp32
@@ -18,6 +19,10 @@ adapters stepped by engine.optim.Adam. Its baseline is peft's LoRA on the HF mod
 entirely on the GPU: bf16 base, bf16 autocast, per-layer activation checkpointing,
 fused AdamW on the adapters. LoRA's model TFLOP/s count 4N + attention per token (no
 weight gradients of the frozen base).
+
+Under torchrun (WORLD_SIZE > 1) every rank builds the same model, takes its share of the
+same global batch (engine.distributed) and only rank 0 prints, with every rank's peak host
+memory; NCCL on GPUs, gloo on CPU ranks (`RP_DEVICES=cpu:1 torchrun ... --model tiny`).
 
 The model is randomly initialised on the host (no download): weights are allocated
 without HF's initialisers and filled with normal(0, 0.02) in place, so the 1.7B shape is
@@ -205,6 +210,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="alloc",
         help="pinning of the host model: torch's allocator (rounds each tensor up to a "
         "power of two) or cudaHostRegister in place",
+    )
+    p.add_argument(
+        "--shard-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="under torchrun: fp32 masters and Adam state sharded across ranks (ZeRO-1)",
     )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
@@ -491,18 +502,26 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         name=f"bench-{args.model}",
         lora_config=lora_config(args) if args.lora else None,
         pin_model=args.pin_model if torch.cuda.is_available() else "alloc",
+        shard_optimizer=args.shard_optimizer,
     )
     wrap_s = time.perf_counter() - t0
+    dp = getattr(rp, "_dp", None)
     optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr)
 
+    adam_s: list[float] = []
+
     def step_fn() -> None:
+        start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        adam_s.append(time.perf_counter() - start)
 
     reset_gpu_peak()
     times, losses, compiled = [], [], []
     for k, ids in enumerate(batches):
         graphs = _compiled_graphs()
+        if dp is not None and k == args.warmup:
+            dp.stats.update(steps=0, publish_s=0.0, reduce_s=0.0)  # count measured steps only
         start = time.perf_counter()
         loss = rp.forward_backward(
             input_kwargs={"input_ids": ids, "return_logits": False},
@@ -524,6 +543,10 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     checks: dict[str, Any] = {}
     if args.check:
         checks = self_check(model, initial, losses, expected_first, lora=args.lora)
+    if dp is not None:
+        checks.update(_ranks_summary(dp, args))
+        if dp.rank != 0:
+            return checks
     result = report(
         "roundpipe",
         args,
@@ -536,6 +559,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         async_step=not args.sync,
         recompute_attention=args.recompute_attention,
         optimizer=optimizer_name,
+        optimizer_s_median=round(statistics.median(adam_s[args.warmup :] or adam_s), 4),
         model_dtype=args.dtype,
         experts_implementation=getattr(model.config, "_experts_implementation", None),
         optim_dtype="float32",
@@ -556,6 +580,23 @@ def lora_config(args: argparse.Namespace) -> Any:
     from engine.lora import LoraConfig
 
     return LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
+
+
+def _ranks_summary(dp: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Data-parallel fields of the result: world size, backend, every rank's host peak."""
+    import torch.distributed as dist
+
+    peaks: list[Any] = [None] * dp.world
+    dist.all_gather_object(peaks, round(host_peak_gib(), 2), group=dp.control)
+    steps = max(1, dp.stats["steps"])
+    return {
+        "dp_publish_s_per_step": round(dp.stats["publish_s"] / steps, 4),
+        "dp_reduce_s_per_step": round(dp.stats["reduce_s"] / steps, 4),
+        "world_size": dp.world,
+        "backend": str(dist.get_backend(dp.bulk)),
+        "shard_optimizer": dp.sharded,
+        "peak_host_mem_gib_per_rank": peaks,
+    }
 
 
 def self_check(
@@ -671,8 +712,37 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _init_distributed(args: argparse.Namespace) -> None:
+    """Under torchrun: join the process group (NCCL with GPUs, else gloo) and split the
+    box's cores between its ranks (the C Adam and torch's CPU ops)."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    if args.baseline or args.baseline_only:
+        raise SystemExit("--baseline is a single-process run; drop it under torchrun")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and not os.environ.get("RP_DEVICES", "").startswith("cpu")
+    if cuda:
+        gpus_per_rank = max(1, torch.cuda.device_count() // local_world)
+        device = torch.device("cuda", local_rank * gpus_per_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    from engine.optim import physical_cores, set_num_threads
+
+    threads = max(1, physical_cores() // local_world)
+    set_num_threads(threads)
+    torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    _init_distributed(args)
     logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
     if args.log_plans:
         for name in ("engine.timer", "engine.roundpipe"):
@@ -684,6 +754,10 @@ def main(argv: list[str] | None = None) -> None:
         _release_memory()  # the baseline's model and optimizer died with its frame
     if not args.baseline_only:
         run_roundpipe(args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

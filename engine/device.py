@@ -258,12 +258,35 @@ class DeviceManager:
             torch.set_rng_state(state)
 
 
+def _local_rank_share(devices: list[torch.device]) -> list[torch.device]:
+    """Under torchrun with several processes on a box (LOCAL_WORLD_SIZE > 1) and RP_DEVICES
+    unset: this process's equal share of the GPUs, so `--nproc-per-node G` just works."""
+    try:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return devices
+    if local_world <= 1 or not devices or devices[0].type != "cuda":
+        return devices
+    if len(devices) < local_world:
+        raise DeviceError(
+            f"{local_world} processes on this box share {len(devices)} visible GPU(s); start "
+            f"at most one process per GPU (torchrun --nproc-per-node {len(devices)}) or set "
+            "RP_DEVICES for each process",
+            device="cuda",
+        )
+    per = len(devices) // local_world
+    return devices[local_rank * per : (local_rank + 1) * per]
+
+
 def get_devices() -> list[DeviceManager]:
     """The device managers, created from RP_DEVICES on first use."""
     if not device_list:
         with _init_lock:
             if not device_list:
                 devices = parse_rp_devices(os.environ.get("RP_DEVICES"))
+                if not os.environ.get("RP_DEVICES"):
+                    devices = _local_rank_share(devices)
                 device_list.extend(DeviceManager(i, d) for i, d in enumerate(devices))
                 log.info("RoundPipe devices: %s", ", ".join(d.name for d in device_list))
     return device_list

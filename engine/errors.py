@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "DeviceError",
+    "DistributedError",
     "GradientsDisabledError",
     "RoundPipeError",
     "SplitError",
@@ -49,3 +50,8 @@ class SplitError(ConfigError, AssertionError):
 
     Also an AssertionError, which the seeds document for malformed splitter output.
     """
+
+
+class DistributedError(RoundPipeError):
+    """A collective across data-parallel ranks failed: a rank died, or did not reach the
+    same call within the process group's timeout."""

@@ -27,6 +27,7 @@ from .batch import (
 )
 from .context import OptimizerCtx, doing_optimizer
 from .device import DeviceManager, get_devices, get_next_device, get_num_devices
+from .distributed import AUTO_GROUP, attach_data_parallel, resolve_process_group
 from .errors import ConfigError, GradientsDisabledError
 from .memory import get_model_size, pin_module
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
@@ -93,6 +94,7 @@ class RoundPipeBase(nn.Module):
         object.__setattr__(self, "layer_attrs", [])
         object.__setattr__(self, "optim_updated", AnnotatedEvent("optim_updated", set_=True))
         object.__setattr__(self, "_optim_ahead", False)  # optimizer copies newer than the model
+        object.__setattr__(self, "_dp", None)  # DataParallel when a process group is in effect
 
     # ---- attribute shim ----------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -203,7 +205,10 @@ class RoundPipeBase(nn.Module):
     ) -> None:
         """On the optimizer thread: publish w[k], take the gradients, then update."""
         try:
-            _publish_weights_take_grads(self, self._params_by_owner())
+            if self._dp is not None:
+                self._dp.publish_weights_take_grads(self)
+            else:
+                _publish_weights_take_grads(self, self._params_by_owner())
             try:
                 with OptimizerCtx():
                     step_fn(*args, **kwargs)
@@ -221,6 +226,9 @@ class RoundPipeBase(nn.Module):
 
     def sync_optim_param(self) -> None:
         """Copy the optimizer-side weights into the model parameters (if newer)."""
+        if self._dp is not None:
+            self._dp.sync_optim_param(self)
+            return
         if not self._optim_ahead:
             return
         for p, pa in self._all_params():
@@ -230,7 +238,11 @@ class RoundPipeBase(nn.Module):
 
     def synchronize(self) -> None:
         """Wait for every step; then the model's parameters hold the latest weights and
-        `.grad` the gradients accumulated since the optimizer last zeroed them."""
+        `.grad` the gradients accumulated since the optimizer last zeroed them (under
+        data parallel: summed over ranks; a collective, every rank calls it)."""
+        if self._dp is not None:
+            self._dp.synchronize(self)
+            return
         synchronize_optim()
         self.sync_optim_param()
         for p, pa in self._all_params():
@@ -287,6 +299,11 @@ class RoundPipe(RoundPipeBase):
         model_run_config: Defaults for every call.
         pin_model: 'alloc' (torch pinned memory, fastest transfers), 'register'
             (cudaHostRegister in place, less host memory, CUDA only) or 'off'.
+        process_group: Data parallel over this torch.distributed group (engine.distributed).
+            Default: the default group when one is initialised with several ranks; None:
+            single-process even then.
+        shard_optimizer: Under data parallel, keep the fp32 masters (and so the optimizer
+            state) of this rank's shard only (ZeRO stage 1); False: every rank keeps all.
     """
 
     def __init__(
@@ -296,6 +313,8 @@ class RoundPipe(RoundPipeBase):
         name: str | None = None,
         model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
         pin_model: str = "alloc",
+        process_group: Any = AUTO_GROUP,
+        shard_optimizer: bool = True,
     ) -> None:
         if pin_model not in ("alloc", "register", "off"):
             raise ConfigError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
@@ -334,6 +353,8 @@ class RoundPipe(RoundPipeBase):
         object.__setattr__(self, "_replicas", {})
         object.__setattr__(self, "_replica_lock", threading.Lock())
         object.__setattr__(self, "_plans", {})
+        dp = attach_data_parallel(self, process_group, shard_optimizer=shard_optimizer)
+        object.__setattr__(self, "_dp", dp)
         object.__setattr__(self, "_rp_initialized", True)
 
     # ---- device-side copies --------------------------------------------------------------
@@ -496,6 +517,10 @@ class RoundPipe(RoundPipeBase):
         cfg = FullRoundPipeRunConfig(
             run_config, self.model_run_config, num_devices=get_num_devices()
         )
+        if self._dp is not None:  # the global batch in; this rank's rows go on
+            input_args, input_kwargs, label = self._dp.take_share(
+                input_args, input_kwargs, label, cfg
+            )
         acts, flags, batch, specs = self._split_inputs(input_args, input_kwargs, cfg)
         labels = split_label(label, len(acts), cfg.split_label, batch)
         plan = self._plan("fused", cfg)
@@ -525,6 +550,8 @@ class RoundPipe(RoundPipeBase):
         # waiting here costs no overlap and surfaces a failed step_fn at this call.
         synchronize_optim()
         loss = _sum_losses(run)
+        if self._dp is not None:
+            loss = self._dp.reduce_loss(loss)
         if any(flags):
             _backprop_to_inputs(run, input_args, input_kwargs, specs)
         if not return_outputs:
@@ -695,6 +722,14 @@ class AutoRoundPipe(RoundPipeBase):
     ) -> None:
         super().__init__(model, name=name or get_call_location(1), optim_dtype=optim_dtype)
         subs = [m for m in model.modules() if isinstance(m, RoundPipe)]
+        if any(s._dp is not None for s in subs) or (
+            resolve_process_group(kwargs.get("process_group", AUTO_GROUP)) is not None
+        ):
+            raise ConfigError(
+                "data parallel needs a model that wraps as one RoundPipe (a preset or an "
+                "nn.Sequential); this one was auto-split. Wrap it as a Sequential, or pass "
+                "process_group=None to train it single-process on each rank"
+            )
         object.__setattr__(self, "_subs", subs)
         # Parameters outside RoundPipe submodules form one pseudo-layer (owner 0 here).
         object.__setattr__(self, "layer_attrs", [LayerAttribute(0)])

@@ -497,6 +497,11 @@ def download_param_grads(
             continue
         grads = [ph.grad for ph in holders if ph.grad is not None]
         if not grads:
+            # Unused in this job (a shared module's bias, say): a later job that uses it
+            # must not wait for a download that never comes.
+            issued = run.grad_issued.get((id(host), job_index))
+            if issued is not None:
+                issued.set()
             continue
         with dev.compute():
             g = grads[0]

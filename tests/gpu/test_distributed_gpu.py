@@ -1,0 +1,28 @@
+"""Data parallel over NCCL: two spawned ranks, one GPU each, against one process on the
+GPUs (the gloo twin of this test runs in CI: tests/integration/test_distributed.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration import dp_worker
+from tests.integration.test_distributed import TOL, _spawn
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_nccl_ranks_equal_one_process(cuda_devices: int, tmp_path: Path) -> None:
+    ranks = _spawn("nccl", tmp_path, timeout_s=300.0)
+    for sync, shard in ((False, True), (True, False)):
+        expected = dp_worker.train(sync=sync, shard=shard, process_group=None, world=2)
+        for got in ranks:
+            run = got[f"sync={sync},shard={shard}"]
+            torch.testing.assert_close(run["losses"], expected["losses"], **TOL)
+            torch.testing.assert_close(run["norms"], expected["norms"], **TOL)
+            for name, w in expected["weights"].items():
+                torch.testing.assert_close(run["weights"][name], w, **TOL)
+                torch.testing.assert_close(run["grads"][name], expected["grads"][name], **TOL)

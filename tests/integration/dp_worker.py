@@ -1,0 +1,269 @@
+"""What each rank of the data-parallel tests runs (imported by spawned processes).
+
+A small nn.Sequential of odd sizes trained with RoundPipe; `train()` is also the
+single-process oracle (process_group=None). Every scenario writes its results to
+`out_dir/<name>-rank<r>.pt` for the test to compare.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+GLOBAL_ROWS = 12  # the global batch: 6 rows a rank with 2 ranks
+MICROBATCHES_PER_RANK = 2
+STEPS = 3
+LR = 1e-2
+
+
+class TiedOut(nn.Module):
+    """x @ W with the first layer's weight: a tied parameter used by two layers (owner 0),
+    like a tied embedding and LM head."""
+
+    def __init__(self, tied: nn.Linear) -> None:
+        super().__init__()
+        self.tied = tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.tied.weight
+
+
+def make_model(width: int = 17) -> nn.Sequential:
+    """Layers of odd sizes; the Tanh has no parameters (an empty shard); the last layer
+    reuses the first one's weight."""
+    torch.manual_seed(0)
+    first = nn.Linear(5, width)
+    return nn.Sequential(
+        first,
+        nn.Tanh(),
+        nn.Linear(width, 13),
+        nn.LayerNorm(13),
+        nn.Linear(13, width),
+        TiedOut(first),
+    )
+
+
+def batch(k: int, rows: int = GLOBAL_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + k)
+    return torch.randn(rows, 5, generator=gen), torch.randn(rows, 5, generator=gen)
+
+
+def loss_fn(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # Normalised by the global batch, as for micro-batches: sums over ranks to the mean.
+    return ((outputs - labels) ** 2).sum() / GLOBAL_ROWS
+
+
+def build(
+    *, shard: bool, microbatches: int, optimizer: str, process_group: Any, width: int = 17
+) -> tuple[Any, torch.optim.Optimizer]:
+    from engine import RoundPipe, RoundPipeRunConfig
+    from engine.distributed import AUTO_GROUP
+    from engine.optim import Adam
+
+    rp = RoundPipe(
+        make_model(width),
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=microbatches),
+        process_group=AUTO_GROUP if process_group == "auto" else process_group,
+        shard_optimizer=shard,
+    )
+    if optimizer == "torch":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(
+            rp.optim_parameters(), lr=LR, weight_decay=0.1
+        )
+    else:
+        opt = Adam(rp.optim_parameters(), lr=LR, weight_decay=0.1, decoupled_weight_decay=True)
+    return rp, opt
+
+
+def run_steps(
+    rp: Any,
+    opt: torch.optim.Optimizer,
+    first: int,
+    last: int,
+    sync: bool,
+    norms: list[float] | None = None,
+) -> list[float]:
+    from engine.distributed import grad_norm
+
+    def step_fn() -> None:
+        if norms is not None:
+            norms.append(grad_norm(rp))  # global on every rank, as clipping needs it
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    losses = []
+    for k in range(first, last):
+        x, y = batch(k)
+        losses.append(float(rp.forward_backward((x,), label=y, loss_fn=loss_fn)))
+        rp.step(step_fn, is_async=not sync)
+    return losses
+
+
+def train(
+    *,
+    sync: bool,
+    shard: bool,
+    optimizer: str = "engine",
+    process_group: Any = "auto",
+    world: int = 1,
+) -> dict[str, Any]:
+    """3 steps, then a forward_backward without a step; losses, `.grad` and weights."""
+    rp, opt = build(
+        shard=shard,
+        microbatches=MICROBATCHES_PER_RANK * world,
+        optimizer=optimizer,
+        process_group=process_group,
+    )
+    norms: list[float] = []
+    losses = run_steps(rp, opt, 0, STEPS, sync, norms)
+    x, y = batch(STEPS)
+    losses.append(float(rp.forward_backward((x,), label=y, loss_fn=loss_fn)))
+    rp.synchronize()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads": {n: p.grad.clone() for n, p in rp.named_parameters()},
+        "weights": {n: p.detach().clone() for n, p in rp.named_parameters()},
+        "shard_numel": sum(p.numel() for p in rp.optim_parameters()),
+    }
+
+
+def resume(
+    path: str, *, first: int, last: int, save_to: str | None, process_group: Any
+) -> dict[str, Any]:
+    """Load a checkpoint, take sync steps `first..last`, optionally save again."""
+    from engine.distributed import load_checkpoint, save_checkpoint
+
+    rp, opt = build(shard=True, microbatches=2, optimizer="engine", process_group=process_group)
+    extra = load_checkpoint(path, rp, opt)
+    losses = run_steps(rp, opt, first, last, sync=True)
+    if save_to:
+        save_checkpoint(save_to, rp, opt, extra={"step": last})
+    rp.synchronize()
+    return {
+        "extra": extra,
+        "losses": losses,
+        "weights": {n: p.detach().clone() for n, p in rp.named_parameters()},
+    }
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 17)
+        self.b = nn.Linear(17, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def _auto_split() -> None:
+    """A model the auto-split wraps as an AutoRoundPipe: refused under a process group."""
+    from engine import wrap_model_to_roundpipe
+
+    wrap_model_to_roundpipe(
+        _TwoLayers(), use_sequential_preset=False, lower_threshold=0, upper_threshold=500
+    )
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float, nccl: bool = False) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = None
+    if nccl:  # one GPU a rank, TF32 off so fp32 compares tightly
+        os.environ["RP_DEVICES"] = f"cuda:{rank}"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        os.environ["RP_DEVICES"] = "cpu:1"
+    dist.init_process_group(
+        "nccl" if nccl else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device,
+    )
+
+
+def _expect_error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> None:
+    """Entry point of one spawned rank."""
+    out = Path(out_dir)
+    try:
+        _init(rank, world, port, 20.0 if scenario != "dead" else 5.0, nccl=scenario == "nccl")
+        result: dict[str, Any] = {}
+        if scenario == "nccl":
+            for sync, shard in ((False, True), (True, False)):
+                result[f"sync={sync},shard={shard}"] = train(sync=sync, shard=shard, world=world)
+        elif scenario == "equal":
+            for sync in (True, False):
+                for shard in (True, False):
+                    result[f"sync={sync},shard={shard}"] = train(
+                        sync=sync, shard=shard, world=world
+                    )
+            result["torch-adamw"] = train(sync=False, shard=True, optimizer="torch", world=world)
+            rp, opt = build(shard=True, microbatches=2, optimizer="engine", process_group="auto")
+            result["ckpt_losses"] = run_steps(rp, opt, 0, STEPS, sync=True)
+            from engine.distributed import save_checkpoint
+
+            save_checkpoint(out / "ckpt-2ranks.pt", rp, opt, extra={"step": STEPS})
+        elif scenario == "back":
+            result["resume"] = resume(
+                str(out / "ckpt-1rank.pt"),
+                first=STEPS + 2,
+                last=STEPS + 3,
+                save_to=None,
+                process_group="auto",
+            )
+            rp, _ = build(shard=True, microbatches=2, optimizer="engine", process_group="auto")
+            x, y = batch(0, rows=GLOBAL_ROWS - 1)
+            result["odd_batch"] = _expect_error(
+                lambda: rp.forward_backward((x,), label=y, loss_fn=loss_fn)
+            )
+            # Still usable after the refused call: a good batch goes through.
+            x, y = batch(0)
+            result["after_odd"] = float(rp.forward_backward((x,), label=y, loss_fn=loss_fn))
+            result["auto_split"] = _expect_error(_auto_split)
+            result["mismatch"] = _expect_error(
+                lambda: build(
+                    shard=True,
+                    microbatches=2,
+                    optimizer="engine",
+                    process_group="auto",
+                    width=17 if rank == 0 else 19,
+                )
+            )
+        elif scenario == "dead":
+            rp, opt = build(shard=True, microbatches=2, optimizer="engine", process_group="auto")
+            run_steps(rp, opt, 0, 1, sync=False)
+            rp.synchronize()
+            if rank == 1:
+                os._exit(3)  # dies without a word, as a killed process does
+            start = time.monotonic()
+            result["error"] = _expect_error(lambda: run_steps(rp, opt, 1, 50, sync=False))
+            result["elapsed_s"] = time.monotonic() - start
+        torch.save(result, out / f"{scenario}-rank{rank}.pt")
+    except BaseException:
+        (out / f"{scenario}-rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+    # Leave without torch.distributed's teardown: a dead peer can keep it waiting.
+    os._exit(0)

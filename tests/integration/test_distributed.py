@@ -1,0 +1,141 @@
+"""Data parallel over gloo: two spawned ranks (cpu:1 each) against one process.
+
+Same global batch: losses, gradients and weights after 3 Adam steps equal the
+single-process run within fp32 rounding (sync and async steps, sharded and replicated
+optimizer state, engine.optim.Adam and torch.optim.AdamW); a checkpoint saved by 2 ranks
+resumes on 1 and back; bad input fails clearly (an odd batch, mismatched models, a rank
+that dies).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine.device import reset_devices
+
+from . import dp_worker
+
+WORLD = 2
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(scenario: str, out: Path, timeout_s: float = 90.0) -> list[dict[str, Any]]:
+    """Run `scenario` on WORLD spawned ranks; return what each rank that finished wrote."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=dp_worker.rank_main, args=(r, WORLD, port, str(out), scenario))
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    errors = [f.read_text() for f in sorted(out.glob(f"{scenario}-rank*.err"))]
+    assert not alive, f"{scenario}: rank(s) still running after {timeout_s} s; {errors}"
+    assert not errors, "\n".join(errors)
+    results = []
+    for r in range(WORLD):
+        f = out / f"{scenario}-rank{r}.pt"
+        results.append(torch.load(f, weights_only=False) if f.exists() else None)
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The 'equal' scenario once for every test of this module, then the oracles."""
+    out = tmp_path_factory.mktemp("dp")
+    ranks = _spawn("equal", out)
+    reset_devices()
+    return {"out": out, "ranks": ranks}
+
+
+def _oracle(**kwargs: Any) -> dict[str, Any]:
+    return dp_worker.train(process_group=None, world=WORLD, **kwargs)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+@pytest.mark.parametrize("shard", [True, False])
+def test_two_ranks_equal_one_process(spawned: dict[str, Any], sync: bool, shard: bool) -> None:
+    expected = _oracle(sync=sync, shard=shard)
+    for rank, got in enumerate(spawned["ranks"]):
+        run = got[f"sync={sync},shard={shard}"]
+        torch.testing.assert_close(run["losses"], expected["losses"], **TOL)
+        torch.testing.assert_close(run["norms"], expected["norms"], **TOL)
+        assert len(run["norms"]) == dp_worker.STEPS
+        for name, w in expected["weights"].items():
+            torch.testing.assert_close(run["weights"][name], w, **TOL, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(run["grads"][name], expected["grads"][name], **TOL)
+
+
+def test_sharded_state_is_split_and_any_torch_optimizer_works(spawned: dict[str, Any]) -> None:
+    expected = _oracle(sync=False, shard=True, optimizer="torch")
+    shards = [r["torch-adamw"]["shard_numel"] for r in spawned["ranks"]]
+    assert sum(shards) == expected["shard_numel"]  # every element in exactly one shard
+    assert max(shards) < expected["shard_numel"]  # ... and neither rank holds them all
+    for got in spawned["ranks"]:
+        torch.testing.assert_close(got["torch-adamw"]["losses"], expected["losses"], **TOL)
+        for name, w in expected["weights"].items():
+            torch.testing.assert_close(got["torch-adamw"]["weights"][name], w, **TOL)
+    replicated = [r["sync=True,shard=False"]["shard_numel"] for r in spawned["ranks"]]
+    assert replicated == [expected["shard_numel"]] * WORLD
+
+
+def test_checkpoint_two_ranks_to_one_and_back(spawned: dict[str, Any]) -> None:
+    out: Path = spawned["out"]
+    steps = dp_worker.STEPS
+    # The oracle: one process, sync steps straight through.
+    rp, opt = dp_worker.build(shard=True, microbatches=4, optimizer="engine", process_group=None)
+    expected = dp_worker.run_steps(rp, opt, 0, steps + 3, sync=True)
+    rp.synchronize()
+    final = {n: p.detach().clone() for n, p in rp.named_parameters()}
+    for got in spawned["ranks"]:
+        torch.testing.assert_close(got["ckpt_losses"], expected[:steps], **TOL)
+    one = dp_worker.resume(
+        str(out / "ckpt-2ranks.pt"),
+        first=steps,
+        last=steps + 2,
+        save_to=str(out / "ckpt-1rank.pt"),
+        process_group=None,
+    )
+    assert one["extra"] == {"step": steps}
+    torch.testing.assert_close(one["losses"], expected[steps : steps + 2], **TOL)
+    back = _spawn("back", out)
+    reset_devices()
+    for got in back:
+        assert got["resume"]["extra"] == {"step": steps + 2}
+        torch.testing.assert_close(got["resume"]["losses"], expected[steps + 2 :], **TOL)
+        for name, w in final.items():
+            torch.testing.assert_close(got["resume"]["weights"][name], w, **TOL)
+        # The bad-input cases of the same run.
+        assert "ConfigError" in got["odd_batch"] and "11 rows" in got["odd_batch"]
+        assert "multiple of the world size 2" in got["odd_batch"]
+        assert got["after_odd"] > 0
+        assert "ConfigError" in got["auto_split"] and "one RoundPipe" in got["auto_split"]
+        assert "ConfigError" in got["mismatch"] and "differs from rank 0" in got["mismatch"]
+        assert "(19, 5)" in got["mismatch"] or "19" in got["mismatch"]
+
+
+def test_a_dead_rank_fails_the_others_within_the_timeout(tmp_path: Path) -> None:
+    got = _spawn("dead", tmp_path)
+    survivor = got[0]
+    assert survivor is not None and got[1] is None  # rank 1 died before writing
+    assert survivor["error"] != "no error"
+    assert "DistributedError" in survivor["error"] or "StepError" in survivor["error"]
+    assert "rank 0 of 2" in survivor["error"] and "died" in survivor["error"]
+    assert survivor["elapsed_s"] < 30.0
