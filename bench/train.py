@@ -105,6 +105,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="recompute attention in the backward (engine.models.RECOMPUTE_ATTENTION)",
     )
+    p.add_argument(
+        "--optim-state-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="Adam's exp_avg / exp_avg_sq dtype (engine.optim.Adam state_dtype)",
+    )
+    p.add_argument(
+        "--optim-grad-dtype",
+        choices=["float32", "model"],
+        default="float32",
+        help="the optimizer's gradient: an fp32 buffer, or the downloaded half gradient in place",
+    )
+    p.add_argument("--pin-model", choices=["alloc", "register", "arena", "off"], default="alloc")
     p.add_argument("--baseline", action="store_true", help="also run the GPU-resident baseline")
     p.add_argument("--baseline-only", action="store_true", help="run only the baseline")
     p.add_argument(
@@ -280,7 +293,9 @@ def report(
     return result
 
 
-def _make_optimizer(params: Any, lr: float) -> tuple[torch.optim.Optimizer, str]:
+def _make_optimizer(
+    params: Any, lr: float, state_dtype: torch.dtype = torch.float32
+) -> tuple[torch.optim.Optimizer, str]:
     """engine.optim.Adam if it imports and steps (its C library may be missing), else AdamW."""
     params = list(params)
     try:
@@ -290,9 +305,11 @@ def _make_optimizer(params: Any, lr: float) -> tuple[torch.optim.Optimizer, str]
         probe.grad = torch.ones(3)
         Adam([probe], lr=lr).step()  # builds/loads the C library now, not on the step thread
     except Exception as exc:
+        if state_dtype != torch.float32:
+            raise
         print(f"# engine.optim.Adam unusable ({exc!r}); using torch.optim.AdamW", file=sys.stderr)
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0), "torch.optim.AdamW"
-    return Adam(params, lr=lr), "engine.optim.Adam"
+    return Adam(params, lr=lr, state_dtype=state_dtype), "engine.optim.Adam"
 
 
 def reference_loss(model: nn.Module, ids: torch.Tensor) -> float:
@@ -310,6 +327,25 @@ def _last_plan(rp: Any) -> str | None:
     return repr(plans[max(plans, key=lambda k: k[2])]) if plans else None
 
 
+def host_plan(args: argparse.Namespace) -> Any:
+    """engine.memory_plan's prediction of this run's peak host memory (from shapes only)."""
+    from engine.memory_plan import ModelShape, RunShape, plan_host_memory
+
+    shape = ModelShape.from_config({**SHAPES[args.model], "model_type": "qwen3"})
+    run = RunShape(
+        tokens_per_step=args.seqs_per_step * args.seq_len,
+        seq_len=args.seq_len,
+        num_microbatch=args.num_microbatch,
+        recompute_grain=args.recompute_grain,
+        optim_grad_dtype="optim" if args.optim_grad_dtype == "float32" else "model",
+        optim_state_dtype=args.optim_state_dtype,
+        pin_model=args.pin_model,
+        cuda=torch.cuda.is_available(),
+        saved_attention=not args.recompute_attention,
+    )
+    return plan_host_memory(shape, run)
+
+
 def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     import engine.models
     from engine.device import get_num_devices
@@ -317,6 +353,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     from engine.run_config import RoundPipeRunConfig
     from engine.wrapper import wrap_model_to_roundpipe
 
+    plan = host_plan(args)
+    plan.check()  # before building: refuse a run the OOM killer would end
     t0 = time.perf_counter()
     model = build_model(args.model, torch.float16, "sdpa", args.seed)
     build_s = time.perf_counter() - t0
@@ -333,10 +371,14 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
             num_microbatch=args.num_microbatch, recompute_grain=args.recompute_grain
         ),
         optim_dtype=torch.float32,
+        optim_grad_dtype=torch.float16 if args.optim_grad_dtype == "model" else None,
+        pin_model=args.pin_model,
         name=f"bench-{args.model}",
     )
     wrap_s = time.perf_counter() - t0
-    optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr)
+    optimizer, optimizer_name = _make_optimizer(
+        rp.optim_parameters(), args.lr, getattr(torch, args.optim_state_dtype)
+    )
 
     def step_fn() -> None:
         optimizer.step()
@@ -373,6 +415,11 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         optimizer=optimizer_name,
         model_dtype="float16",
         optim_dtype="float32",
+        optim_state_dtype=args.optim_state_dtype,
+        optim_grad_dtype=args.optim_grad_dtype,
+        pin_model=args.pin_model,
+        plan_host_gib=round(plan.total_bytes / 2**30, 2),
+        plan_host_parts_gib=plan.summary()["parts_gib"],
         build_s=round(build_s, 2),
         wrap_s=round(wrap_s, 2),
         plan=_last_plan(rp),

@@ -6,6 +6,7 @@ __all__ = [
     "ConfigError",
     "DeviceError",
     "GradientsDisabledError",
+    "HostMemoryError",
     "RoundPipeError",
     "SplitError",
     "StepError",
@@ -45,3 +46,16 @@ class SplitError(ConfigError, AssertionError):
 
     Also an AssertionError, which the seeds document for malformed splitter output.
     """
+
+
+class HostMemoryError(ConfigError):
+    """A run would need more host memory than the budget; the message names the need,
+    the budget and the options that would fit (`need_bytes`, `budget_bytes`, `options`)."""
+
+    def __init__(
+        self, message: str, *, need_bytes: int, budget_bytes: int, options: list[str]
+    ) -> None:
+        super().__init__(message)
+        self.need_bytes = need_bytes
+        self.budget_bytes = budget_bytes
+        self.options = options
