@@ -69,14 +69,14 @@ class ParamAttribute:
                     f"optim_grad_dtype must be the optimizer dtype ({optim_dtype}) or the "
                     f"model's ({param.dtype}), got {grad_dtype}"
                 )
-            if grad_dtype != optim_dtype:
+            self.grad_in_place = optim_grad_dtype is not None and grad_dtype == param.dtype
+            if self.grad_in_place and grad_dtype != optim_dtype:
                 if not hasattr(self.optim, "grad_dtype"):
                     raise ConfigError(
                         "optim_grad_dtype other than optim_dtype needs torch >= 2.10 "
                         "(Tensor.grad_dtype); use the default"
                     )
                 self.optim.grad_dtype = grad_dtype
-                self.grad_in_place = True
         self.grad_host: torch.Tensor | None = None
         self.grad_pending = False
         self.grad_event: torch.cuda.Event | None = None  # completes the last grad download

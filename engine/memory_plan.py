@@ -271,11 +271,11 @@ class HostMemoryPlan:
         need = self.total_bytes
         if need <= budget:
             return
-        options = self.fitting_options(budget)
+        fitting = self.fitting_options(budget)
         parts = ", ".join(f"{k} {format_gib(v)}" for k, v in self.parts.items() if v)
         hint = (
-            "; options that would fit: " + "; ".join(options)
-            if options
+            "; options that would fit: " + "; ".join(text for _, text in fitting)
+            if fitting
             else "; no option of this engine fits: raise RP_HOST_MEMORY_BUDGET if the machine "
             "has the memory, or use a machine with more"
         )
@@ -284,15 +284,17 @@ class HostMemoryPlan:
             f"budget of {format_gib(budget)} (RP_HOST_MEMORY_BUDGET){hint}",
             need_bytes=need,
             budget_bytes=budget,
-            options=options,
+            options=[text for _, text in fitting],
+            option_fields=[name for name, _ in fitting],
+            parts=dict(self.parts),
         )
 
-    def fitting_options(self, budget: int) -> list[str]:
-        """Changes to the run config, each with what it would need, that fit `budget`."""
+    def fitting_options(self, budget: int) -> list[tuple[str, str]]:
+        """(config field, change with what it would need) for each change that fits."""
         if self.shape is None:
             return []
         run, shape = self.run, self.shape
-        out: list[str] = []
+        out: list[tuple[str, str]] = []
         low = replace(
             run, optim_grad_dtype="model", optim_state_dtype="bfloat16", pin_model="arena"
         )
@@ -300,24 +302,28 @@ class HostMemoryPlan:
             need = plan_host_memory(shape, low).total_bytes
             if need <= budget:
                 out.append(
-                    "lower-precision optimizer memory: optim_state_dtype=bfloat16, "
-                    f"optim_grad_dtype=model, pin_model=arena ({format_gib(need)})"
+                    (
+                        "optim_state_dtype",
+                        "lower-precision optimizer memory: optim_state_dtype=bfloat16, "
+                        f"optim_grad_dtype=model, pin_model=arena ({format_gib(need)})",
+                    )
                 )
         if run.cuda and run.saved_attention:
             for base, label in ((run, ""), (low, " with the lower-precision options")):
                 need = plan_host_memory(shape, replace(base, saved_attention=False)).total_bytes
                 if need <= budget:
-                    out.append(f"recompute_attention=true{label} ({format_gib(need)})")
+                    text = f"recompute_attention=true{label} ({format_gib(need)})"
+                    out.append(("recompute_attention", text))
                     break
-        lora = replace(run, trainable_params=shape.lora_params(16))
         if run.trainable_params is None:
-            need = plan_host_memory(shape, lora).total_bytes
-            if need <= budget:
-                out.append(f"LoRA (rank 16 on all projections: {format_gib(need)})")
+            need = plan_host_memory(shape, replace(run, trainable_params=shape.lora_params(16)))
+            if need.total_bytes <= budget:
+                text = f"LoRA (rank 16 on all projections: {format_gib(need.total_bytes)})"
+                out.append(("lora", text))
         for base, label in ((run, ""), (low, " with the lower-precision options")):
             tokens = _max_tokens(shape, base, budget)
             if tokens is not None and tokens < run.tokens_per_step:
-                out.append(f"at most {tokens} tokens per step{label}")
+                out.append(("tokens_per_step", f"at most {tokens} tokens per step{label}"))
                 break
         return out
 

@@ -336,15 +336,19 @@ class _Run:
         return hf_model
 
     def _wrap(self) -> Any:
+        import engine.models as presets
         from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
 
         engine = self.spec.engine
         run_config = RoundPipeRunConfig(
             num_microbatch=engine.num_microbatch, recompute_grain=engine.recompute_grain
         )
+        presets.RECOMPUTE_ATTENTION = engine.recompute_attention
+        in_place = engine.optim_grad_dtype == "model"  # read the downloaded gradient itself
         return wrap_model_to_roundpipe(
             self.hf_model,
             optim_dtype=DTYPES[engine.optim_dtype],
+            optim_grad_dtype=DTYPES[self.spec.model.dtype] if in_place else None,
             model_run_config=run_config,
             pin_model=engine.pin_model,
         )
@@ -359,6 +363,7 @@ class _Run:
             betas=tuple(train.betas),
             weight_decay=train.weight_decay,
             decoupled_weight_decay=True,
+            state_dtype=DTYPES[self.spec.engine.optim_state_dtype],
         )
 
     def _restore(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any]) -> None:
