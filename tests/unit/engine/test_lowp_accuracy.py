@@ -11,6 +11,7 @@ at the optimizer, where a run is fast enough for CI.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -82,13 +83,22 @@ def _train(base: torch.nn.Module, data: torch.Tensor, *, grad: str, state: str) 
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[float]]:
-    base, data = _model(), _text(STEPS)
-    return {
-        "fp32": _train(base, data, grad="float32", state="float32"),
-        "fp16_grad": _train(base, data, grad="float16", state="float32"),
-        "fp16_grad_bf16_state": _train(base, data, grad="float16", state="bfloat16"),
-    }
+def runs() -> Iterator[dict[str, list[float]]]:
+    # One thread: this model is far too small to gain from more, and on a loaded 2-core CI
+    # machine torch's and the C Adam's thread pools slowed it eightfold.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    eo.set_num_threads(1)
+    try:
+        base, data = _model(), _text(STEPS)
+        yield {
+            "fp32": _train(base, data, grad="float32", state="float32"),
+            "fp16_grad": _train(base, data, grad="float16", state="float32"),
+            "fp16_grad_bf16_state": _train(base, data, grad="float16", state="bfloat16"),
+        }
+    finally:
+        torch.set_num_threads(threads)
+        eo.set_num_threads(None)
 
 
 def _final(losses: list[float]) -> float:
