@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from .errors import ConfigError, HostMemoryError
@@ -250,7 +250,6 @@ class HostMemoryPlan:
     parts: dict[str, int]
     run: RunShape
     shape: ModelShape | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
