@@ -8,6 +8,11 @@ convention), peak GPU memory (torch.cuda.max_memory_allocated) and peak host mem
     python bench/train.py                                  # Qwen3-1.7B shape, RoundPipe
     python bench/train.py --baseline                       # + plain PyTorch on the GPU
     RP_DEVICES=cpu:1 python bench/train.py --model tiny    # CPU self-check (a few seconds)
+    python bench/train.py --model qwen3-8b --seqs-per-step 32 --optim-state-dtype bfloat16 \
+        --optim-grad-dtype model --pin-model arena --recompute-attention   # 12 bytes/param
+
+Each result also carries `plan_host_gib`: engine.memory_plan's prediction of the peak host
+memory, made (and checked against the budget) before the model is built.
 
 The model is randomly initialised on the host (no download): weights are allocated
 without HF's initialisers and filled with normal(0, 0.02) in place, so the 1.7B shape is
