@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from .errors import ConfigError, HostMemoryError
@@ -169,7 +169,7 @@ class ModelShape:
         try:
             hidden = int(get("hidden_size"))
             heads = int(get("num_attention_heads"))
-            return cls(
+            shape = cls(
                 hidden_size=hidden,
                 num_hidden_layers=int(get("num_hidden_layers")),
                 num_attention_heads=heads,
@@ -180,10 +180,15 @@ class ModelShape:
                 tie_word_embeddings=bool(get("tie_word_embeddings", False)),
                 qk_norm=str(get("model_type", "qwen3")).startswith("qwen3"),
             )
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, ArithmeticError) as exc:
             raise ConfigError(
                 f"the model config lacks a transformer shape field the memory plan needs: {exc}"
             ) from exc
+        sizes = [f for f in fields(shape) if f.type == "int"]
+        bad = [f.name for f in sizes if getattr(shape, f.name) <= 0]
+        if bad:
+            raise ConfigError(f"the model config's {', '.join(bad)} must be > 0")
+        return shape
 
     def layer_tensors(self) -> list[int]:
         """Element counts of one decoder layer's parameters."""

@@ -145,3 +145,12 @@ print("torch" in sys.modules)
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "config", [{"num_attention_heads": 0}, {"hidden_size": -1}, {"vocab_size": "many"}]
+)
+def test_an_unplannable_config_is_left_to_the_worker(config: dict[str, Any]) -> None:
+    """No plan (and no 500): the worker reports the invalid config as invalid_model."""
+    spec = JobSpec.model_validate({**_spec(), "model": {"preset": "qwen3", "config": config}})
+    assert plan_for_spec(spec, path_config=None, cuda=False) is None
