@@ -42,6 +42,7 @@ __all__ = [
     "format_gib",
     "parse_bytes",
     "plan_host_memory",
+    "process_rss_bytes",
 ]
 
 GIB = 1 << 30
@@ -121,7 +122,7 @@ def default_budget_bytes(setting: str | int | None = None, *, in_use_bytes: int 
     return max(0, usable - max(int(usable * BUDGET_MARGIN), BUDGET_MARGIN_MIN_BYTES))
 
 
-def _rss_bytes() -> int:
+def process_rss_bytes() -> int:
     """Resident memory of this process (0 where /proc is missing)."""
     try:
         with open("/proc/self/statm", encoding="ascii") as f:
@@ -439,7 +440,9 @@ def check_engine_allocation(
     if budget is None:
         # The model already lives in this process: what is available now plus what the
         # process holds is what it may use in all.
-        budget = default_budget_bytes(host_memory_budget_setting(), in_use_bytes=_rss_bytes())
+        budget = default_budget_bytes(
+            host_memory_budget_setting(), in_use_bytes=process_rss_bytes()
+        )
     plan.check(budget)
     return plan
 

@@ -296,6 +296,7 @@ class _Run:
                     resume_state.get("num_blocks"),
                     len(self.blocks),
                 )
+        self._check_host_memory()
         self.hf_model = self._build_model(resume_tensors)
         self.rp = self._wrap()
         self.masters = list(self.rp.optim_parameters())
@@ -316,6 +317,28 @@ class _Run:
             warmup_steps=train.warmup_steps,
             schedule=train.schedule,
         )
+
+    def _check_host_memory(self) -> None:
+        """The submission's host-memory plan again, against what this box has now (another
+        job may hold memory the daemon could not count at submission): refuse before
+        allocating rather than be ended by the OOM killer."""
+        from engine.device import host_memory_budget_setting
+        from engine.memory_plan import default_budget_bytes, process_rss_bytes
+
+        from .errors import InvalidRequest
+        from .hostmem import check_spec
+
+        config = None
+        if self.paths.model_path is not None:
+            config = json.loads((Path(self.paths.model_path) / "config.json").read_text())
+        budget = default_budget_bytes(
+            host_memory_budget_setting(), in_use_bytes=process_rss_bytes()
+        )
+        cuda = torch.cuda.is_available() and self.spec.engine.gpus > 0
+        try:
+            check_spec(self.spec, path_config=config, cuda=cuda, budget=budget)
+        except InvalidRequest as exc:
+            raise JobFailure("host_memory_exceeded", exc.message, param=exc.param) from None
 
     def _build_model(self, resume_tensors: dict[str, dict[str, torch.Tensor]]) -> torch.nn.Module:
         model = self.spec.model

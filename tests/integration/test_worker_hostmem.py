@@ -10,6 +10,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.integration.test_worker import (
     EXIT_PAUSED,
     SMALL,
@@ -49,3 +51,16 @@ def test_low_precision_job_pauses_and_resumes_exactly(tmp_path: Path) -> None:
         assert got["train_loss"] == want["train_loss"], got["step"]
         assert got["grad_norm"] == want["grad_norm"], got["step"]
     assert_same_weights(weights(job_dir), weights(straight))
+
+
+def test_worker_refuses_over_its_budget_before_building(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RP_HOST_MEMORY_BUDGET", "64KiB")  # the worker inherits it
+    job_dir = make_job(tmp_path / "small", LOW)
+    code, events = run(job_dir)
+    assert code != 0
+    error = events[-1]
+    assert error["level"] == "error" and error["data"]["code"] == "host_memory_exceeded"
+    assert "budget of 0.0 GiB" in error["message"]
+    assert error["data"]["param"] == "model"  # no engine option fits in 64 KiB
