@@ -101,15 +101,44 @@ def format_gib(nbytes: int | float) -> str:
 
 
 def available_host_bytes() -> int:
-    """MemAvailable of /proc/meminfo (free + reclaimable), or free pages elsewhere."""
+    """MemAvailable of /proc/meminfo (free + reclaimable), or free pages elsewhere; lowered
+    to what the process's cgroup limit leaves (a container's memory limit, which
+    /proc/meminfo does not show)."""
+    available = None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    left = _cgroup_bytes_left()
+    return available if left is None else min(available, left)
+
+
+def _cgroup_bytes_left(root: str = "/sys/fs/cgroup") -> int | None:
+    """Limit less usage of this process's memory cgroup (v2, then v1); None: no limit."""
+    for limit_file, usage_file in (
+        (f"{root}/memory.max", f"{root}/memory.current"),
+        (f"{root}/memory/memory.limit_in_bytes", f"{root}/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_file, encoding="ascii") as f:
+                limit_text = f.read().strip()
+            with open(usage_file, encoding="ascii") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max":
+            return None
+        limit = int(limit_text)
+        if limit >= 1 << 60:  # cgroup v1 writes a huge number for "no limit"
+            return None
+        return max(0, limit - usage)
+    return None
 
 
 def default_budget_bytes(setting: str | int | None = None, *, in_use_bytes: int = 0) -> int:

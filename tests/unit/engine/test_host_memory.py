@@ -274,3 +274,21 @@ def test_parse_bytes(text: Any, expected: int) -> None:
 def test_parse_bytes_rejects(text: Any) -> None:
     with pytest.raises(ConfigError, match="RP_HOST_MEMORY_BUDGET"):
         parse_bytes(text)
+
+
+def test_a_container_limit_lowers_the_available_memory(tmp_path: Any) -> None:
+    from engine.memory_plan import _cgroup_bytes_left
+
+    assert _cgroup_bytes_left(str(tmp_path)) is None  # no cgroup files: no limit
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("123\n")
+    assert _cgroup_bytes_left(str(tmp_path)) is None
+    (tmp_path / "memory.max").write_text(f"{8 << 30}\n")
+    assert _cgroup_bytes_left(str(tmp_path)) == (8 << 30) - 123
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("5")
+    assert _cgroup_bytes_left(str(v1)) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(1 << 30))
+    assert _cgroup_bytes_left(str(v1)) == (1 << 30) - 5
