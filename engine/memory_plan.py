@@ -55,7 +55,10 @@ BUDGET_MARGIN = 0.05
 BUDGET_MARGIN_MIN_BYTES = GIB
 # scheduler.ModelExecutePlan.auto groups layers up to 1.1x the slowest one (the head).
 _GROUP_THRESHOLD = 1.1
-_ALIGN = 64  # memory.ARENA_ALIGN_BYTES (kept here so this module stays torch-free)
+_ALIGN = 64  # memory.ARENA_ALIGN_BYTES
+_MAX_DIM = (
+    1 << 31
+)  # no real model dimension is larger; bigger values are typos (kept here so this module stays torch-free)
 
 _UNITS = {
     "": 1,
@@ -215,9 +218,9 @@ class ModelShape:
                 f"the model config lacks a transformer shape field the memory plan needs: {exc}"
             ) from exc
         sizes = [f for f in fields(shape) if f.type == "int"]
-        bad = [f.name for f in sizes if getattr(shape, f.name) <= 0]
+        bad = [f.name for f in sizes if not 0 < getattr(shape, f.name) <= _MAX_DIM]
         if bad:
-            raise ConfigError(f"the model config's {', '.join(bad)} must be > 0")
+            raise ConfigError(f"the model config's {', '.join(bad)} must be in 1..{_MAX_DIM}")
         return shape
 
     def layer_tensors(self) -> list[int]:

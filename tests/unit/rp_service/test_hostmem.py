@@ -148,7 +148,13 @@ print("torch" in sys.modules)
 
 
 @pytest.mark.parametrize(
-    "config", [{"num_attention_heads": 0}, {"hidden_size": -1}, {"vocab_size": "many"}]
+    "config",
+    [
+        {"num_attention_heads": 0},
+        {"hidden_size": -1},
+        {"vocab_size": "many"},
+        {"intermediate_size": 10**300},
+    ],
 )
 def test_an_unplannable_config_is_left_to_the_worker(config: dict[str, Any]) -> None:
     """No plan (and no 500): the worker reports the invalid config as invalid_model."""
