@@ -12,6 +12,8 @@ convention), peak GPU memory (torch.cuda.max_memory_allocated) and peak host mem
     python bench/train.py --lora --model qwen3-8b --baseline  # LoRA, + peft LoRA on the GPU
     python bench/train.py --lora --model qwen3-32b --seqs-per-step 16 --pin-model register
     torchrun --nproc-per-node 2 bench/train.py             # data parallel: a process per GPU
+    python bench/train.py --model qwen3-8b --seqs-per-step 32 --optim-state-dtype bfloat16 \
+        --optim-grad-dtype model --pin-model arena --recompute-attention   # 12 bytes/param
 
 `--lora`: rank-16 adapters (alpha 32) on every attention and MLP projection
 (engine.lora), the fp16 base frozen (no master, gradient or optimizer state), fp32
@@ -23,6 +25,9 @@ weight gradients of the frozen base).
 Under torchrun (WORLD_SIZE > 1) every rank builds the same model, takes its share of the
 same global batch (engine.distributed) and only rank 0 prints, with every rank's peak host
 memory; NCCL on GPUs, gloo on CPU ranks (`RP_DEVICES=cpu:1 torchrun ... --model tiny`).
+
+Each result also carries `plan_host_gib`: engine.memory_plan's prediction of the peak host
+memory, made (and checked against the budget) before the model is built.
 
 The model is randomly initialised on the host (no download): weights are allocated
 without HF's initialisers and filled with normal(0, 0.02) in place, so the 1.7B shape is
@@ -185,6 +190,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="recompute attention in the backward (engine.models.RECOMPUTE_ATTENTION)",
     )
+    p.add_argument(
+        "--optim-state-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="Adam's exp_avg / exp_avg_sq dtype (engine.optim.Adam state_dtype)",
+    )
+    p.add_argument(
+        "--optim-grad-dtype",
+        choices=["float32", "model"],
+        default="float32",
+        help="the optimizer's gradient: an fp32 buffer, or the downloaded half gradient in place",
+    )
+    p.add_argument(
+        "--pin-model",
+        choices=["alloc", "register", "arena", "off"],
+        default="alloc",
+        help="pinning of the host model: torch's allocator (rounds each tensor up to a power "
+        "of two), cudaHostRegister in place, or one registered arena (engine.memory.pin_module)",
+    )
     p.add_argument("--baseline", action="store_true", help="also run the GPU-resident baseline")
     p.add_argument("--baseline-only", action="store_true", help="run only the baseline")
     p.add_argument(
@@ -204,13 +228,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lora", action="store_true", help="LoRA fine-tuning (see above)")
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument(
-        "--pin-model",
-        choices=["alloc", "register"],
-        default="alloc",
-        help="pinning of the host model: torch's allocator (rounds each tensor up to a "
-        "power of two) or cudaHostRegister in place",
-    )
     p.add_argument(
         "--shard-optimizer",
         action=argparse.BooleanOptionalAction,
@@ -445,7 +462,9 @@ def report(
     return result
 
 
-def _make_optimizer(params: Any, lr: float) -> tuple[torch.optim.Optimizer, str]:
+def _make_optimizer(
+    params: Any, lr: float, state_dtype: torch.dtype = torch.float32
+) -> tuple[torch.optim.Optimizer, str]:
     """engine.optim.Adam if it imports and steps (its C library may be missing), else AdamW."""
     params = list(params)
     try:
@@ -455,9 +474,11 @@ def _make_optimizer(params: Any, lr: float) -> tuple[torch.optim.Optimizer, str]
         probe.grad = torch.ones(3)
         Adam([probe], lr=lr).step()  # builds/loads the C library now, not on the step thread
     except Exception as exc:
+        if state_dtype != torch.float32:
+            raise
         print(f"# engine.optim.Adam unusable ({exc!r}); using torch.optim.AdamW", file=sys.stderr)
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0), "torch.optim.AdamW"
-    return Adam(params, lr=lr), "engine.optim.Adam"
+    return Adam(params, lr=lr, state_dtype=state_dtype), "engine.optim.Adam"
 
 
 def reference_loss(model: nn.Module, ids: torch.Tensor) -> float:
@@ -475,6 +496,29 @@ def _last_plan(rp: Any) -> str | None:
     return repr(plans[max(plans, key=lambda k: k[2])]) if plans else None
 
 
+def host_plan(args: argparse.Namespace) -> Any:
+    """engine.memory_plan's prediction of this run's peak host memory (from shapes only);
+    None for the MoE shapes, which the plan does not model (check_host_memory covers them)."""
+    from engine.memory_plan import ModelShape, RunShape, plan_host_memory
+
+    if "family" in SHAPES[args.model]:
+        return None
+    shape = ModelShape.from_config({**SHAPES[args.model], "model_type": "qwen3"})
+    run = RunShape(
+        tokens_per_step=args.seqs_per_step * args.seq_len,
+        seq_len=args.seq_len,
+        num_microbatch=args.num_microbatch,
+        recompute_grain=args.recompute_grain,
+        optim_grad_dtype="optim" if args.optim_grad_dtype == "float32" else "model",
+        optim_state_dtype=args.optim_state_dtype,
+        pin_model=args.pin_model,
+        cuda=torch.cuda.is_available(),
+        saved_attention=not args.recompute_attention,
+        trainable_params=shape.lora_params(args.lora_rank) if args.lora else None,
+    )
+    return plan_host_memory(shape, run)
+
+
 def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     import engine.models
     from engine.device import get_num_devices
@@ -482,7 +526,11 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     from engine.run_config import RoundPipeRunConfig
     from engine.wrapper import wrap_model_to_roundpipe
 
-    check_host_memory(args)
+    plan = host_plan(args)
+    if plan is not None:
+        plan.check()  # before building: refuse a run the OOM killer would end
+    else:
+        check_host_memory(args)
     t0 = time.perf_counter()
     model = build_model(args.model, getattr(torch, args.dtype), "sdpa", args.seed)
     build_s = time.perf_counter() - t0
@@ -499,6 +547,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
             num_microbatch=args.num_microbatch, recompute_grain=args.recompute_grain
         ),
         optim_dtype=torch.float32,
+        optim_grad_dtype=getattr(torch, args.dtype) if args.optim_grad_dtype == "model" else None,
         name=f"bench-{args.model}",
         lora_config=lora_config(args) if args.lora else None,
         pin_model=args.pin_model if torch.cuda.is_available() else "alloc",
@@ -506,7 +555,9 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     )
     wrap_s = time.perf_counter() - t0
     dp = getattr(rp, "_dp", None)
-    optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr)
+    optimizer, optimizer_name = _make_optimizer(
+        rp.optim_parameters(), args.lr, getattr(torch, args.optim_state_dtype)
+    )
 
     adam_s: list[float] = []
 
@@ -563,7 +614,11 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         model_dtype=args.dtype,
         experts_implementation=getattr(model.config, "_experts_implementation", None),
         optim_dtype="float32",
+        optim_state_dtype=args.optim_state_dtype,
+        optim_grad_dtype=args.optim_grad_dtype,
         pin_model=args.pin_model,
+        plan_host_gib=round(plan.total_bytes / 2**30, 2) if plan is not None else None,
+        plan_host_parts_gib=plan.summary()["parts_gib"] if plan is not None else None,
         build_s=round(build_s, 2),
         wrap_s=round(wrap_s, 2),
         plan=_last_plan(rp),

@@ -17,6 +17,9 @@
  * (bench/RESULTS.md). It moves d by at most an ulp; torch's own vectorised sqrt is not
  * correctly rounded either, so neither choice is bit-identical to torch, and both stay
  * within 1e-6 of it over the tests' 10 steps.
+ * Low-precision modes: a fp16/bf16 gradient is widened exactly before the first operation;
+ * bf16 moments are widened on load and stored with stochastic rounding (f32_to_bf16_sr),
+ * the same bits on every ISA path, so the paths still agree bit for bit.
  * The library is compiled with -ffp-contract=off so the compiler adds no fma of its own:
  * every ISA path performs exactly these roundings and the paths agree bit for bit.
  */
@@ -81,24 +84,84 @@ static uint16_t f32_to_f16(float f) {
     return (uint16_t)(sign | h);
 }
 
+/* fp16 bits -> fp32, exact (subnormals, inf and NaN included), as F16C's vcvtph2ps. */
+static float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu;
+    uint32_t mant = h & 0x3FFu;
+    uint32_t u;
+    if (exp == 0x1Fu) {
+        u = sign | 0x7F800000u | (mant << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        u = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        do {
+            mant <<= 1;
+            ++e;
+        } while (!(mant & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A 32-bit integer hash with good avalanche (the "lowbias32" constants); the vector paths
+ * compute the same function lane by lane. */
+static uint32_t rp_hash32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* fp32 -> bf16 with stochastic rounding: add 16 random bits below the kept ones and
+ * truncate, so E[result] = f. Round-to-nearest would freeze a moment whose per-step change
+ * is below half a bf16 ulp (v * 0.999 == v in bf16); this keeps the average change.
+ * `which` is 0 for exp_avg, 1 for exp_avg_sq. NaN -> 0x7FC0. */
+static uint16_t f32_to_bf16_sr(float f, int64_t index, uint32_t which, uint32_t seed) {
+    if (f != f) return 0x7FC0;
+    uint32_t r = rp_hash32(((uint32_t)index * 2u + which) ^ seed) & 0xFFFFu;
+    return (uint16_t)((f32_to_bits(f) + r) >> 16);
+}
+
 void rp_adam_kernel_scalar(const rp_adam_tensor *t, const rp_adam_hyper *h,
                            int64_t begin, int64_t end, int prefetch) {
     (void)prefetch; /* the hardware prefetchers keep up with the scalar loop */
     float *param = (float *)t->param;
     const float *grad = (const float *)t->grad;
+    const uint16_t *grad16 = (const uint16_t *)t->grad;
     float *exp_avg = (float *)t->exp_avg;
     float *exp_avg_sq = (float *)t->exp_avg_sq;
+    uint16_t *exp_avg16 = (uint16_t *)t->exp_avg;
+    uint16_t *exp_avg_sq16 = (uint16_t *)t->exp_avg_sq;
     float *max_sq = (float *)t->max_exp_avg_sq;
     uint16_t *copy = (uint16_t *)t->model_copy;
     const float w = h->beta1_weight;
     const int small_weight = fabsf(w) < 0.5f;
     const float w_big = w - 1.0f;
     const int copy_dtype = copy ? t->copy_dtype : RP_COPY_NONE;
+    const int grad_dtype = t->grad_dtype;
+    const int bf16_state = t->state_dtype == RP_DTYPE_BF16;
     for (int64_t i = begin; i < end; ++i) {
         float p = param[i];
-        float g = grad[i];
-        float m = exp_avg[i];
-        float v = exp_avg_sq[i];
+        float g = grad_dtype == RP_DTYPE_FP16   ? f16_to_f32(grad16[i])
+                  : grad_dtype == RP_DTYPE_BF16 ? bf16_to_f32(grad16[i])
+                                                : grad[i];
+        float m = bf16_state ? bf16_to_f32(exp_avg16[i]) : exp_avg[i];
+        float v = bf16_state ? bf16_to_f32(exp_avg_sq16[i]) : exp_avg_sq[i];
         if (h->maximize) g = -g;
         if (h->use_l2) g = fmaf(p, h->l2_weight_decay, g);
         if (h->use_decoupled) p = p * h->decoupled_decay;
@@ -116,8 +179,13 @@ void rp_adam_kernel_scalar(const rp_adam_tensor *t, const rp_adam_hyper *h,
         float denom = sqrtf(s) * h->inv_bias_correction2_sqrt + h->eps;
         p = p + (h->neg_step_size * m) / denom;
         param[i] = p;
-        exp_avg[i] = m;
-        exp_avg_sq[i] = v;
+        if (bf16_state) {
+            exp_avg16[i] = f32_to_bf16_sr(m, i, 0u, h->sr_seed);
+            exp_avg_sq16[i] = f32_to_bf16_sr(v, i, 1u, h->sr_seed);
+        } else {
+            exp_avg[i] = m;
+            exp_avg_sq[i] = v;
+        }
         if (copy_dtype == RP_COPY_FP16) copy[i] = f32_to_f16(p);
         else if (copy_dtype == RP_COPY_BF16) copy[i] = f32_to_bf16(p);
     }

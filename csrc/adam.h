@@ -1,8 +1,10 @@
 /* The C Adam: what cffi sees (csrc/build_adam.py feeds this header to cdef).
  *
- * One call updates a list of fp32 tensors (param, grad, exp_avg, exp_avg_sq and, with
- * amsgrad, max_exp_avg_sq) and optionally writes the fp16/bf16 model copy of each param
- * in the same pass. The work is split over threads by element range; every element goes
+ * One call updates a list of fp32 parameters (with exp_avg, exp_avg_sq and, with amsgrad,
+ * max_exp_avg_sq) and optionally writes the fp16/bf16 model copy of each param in the same
+ * pass. The gradient may be fp32, fp16 or bf16 (read and widened exactly: no fp32 gradient
+ * buffer is needed); the moments fp32 or bf16 (computed in fp32, stored with stochastic
+ * rounding driven by a hash of the element index and the step, so it is reproducible). The work is split over threads by element range; every element goes
  * through the same sequence of fp32 operations on every ISA path, so results are
  * bit-identical whatever the ISA or the thread count.
  *
@@ -24,20 +26,23 @@ typedef struct {
     int use_l2;
     int use_decoupled;
     int amsgrad;
+    uint32_t sr_seed;         /* mixes the step into the bf16 moments' rounding bits */
 } rp_adam_hyper;
 
 /* One tensor to update. Addresses are plain integers (torch's data_ptr()) so Python can
  * fill the array without a cast per pointer. */
 typedef struct {
     uintptr_t param;          /* float*, read and written */
-    uintptr_t grad;           /* const float* */
-    uintptr_t exp_avg;        /* float* */
-    uintptr_t exp_avg_sq;     /* float* */
+    uintptr_t grad;           /* const float*, or const uint16_t* (fp16 / bf16) */
+    uintptr_t exp_avg;        /* float*, or uint16_t* bf16 */
+    uintptr_t exp_avg_sq;     /* float*, or uint16_t* bf16 */
     uintptr_t max_exp_avg_sq; /* float*, 0 unless amsgrad */
     uintptr_t model_copy;     /* uint16_t* fp16 or bf16, 0: none */
     int64_t numel;
     int32_t copy_dtype;       /* RP_COPY_NONE / RP_COPY_FP16 / RP_COPY_BF16 */
     int32_t hyper;            /* index into the hyper array */
+    int32_t grad_dtype;       /* RP_DTYPE_FP32 / RP_DTYPE_FP16 / RP_DTYPE_BF16 */
+    int32_t state_dtype;      /* RP_DTYPE_FP32 / RP_DTYPE_BF16 (m and v; amsgrad: fp32 only) */
 } rp_adam_tensor;
 
 #define RP_ISA_SCALAR 0
@@ -46,7 +51,10 @@ typedef struct {
 #define RP_COPY_NONE 0
 #define RP_COPY_FP16 1
 #define RP_COPY_BF16 2
-#define RP_ADAM_ABI_VERSION 2
+#define RP_DTYPE_FP32 0
+#define RP_DTYPE_FP16 1
+#define RP_DTYPE_BF16 2
+#define RP_ADAM_ABI_VERSION 3
 
 /* RP_ADAM_ABI_VERSION of the compiled library (a stale build is rebuilt). */
 int rp_adam_abi_version(void);

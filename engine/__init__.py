@@ -7,14 +7,45 @@ save_for_recompute / get_recompute_data / doing_recompute.
 
 from __future__ import annotations
 
-from .context import doing_recompute, get_recompute_data, save_for_recompute
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import ConfigError, DeviceError, RoundPipeError, StepError
-from .grad_scaler import GradScaler
-from .lora import LoraConfig, apply_lora
-from .roundpipe import AutoRoundPipe, RoundPipe
-from .run_config import RoundPipeRunConfig
-from .scheduler import ModelExecutePlan
-from .wrapper import wrap_model_to_roundpipe
+
+if TYPE_CHECKING:
+    from .context import doing_recompute, get_recompute_data, save_for_recompute
+    from .grad_scaler import GradScaler
+    from .lora import LoraConfig, apply_lora
+    from .roundpipe import AutoRoundPipe, RoundPipe
+    from .run_config import RoundPipeRunConfig
+    from .scheduler import ModelExecutePlan
+    from .wrapper import wrap_model_to_roundpipe
+
+# Imported on first use (PEP 562), so torch-free modules such as engine.memory_plan can be
+# imported without torch: the daemon plans host memory at submission that way.
+_LAZY = {
+    "doing_recompute": ".context",
+    "get_recompute_data": ".context",
+    "save_for_recompute": ".context",
+    "GradScaler": ".grad_scaler",
+    "LoraConfig": ".lora",
+    "apply_lora": ".lora",
+    "AutoRoundPipe": ".roundpipe",
+    "RoundPipe": ".roundpipe",
+    "RoundPipeRunConfig": ".run_config",
+    "ModelExecutePlan": ".scheduler",
+    "wrap_model_to_roundpipe": ".wrapper",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AutoRoundPipe",

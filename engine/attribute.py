@@ -19,6 +19,7 @@ import threading
 import torch
 from torch import nn
 
+from .errors import ConfigError
 from .threads import AnnotatedEvent
 
 __all__ = ["LayerAttribute", "ParamAttribute"]
@@ -44,14 +45,38 @@ class ParamAttribute:
         grad_host: Gradients downloaded since the last step (model dtype, pinned on CUDA);
             meaningful only while `grad_pending`.
         grad_pending: `grad_host` holds gradients the optimizer has not folded in yet.
+        grad_in_place: The optimizer reads `grad_host` itself as its gradient (the model
+            dtype: no separate buffer; `optim_grad_dtype` equal to the model dtype). The
+            next gradient download then waits for the whole step, not just the fold.
     """
 
-    def __init__(self, param: nn.Parameter, owner_layer: int, optim_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        param: nn.Parameter,
+        owner_layer: int,
+        optim_dtype: torch.dtype,
+        optim_grad_dtype: torch.dtype | None = None,
+    ) -> None:
         self.owner_layer = owner_layer
         self.optim: nn.Parameter | None = None
+        self.grad_in_place = False
         if param.requires_grad:
             master = param.detach().to(optim_dtype, copy=True)
             self.optim = nn.Parameter(master, requires_grad=True)
+            grad_dtype = optim_grad_dtype or optim_dtype
+            if grad_dtype not in (optim_dtype, param.dtype):
+                raise ConfigError(
+                    f"optim_grad_dtype must be the optimizer dtype ({optim_dtype}) or the "
+                    f"model's ({param.dtype}), got {grad_dtype}"
+                )
+            self.grad_in_place = optim_grad_dtype is not None and grad_dtype == param.dtype
+            if self.grad_in_place and grad_dtype != optim_dtype:
+                if not hasattr(self.optim, "grad_dtype"):
+                    raise ConfigError(
+                        "optim_grad_dtype other than optim_dtype needs torch >= 2.10 "
+                        "(Tensor.grad_dtype); use the default"
+                    )
+                self.optim.grad_dtype = grad_dtype
         self.grad_host: torch.Tensor | None = None
         self.grad_pending = False
         self.grad_event: torch.cuda.Event | None = None  # completes the last grad download
@@ -69,11 +94,26 @@ class ParamAttribute:
         return hasattr(t, "_rp_attr")
 
     @classmethod
-    def set(cls, t: nn.Parameter, layer_id: int, optim_dtype: torch.dtype) -> ParamAttribute:
+    def set(
+        cls,
+        t: nn.Parameter,
+        layer_id: int,
+        optim_dtype: torch.dtype,
+        optim_grad_dtype: torch.dtype | None = None,
+    ) -> ParamAttribute:
         """Attach a new ParamAttribute to `t` (owned by `layer_id`)."""
-        attr = cls(t, layer_id, optim_dtype)
+        attr = cls(t, layer_id, optim_dtype, optim_grad_dtype)
         t._rp_attr = attr  # type: ignore[attr-defined]
         return attr
+
+    def accumulates(self) -> bool:
+        """Whether the next gradient download must add to `grad_host` (not overwrite it)."""
+        if self.grad_host is None:
+            return False
+        if self.grad_pending:
+            return True
+        # In place, grad_host *is* the optimizer's gradient until the optimizer drops it.
+        return self.grad_in_place and self.optim is not None and self.optim.grad is self.grad_host
 
     def fold_grad(self) -> None:
         """Add the pending host gradient into the optimizer-side gradient."""
@@ -81,7 +121,10 @@ class ParamAttribute:
             self.grad_pending = False
             return
         g = self.grad_host
-        if self.optim.grad is None:
+        if self.grad_in_place and (self.optim.grad is None or self.optim.grad is g):
+            # The downloads already accumulated into g (accumulates()): hand it over as is.
+            self.optim.grad = g
+        elif self.optim.grad is None:
             # Reuse last step's buffer: allocating (and page-faulting) a fresh fp32 gradient
             # for every parameter each step costs more than the copy itself.
             buf = self.optim_grad_buffer

@@ -7,6 +7,7 @@ __all__ = [
     "DeviceError",
     "DistributedError",
     "GradientsDisabledError",
+    "HostMemoryError",
     "RoundPipeError",
     "SplitError",
     "StepError",
@@ -55,3 +56,33 @@ class SplitError(ConfigError, AssertionError):
 class DistributedError(RoundPipeError):
     """A collective across data-parallel ranks failed: a rank died, or did not reach the
     same call within the process group's timeout."""
+
+
+class HostMemoryError(ConfigError):
+    """A run would need more host memory than the budget; the message names the need,
+    the budget and the options that would fit.
+
+    Attributes:
+        need_bytes, budget_bytes: The plan's total and the budget.
+        options: Each change that would fit, with what it would need.
+        option_fields: The config field each option changes ('optim_state_dtype',
+            'recompute_attention', 'lora', 'tokens_per_step').
+        parts: The plan's bytes by part.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        need_bytes: int,
+        budget_bytes: int,
+        options: list[str],
+        option_fields: list[str] | None = None,
+        parts: dict[str, int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.need_bytes = need_bytes
+        self.budget_bytes = budget_bytes
+        self.options = options
+        self.option_fields = option_fields or []
+        self.parts = parts or {}

@@ -30,6 +30,7 @@ from .device import DeviceManager, get_devices, get_next_device, get_num_devices
 from .distributed import AUTO_GROUP, attach_data_parallel, resolve_process_group
 from .errors import ConfigError, GradientsDisabledError
 from .memory import get_model_size, pin_module
+from .memory_plan import check_engine_allocation
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
 from .run import Act, RunState, backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
@@ -82,7 +83,11 @@ class RoundPipeBase(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, name: str | None = None, optim_dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        name: str | None = None,
+        optim_dtype: torch.dtype | None = None,
+        optim_grad_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -91,6 +96,7 @@ class RoundPipeBase(nn.Module):
         object.__setattr__(self, "name", name or get_call_location(2))
         object.__setattr__(self, "original_model", None)
         object.__setattr__(self, "optim_dtype", optim_dtype)
+        object.__setattr__(self, "optim_grad_dtype", optim_grad_dtype)
         object.__setattr__(self, "layer_attrs", [])
         object.__setattr__(self, "optim_updated", AnnotatedEvent("optim_updated", set_=True))
         object.__setattr__(self, "_optim_ahead", False)  # optimizer copies newer than the model
@@ -135,7 +141,7 @@ class RoundPipeBase(nn.Module):
         for j, layer in enumerate(layers):
             for p in layer.parameters():
                 if not ParamAttribute.has(p):
-                    ParamAttribute.set(p, j, self.optim_dtype or p.dtype)
+                    ParamAttribute.set(p, j, self.optim_dtype or p.dtype, self.optim_grad_dtype)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
         """Model parameters; the optimizer-side copies inside a step_fn."""
@@ -285,7 +291,10 @@ def _publish_weights_take_grads(
     for attr, params in zip(owner.layer_attrs, groups, strict=True):
         for _, pa in params:
             pa.fold_grad()
-        attr.grad_copied.set()
+        # A gradient read in place stays the optimizer's until step_fn returns (the
+        # caller sets every event then).
+        if not any(pa.grad_in_place for _, pa in params):
+            attr.grad_copied.set()
 
 
 class RoundPipe(RoundPipeBase):
@@ -298,12 +307,24 @@ class RoundPipe(RoundPipeBase):
         name: A name for traces and logs. Default: the caller's file:line.
         model_run_config: Defaults for every call.
         pin_model: 'alloc' (torch pinned memory, fastest transfers), 'register'
-            (cudaHostRegister in place, less host memory, CUDA only) or 'off'.
+            (cudaHostRegister in place, less host memory, CUDA only), 'arena' (one
+            cudaHostRegister'ed block holding the parameters and their host gradient
+            buffers: no power-of-two rounding per tensor) or 'off'.
         process_group: Data parallel over this torch.distributed group (engine.distributed).
             Default: the default group when one is initialised with several ranks; None:
             single-process even then.
         shard_optimizer: Under data parallel, keep the fp32 masters (and so the optimizer
             state) of this rank's shard only (ZeRO stage 1); False: every rank keeps all.
+        optim_grad_dtype: dtype of the gradients the optimizer-side parameters get.
+            Default: `optim_dtype` (a separate buffer the downloaded gradient is folded
+            into). The model's dtype: the optimizer reads the downloaded half-precision
+            gradient in place (4 bytes per parameter less with fp32 masters); the next
+            iteration's gradient downloads then wait for the whole step. Needs an
+            optimizer that takes such gradients (engine.optim.Adam does).
+        host_memory_budget: Bytes the engine's own host allocations (pinned model,
+            gradient buffers, optimizer-side copies) may take; over it, construction
+            raises HostMemoryError before allocating. Default: RP_HOST_MEMORY_BUDGET, or
+            the machine's available memory less a margin (engine.memory_plan).
     """
 
     def __init__(
@@ -315,9 +336,14 @@ class RoundPipe(RoundPipeBase):
         pin_model: str = "alloc",
         process_group: Any = AUTO_GROUP,
         shard_optimizer: bool = True,
+        *,
+        optim_grad_dtype: torch.dtype | None = None,
+        host_memory_budget: int | None = None,
     ) -> None:
-        if pin_model not in ("alloc", "register", "off"):
-            raise ConfigError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
+        if pin_model not in ("alloc", "register", "arena", "off"):
+            raise ConfigError(
+                f"pin_model must be 'alloc', 'register', 'arena' or 'off', got {pin_model!r}"
+            )
         if pin_model == "register" and not torch.cuda.is_available():
             raise ConfigError(
                 "pin_model='register' uses cudaHostRegister and needs CUDA; "
@@ -325,14 +351,26 @@ class RoundPipe(RoundPipeBase):
             )
         if not isinstance(model_run_config, RoundPipeRunConfig):
             raise ConfigError("model_run_config must be a RoundPipeRunConfig")
-        super().__init__(model, name=name or get_call_location(1), optim_dtype=optim_dtype)
+        super().__init__(
+            model,
+            name=name or get_call_location(1),
+            optim_dtype=optim_dtype,
+            optim_grad_dtype=optim_grad_dtype,
+        )
         get_devices()  # parse RP_DEVICES now: a bad value fails at construction
         if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
             model.to("cpu")
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ConfigError("model is an empty nn.Sequential; give it at least one layer")
-        pin_module(model, pin_model)
+        check_engine_allocation(
+            model,
+            optim_dtype=optim_dtype,
+            optim_grad_dtype=optim_grad_dtype,
+            pin_model=pin_model,
+            budget_bytes=host_memory_budget,
+        )
+        arena_grads = pin_module(model, pin_model)
         object.__setattr__(self, "model_run_config", model_run_config)
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "num_layers", len(layers))
@@ -340,6 +378,9 @@ class RoundPipe(RoundPipeBase):
         object.__setattr__(self, "layer_size", [get_model_size(layer) / 1e9 for layer in layers])
         object.__setattr__(self, "model_timer", ModelTimer([s * 1e9 for s in self.layer_size]))
         self._attach_param_attributes(layers)
+        for p, pa in self._all_params():
+            if id(p) in arena_grads:
+                pa.grad_host = arena_grads[id(p)]
         layer_params: list[list[tuple[nn.Parameter, ParamAttribute]]] = []
         for layer in layers:
             seen: set[int] = set()
@@ -718,9 +759,15 @@ class AutoRoundPipe(RoundPipeBase):
         model: nn.Module,
         name: str | None = None,
         optim_dtype: torch.dtype | None = None,
+        optim_grad_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model, name=name or get_call_location(1), optim_dtype=optim_dtype)
+        super().__init__(
+            model,
+            name=name or get_call_location(1),
+            optim_dtype=optim_dtype,
+            optim_grad_dtype=optim_grad_dtype,
+        )
         subs = [m for m in model.modules() if isinstance(m, RoundPipe)]
         if any(s._dp is not None for s in subs) or (
             resolve_process_group(kwargs.get("process_group", AUTO_GROUP)) is not None
@@ -735,7 +782,7 @@ class AutoRoundPipe(RoundPipeBase):
         object.__setattr__(self, "layer_attrs", [LayerAttribute(0)])
         for p in model.parameters():
             if not ParamAttribute.has(p):
-                ParamAttribute.set(p, 0, optim_dtype or p.dtype)
+                ParamAttribute.set(p, 0, optim_dtype or p.dtype, optim_grad_dtype)
         object.__setattr__(self, "_rp_initialized", True)
 
     def _loose_params(self) -> list[tuple[nn.Parameter, ParamAttribute]]:

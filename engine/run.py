@@ -514,7 +514,7 @@ def download_param_grads(
         pa = ParamAttribute.get(host)
         run.wait(attrs[pa.owner_layer].grad_copied)
         with pa.lock:
-            if pa.grad_pending and pa.grad_host is not None:
+            if pa.accumulates():
                 prev = async_h2d(dev, [pa.grad_event], [pa.grad_host])[0]
                 with dev.compute():
                     g = g + prev

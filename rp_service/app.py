@@ -241,7 +241,10 @@ def create_app(settings: Settings) -> FastAPI:
     store = Store(settings.db_path)
     hub = EventHub()
     orchestrator = Orchestrator(settings, store, hub)
-    system = SystemProbe(probe_cuda=settings.gpus != "none")
+    system = SystemProbe(
+        probe_cuda=settings.gpus != "none",
+        host_budget=lambda: orchestrator.resolver.host_budget_bytes,
+    )
     services = Services(
         settings=settings,
         store=store,

@@ -8,10 +8,12 @@ resolved, that `data.seq_len` fits the model, that enough GPUs exist.
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from rp_service.errors import InvalidRequest
+from rp_service.hostmem import budget_bytes, check_spec
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 from rp_service.shapes import PRESET_DEFAULTS, check_lora_rank
@@ -95,6 +97,17 @@ class SpecResolver:
                 code="not_enough_gpus",
                 param="engine.gpus",
             )
+        check_spec(
+            spec,
+            path_config=self._path_config(spec),
+            cuda=gpu_count > 0 and spec.engine.gpus > 0,
+            budget=self.host_budget_bytes,
+        )
+
+    @cached_property
+    def host_budget_bytes(self) -> int:
+        """Host bytes one job may use, fixed at the first use (start-up)."""
+        return budget_bytes(self.settings.host_memory_budget)
 
     def resolve(self, spec: JobSpec, job_dir: Path) -> dict[str, Any]:
         """The `resolved` section of the worker's spec.json."""
@@ -137,6 +150,12 @@ class SpecResolver:
             if isinstance(override, int) and not isinstance(override, bool) and override > 0:
                 return override
             return PRESET_MAX_POSITIONS[spec.model.preset]
+        config = self._path_config(spec)
+        value = config.get("max_position_embeddings") if config is not None else None
+        return value if isinstance(value, int) and value > 0 else None
+
+    def _path_config(self, spec: JobSpec) -> dict[str, Any] | None:
+        """config.json of `model.path` (None for a preset)."""
         if spec.model.path is None:
             return None
         config_path = self._model_dir(spec.model.path, param="model.path") / "config.json"
@@ -148,8 +167,7 @@ class SpecResolver:
                 code="invalid_model_dir",
                 param="model.path",
             ) from None
-        value = config.get("max_position_embeddings") if isinstance(config, dict) else None
-        return value if isinstance(value, int) and value > 0 else None
+        return config if isinstance(config, dict) else None
 
     def _model_config(self, spec: JobSpec) -> dict[str, Any] | None:
         """The model's HF config fields: a preset's defaults with the overrides, or config.json."""

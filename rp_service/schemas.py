@@ -160,7 +160,22 @@ class EngineSection(_Section):
     num_microbatch: int | None = Field(None, ge=1, le=512, description="null: devices + 1.")
     recompute_grain: Literal["stage", "layer"] = "stage"
     optim_dtype: DType = "float32"
-    pin_model: Literal["alloc", "register", "off"] = "alloc"
+    optim_state_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Adam's exp_avg/exp_avg_sq: float32 (exact) or bfloat16 (4 bytes a "
+        "parameter less; stochastic rounding).",
+    )
+    optim_grad_dtype: Literal["float32", "model"] = Field(
+        "float32",
+        description="The optimizer's gradient: a float32 buffer, or the model-dtype gradient "
+        "the GPUs downloaded, read in place (4 bytes a parameter less).",
+    )
+    recompute_attention: bool = Field(
+        False,
+        description="Recompute attention in the backward instead of keeping its outputs in "
+        "host memory (2 bytes x tokens x heads x head_dim per layer).",
+    )
+    pin_model: Literal["alloc", "register", "arena", "off"] = "alloc"
     gpus: int = Field(1, ge=0, le=64, description="How many GPUs (0 = CPU devices).")
     async_step: bool = True
 
@@ -362,6 +377,10 @@ class SystemInfo(BaseModel):
     devices: list[dict[str, Any]]
     host_memory_bytes: int | None
     pinned_budget_bytes: int | None
+    host_memory_budget_bytes: int | None = Field(
+        None,
+        description="What one job may use (RP_HOST_MEMORY_BUDGET, else available less a margin).",
+    )
     adam: dict[str, Any] | None
     queue_length: int
     jobs: dict[str, int]

@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     # docker/compose.yaml's stop_grace_period (120 s) leaves room for it.
     shutdown_grace_s: float = Field(90.0, gt=0)
     sse_ping_s: float = Field(15.0, gt=0)
+    # Host bytes a job may use (bytes or with a unit: 96GiB, 100G); unset: the available
+    # memory at start-up less a margin (engine.memory_plan). Over it a submission gets 422.
+    host_memory_budget: str | None = None
 
     @field_validator("model_roots", "dataset_roots", mode="before")
     @classmethod
@@ -64,6 +67,13 @@ class Settings(BaseSettings):
         if not parts or not all(p.isdigit() for p in parts):
             raise ValueError("RP_GPUS must be 'all', 'none' or GPU ids like '0,1'")
         return ",".join(parts)
+
+    @field_validator("host_memory_budget", mode="before")
+    @classmethod
+    def _check_budget(cls, value: Any) -> Any:
+        from rp_service.hostmem import parse_budget_setting
+
+        return parse_budget_setting(value) if isinstance(value, str) else value
 
     @field_validator("token", mode="before")
     @classmethod

@@ -9,6 +9,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -93,8 +94,9 @@ def _optional_version(module: str) -> str | None:
 class SystemProbe:
     """Caches the slow facts (torch import, CUDA devices); blocking, call it in a thread."""
 
-    def __init__(self, *, probe_cuda: bool) -> None:
+    def __init__(self, *, probe_cuda: bool, host_budget: Callable[[], int] | None = None) -> None:
         self.probe_cuda = probe_cuda
+        self.host_budget = host_budget  # the submission check's budget (SpecResolver)
 
     def cuda_device_count(self) -> int:
         return len(self.devices)
@@ -145,6 +147,7 @@ class SystemProbe:
             "devices": self.devices,
             "host_memory_bytes": _host_memory_bytes(),
             "pinned_budget_bytes": _pinned_budget_bytes(),
+            "host_memory_budget_bytes": self.host_budget() if self.host_budget else None,
             "adam": self.adam,
         }
 

@@ -307,6 +307,7 @@ class _Run:
                 )
         # LoRA: the state_dict names of the adapter weights; None: every weight trains
         self.adapter_keys: list[str] | None = None
+        self._check_host_memory()
         self.hf_model = self._build_model(resume_tensors)
         self.rp = self._wrap()
         self.masters = list(self.rp.optim_parameters())
@@ -331,6 +332,28 @@ class _Run:
             warmup_steps=train.warmup_steps,
             schedule=train.schedule,
         )
+
+    def _check_host_memory(self) -> None:
+        """The submission's host-memory plan again, against what this box has now (another
+        job may hold memory the daemon could not count at submission): refuse before
+        allocating rather than be ended by the OOM killer."""
+        from engine.device import host_memory_budget_setting
+        from engine.memory_plan import default_budget_bytes, process_rss_bytes
+
+        from .errors import InvalidRequest
+        from .hostmem import check_spec
+
+        config = None
+        if self.paths.model_path is not None:
+            config = json.loads((Path(self.paths.model_path) / "config.json").read_text())
+        budget = default_budget_bytes(
+            host_memory_budget_setting(), in_use_bytes=process_rss_bytes()
+        )
+        cuda = torch.cuda.is_available() and self.spec.engine.gpus > 0
+        try:
+            check_spec(self.spec, path_config=config, cuda=cuda, budget=budget)
+        except InvalidRequest as exc:
+            raise JobFailure("host_memory_exceeded", exc.message, param=exc.param) from None
 
     def _build_model(self, resume_tensors: dict[str, dict[str, torch.Tensor]]) -> torch.nn.Module:
         model = self.spec.model
@@ -412,15 +435,19 @@ class _Run:
         return {k: state[k].detach().clone() for k in keys}
 
     def _wrap(self) -> Any:
+        import engine.models as presets
         from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
 
         engine = self.spec.engine
         run_config = RoundPipeRunConfig(
             num_microbatch=engine.num_microbatch, recompute_grain=engine.recompute_grain
         )
+        presets.RECOMPUTE_ATTENTION = engine.recompute_attention
+        in_place = engine.optim_grad_dtype == "model"  # read the downloaded gradient itself
         return wrap_model_to_roundpipe(
             self.hf_model,
             optim_dtype=DTYPES[engine.optim_dtype],
+            optim_grad_dtype=DTYPES[self.spec.model.dtype] if in_place else None,
             model_run_config=run_config,
             pin_model=engine.pin_model,
         )
@@ -435,6 +462,7 @@ class _Run:
             betas=tuple(train.betas),
             weight_decay=train.weight_decay,
             decoupled_weight_decay=True,
+            state_dtype=DTYPES[self.spec.engine.optim_state_dtype],
         )
 
     def _restore(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any]) -> None:

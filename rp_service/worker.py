@@ -140,6 +140,10 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
     except JobFailure as exc:
         return _fail(emit, exc.code, exc.message, exc.param, **exc.details)
     except Exception as exc:
+        from engine.errors import HostMemoryError
+
+        if isinstance(exc, HostMemoryError):  # the engine's own check, before allocating
+            return _fail(emit, "host_memory_exceeded", str(exc), "engine")
         traceback.print_exc()
         if _is_oom(exc):
             return _fail(emit, "out_of_memory", f"{_OOM_ADVICE} ({exc})", "engine.num_microbatch")

@@ -154,6 +154,7 @@ class System(_Model):
     devices: list[Any] = []
     host_memory_bytes: int | None = None
     pinned_budget_bytes: int | None = None
+    host_memory_budget_bytes: int | None = None
     adam: dict[str, Any] = {}
     queue_length: int = 0
     jobs: dict[str, int] = {}
@@ -210,6 +211,9 @@ class EngineSection(_Model):
     num_microbatch: int | None = None
     recompute_grain: str | None = None
     optim_dtype: str | None = None
+    optim_state_dtype: str | None = None  # float32 | bfloat16 (docs/API.md, "Host memory")
+    optim_grad_dtype: str | None = None  # float32 | model
+    recompute_attention: bool | None = None
     pin_model: str | None = None
     gpus: int | None = None
     async_step: bool | None = None

@@ -5,6 +5,12 @@
 `state_dict` either one loads. The update runs in C (csrc/, AVX-512 / AVX2 / scalar,
 multi-threaded, GIL released) and, for a parameter given a half-precision model copy with
 `set_model_copy()`, writes `copy = master.to(copy.dtype)` in the same pass.
+
+Host memory per parameter (issue 15): the gradient may be fp16 or bf16 (the half-precision
+gradient the devices downloaded, read in place: no fp32 gradient buffer), and
+`state_dtype=torch.bfloat16` keeps exp_avg and exp_avg_sq in bf16 (computed in fp32, stored
+with reproducible stochastic rounding): 12 bytes per parameter with the fp16 model and the
+fp32 master instead of 18 (or 20 with a separate fp32 gradient).
 """
 
 from __future__ import annotations
@@ -41,12 +47,16 @@ __all__ = [
     "set_isa",
     "set_model_copy",
     "set_num_threads",
+    "stochastic_round_bf16",
 ]
 
 log = logging.getLogger(__name__)
 
 _COPY_ATTR = "_rp_model_copy"
 _COPY_DTYPES = {torch.float16: 1, torch.bfloat16: 2}  # RP_COPY_FP16 / RP_COPY_BF16
+_GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # RP_DTYPE_*
+_STATE_DTYPES = {torch.float32: 0, torch.bfloat16: 2}
+_MASK32 = 0xFFFFFFFF
 
 
 def set_model_copy(param: Tensor, copy: Tensor | None) -> None:
@@ -111,6 +121,15 @@ class Adam(torch.optim.Optimizer):
     Same arguments and results as `torch.optim.Adam` (atol 1e-6 in fp32).
     `foreach` and `fused` are accepted for compatibility and ignored;
     `capturable` and `differentiable` must stay False.
+
+    Gradients may be fp32, fp16 or bf16 (widened exactly in the kernel), so RoundPipe's
+    `optim_grad_dtype` equal to the model dtype needs no fp32 gradient buffer.
+
+    Args:
+        state_dtype: dtype of exp_avg and exp_avg_sq: torch.float32 (default, exact torch
+            results) or torch.bfloat16 (half the state memory: 4 bytes per parameter
+            instead of 8; the update is computed in fp32 and the moments are stored with
+            stochastic rounding, see `stochastic_round_bf16`). amsgrad needs float32.
     """
 
     def __init__(
@@ -128,7 +147,15 @@ class Adam(torch.optim.Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
+        if state_dtype not in _STATE_DTYPES:
+            raise ConfigError(
+                f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}"
+            )
+        if amsgrad and state_dtype != torch.float32:
+            raise ConfigError("amsgrad=True needs state_dtype=torch.float32")
+        self.state_dtype = state_dtype
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -160,6 +187,7 @@ class Adam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore state (also from torch.optim.Adam), filling keys older versions lack."""
+        self.__dict__.setdefault("state_dtype", torch.float32)
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -169,6 +197,8 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("differentiable", False)
             group.setdefault("fused", None)
             group.setdefault("decoupled_weight_decay", False)
+            if group["amsgrad"] and self.state_dtype != torch.float32:
+                raise ConfigError("amsgrad=True needs state_dtype=torch.float32")
             for p in group["params"]:
                 p_state = self.state.get(p)
                 if p_state and not torch.is_tensor(p_state["step"]):
@@ -206,30 +236,31 @@ class Adam(torch.optim.Optimizer):
                 where = f"param_groups[{gi}].params[{i}]"
                 if grad.is_sparse:
                     raise ConfigError(f"{where}: sparse gradients are not supported")
-                if grad.dtype != torch.float32 or grad.device.type != "cpu":
+                if grad.dtype not in _GRAD_DTYPES or grad.device.type != "cpu":
                     raise ConfigError(
-                        f"{where}: the gradient must be an fp32 CPU tensor, got "
+                        f"{where}: the gradient must be an fp32, fp16 or bf16 CPU tensor, got "
                         f"{grad.dtype} on {grad.device}"
                     )
                 if grad.shape != p.shape:
                     raise ConfigError(f"{where}: grad shape {grad.shape} != param {p.shape}")
                 _check_param(p, where)
                 state = self.state[p]
+                sdt = self.state_dtype
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg"] = torch.zeros(p.shape, dtype=sdt)
+                    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=sdt)
                 if group["amsgrad"] and "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = torch.zeros_like(
                         p, memory_format=torch.contiguous_format
                     )
                 for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    # A loaded state dict may hold another layout; the kernel needs dense.
+                    # A loaded state dict may hold another layout or dtype; the kernel needs
+                    # dense tensors of state_dtype (max_exp_avg_sq: always fp32).
+                    want = torch.float32 if key == "max_exp_avg_sq" else sdt
                     value = state.get(key)
-                    if value is not None and not (
-                        value.is_contiguous() and value.dtype == torch.float32
-                    ):
-                        state[key] = value.to(torch.float32).contiguous()
+                    if value is not None and not (value.is_contiguous() and value.dtype == want):
+                        state[key] = value.to(want).contiguous()
                 entries.append((p, grad.contiguous(), state, group))
         return entries
 
@@ -269,7 +300,13 @@ def _hyper_values(group: dict[str, Any], step: float) -> dict[str, Any]:
         "use_l2": int(weight_decay != 0 and not decoupled),
         "use_decoupled": int(weight_decay != 0 and decoupled),
         "amsgrad": int(bool(group["amsgrad"])),
+        "sr_seed": _sr_seed(step),
     }
+
+
+def _sr_seed(step: float) -> int:
+    """The 32-bit value the step mixes into the bf16 moments' rounding bits."""
+    return (int(step) * 0x9E3779B9) & _MASK32
 
 
 def _native_update(
@@ -301,6 +338,8 @@ def _native_update(
             desc.copy_dtype = _COPY_DTYPES[copy.dtype]
         desc.numel = p.numel()
         desc.hyper = hyper_index[key]
+        desc.grad_dtype = _GRAD_DTYPES[grad.dtype]
+        desc.state_dtype = _STATE_DTYPES[state["exp_avg"].dtype]
     hypers = ffi.new("rp_adam_hyper[]", hyper_rows)
     # cffi releases the GIL for the call; `entries` keeps every tensor alive until it returns.
     rc = lib.rp_adam_step(tensors, len(entries), hypers, get_num_threads(), _native.ISAS[isa])
@@ -311,15 +350,20 @@ def _native_update(
 def _torch_update(
     p: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any], step: float
 ) -> None:
-    """The opt-in fallback without C: torch ops in _single_tensor_adam's order."""
+    """The opt-in fallback without C: torch ops in _single_tensor_adam's order.
+
+    Also the reference of the low-precision modes: a half gradient is widened first, bf16
+    moments are widened, updated in fp32 and stored with `stochastic_round_bf16`.
+    """
     h = _hyper_values(group, step)
+    grad = grad.float()
     if h["maximize"]:
         grad = -grad
     if h["use_decoupled"]:
         p.mul_(h["decoupled_decay"])
     elif h["use_l2"]:
         grad = grad.add(p, alpha=h["l2_weight_decay"])
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
     exp_avg.lerp_(grad, h["beta1_weight"])
     exp_avg_sq.mul_(h["beta2"]).addcmul_(grad, grad, value=h["one_minus_beta2"])
     second = exp_avg_sq
@@ -329,6 +373,47 @@ def _torch_update(
     bias_correction2_sqrt = (1 - float(group["betas"][1]) ** step) ** 0.5
     denom = (second.sqrt() / bias_correction2_sqrt).add_(h["eps"])
     p.addcdiv_(exp_avg, denom, value=h["neg_step_size"])
+    for key, value, which in (("exp_avg", exp_avg, 0), ("exp_avg_sq", exp_avg_sq, 1)):
+        if state[key].dtype == torch.bfloat16:
+            state[key].copy_(stochastic_round_bf16(value, which=which, seed=h["sr_seed"]))
+        elif state[key] is not value:
+            state[key].copy_(value)
     copy = get_model_copy(p)
     if copy is not None:
         copy.view(-1).copy_(p.view(-1))
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """rp_hash32 (csrc/adam.c) on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stochastic_round_bf16(x: Tensor, *, which: int, seed: int) -> Tensor:
+    """`x` (fp32) rounded to bf16 the way the C Adam stores its bf16 moments.
+
+    Element i gets 16 random bits, `hash32((2 i + which) ^ seed) & 0xFFFF`, added below the
+    bits bf16 keeps, then the rest is truncated: the result is x rounded up with probability
+    equal to its distance from the lower neighbour, so E[result] = x and a moment whose
+    per-step change is below half a bf16 ulp (v * 0.999) still moves on average. The bits
+    depend only on the element index and the step: reproducible on every ISA and thread
+    count. NaN becomes the canonical 0x7FC0.
+    """
+    flat = x.detach().reshape(-1).float().contiguous()
+    index = torch.arange(flat.numel(), dtype=torch.int64) & _MASK32
+    key = ((index * 2 + which) & _MASK32) ^ (seed & _MASK32)
+    noise = _hash32(key) & 0xFFFF
+    bits = flat.view(torch.int32).to(torch.int64) & _MASK32
+    out = (((bits + noise) & _MASK32) >> 16).masked_fill(flat.isnan(), 0x7FC0)
+    out = torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16)
+    return out.view(torch.bfloat16).reshape(x.shape)

@@ -31,6 +31,7 @@ def system(
         out.append(f"  {device}")
     out.append(f"host memory      {_gib(info.host_memory_bytes)}")
     out.append(f"pinned budget    {_gib(info.pinned_budget_bytes)}")
+    out.append(f"job host budget  {_gib(info.host_memory_budget_bytes)}")
     if info.adam:
         out.append(
             f"adam             {info.adam.get('isa', '-')}, {info.adam.get('threads', '-')} threads"

@@ -25,7 +25,9 @@ def test_pin_register_needs_cuda() -> None:
 
 def test_pin_model_value_is_checked() -> None:
     model = make_model()
-    with pytest.raises(ConfigError, match="pin_model must be 'alloc', 'register' or 'off'"):
+    with pytest.raises(
+        ConfigError, match="pin_model must be 'alloc', 'register', 'arena' or 'off'"
+    ):
         RoundPipe(model, pin_model="yes")  # type: ignore[arg-type]
     RoundPipe(model, pin_model="off")  # the same model wraps fine afterwards
 

@@ -179,9 +179,9 @@ def test_auto_split_trains_like_plain_pytorch(
     import copy
     import sys
 
-    from engine import AutoRoundPipe, RoundPipe
-
     monkeypatch.undo()  # drop the autouse stand-ins: the engine's own classes from here
+    from engine import AutoRoundPipe, RoundPipe  # engine/__init__ imports lazily: after undo
+
     assert sys.modules["engine.roundpipe"].RoundPipe is RoundPipe
     torch.manual_seed(0)
     ref = Net()

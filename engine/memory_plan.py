@@ -1,0 +1,486 @@
+"""Host-memory plan: what a model and run config will need, checked against a budget.
+
+Computed from shapes alone, before anything is allocated: the daemon runs it at job
+submission without importing torch (this module imports nothing heavy), the engine before
+it pins a model, bench/train.py prints it beside the measured peak.
+
+What a full fine-tune holds on the host, per trainable parameter (fp16/bf16 model):
+
+    model copy (pinned)           2   uploaded to the devices each iteration
+    host gradient (pinned)        2   where the devices download the gradient
+    optimizer-side master         4   fp32 (optim_dtype)
+    optimizer gradient            4   fp32 buffer the host gradient is folded into;
+                                      0 with optim_grad_dtype = the model's dtype
+    Adam exp_avg + exp_avg_sq     8   fp32; 4 with optim_state_dtype = bfloat16
+                                 --
+                                 20   (12 in the low-precision modes)
+
+plus torch's power-of-two rounding of every pinned tensor (pin_model='alloc'; 'arena'
+avoids it), the activations kept for the backward (each backward group's input, per
+micro-batch), the saved attention outputs (on CUDA unless attention is recomputed) and
+the runtime itself (CUDA context, libraries). Frozen parameters (LoRA bases) have only
+the model copy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from .errors import ConfigError, HostMemoryError
+
+__all__ = [
+    "HostMemoryPlan",
+    "ModelShape",
+    "RunShape",
+    "available_host_bytes",
+    "check_engine_allocation",
+    "default_budget_bytes",
+    "format_gib",
+    "parse_bytes",
+    "plan_host_memory",
+    "process_rss_bytes",
+]
+
+GIB = 1 << 30
+# RSS of the process before the model: Python, torch and its libraries, and on CUDA the
+# context and cuDNN/cuBLAS handles (measured on the H100 box: bench/RESULTS.md).
+RUNTIME_BYTES = {"cuda": 3 * GIB, "cpu": GIB // 2}
+# The default budget leaves this share of the available memory (at least MIN) to the OS,
+# the page cache the data loader uses, and anything the plan does not see.
+BUDGET_MARGIN = 0.05
+BUDGET_MARGIN_MIN_BYTES = GIB
+# scheduler.ModelExecutePlan.auto groups layers up to 1.1x the slowest one (the head).
+_GROUP_THRESHOLD = 1.1
+_ALIGN = 64  # memory.ARENA_ALIGN_BYTES
+_MAX_DIM = (
+    1 << 31
+)  # no real model dimension is larger; bigger values are typos (kept here so this module stays torch-free)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_bytes(value: str | int, *, name: str = "RP_HOST_MEMORY_BUDGET") -> int:
+    """Bytes from an int or a string such as '96GiB', '100G', '123456789'."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(f"{name} must be > 0 bytes, got {value}")
+        return value
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in _UNITS or not amount > 0 or not math.isfinite(amount):
+        raise ConfigError(
+            f"{name} must be a positive size in bytes, optionally with a unit "
+            f"(e.g. 96GiB, 100G, 64000000000), got {value!r}"
+        )
+    return int(amount * _UNITS[unit])
+
+
+def format_gib(nbytes: int | float) -> str:
+    return f"{nbytes / GIB:.1f} GiB"
+
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (free + reclaimable), or free pages elsewhere; lowered
+    to what the process's cgroup limit leaves (a container's memory limit, which
+    /proc/meminfo does not show)."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    left = _cgroup_bytes_left()
+    return available if left is None else min(available, left)
+
+
+def _cgroup_bytes_left(root: str = "/sys/fs/cgroup") -> int | None:
+    """Limit less usage of this process's memory cgroup (v2, then v1); None: no limit."""
+    for limit_file, usage_file in (
+        (f"{root}/memory.max", f"{root}/memory.current"),
+        (f"{root}/memory/memory.limit_in_bytes", f"{root}/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_file, encoding="ascii") as f:
+                limit_text = f.read().strip()
+            with open(usage_file, encoding="ascii") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max":
+            return None
+        limit = int(limit_text)
+        if limit >= 1 << 60:  # cgroup v1 writes a huge number for "no limit"
+            return None
+        return max(0, limit - usage)
+    return None
+
+
+def default_budget_bytes(setting: str | int | None = None, *, in_use_bytes: int = 0) -> int:
+    """The host bytes a run may use: `setting` (RP_HOST_MEMORY_BUDGET) if given, else the
+    available memory (plus `in_use_bytes` the asking process already holds) less a margin
+    of BUDGET_MARGIN (at least BUDGET_MARGIN_MIN_BYTES)."""
+    if setting is not None:
+        return parse_bytes(setting)
+    usable = available_host_bytes() + in_use_bytes
+    return max(0, usable - max(int(usable * BUDGET_MARGIN), BUDGET_MARGIN_MIN_BYTES))
+
+
+def process_rss_bytes() -> int:
+    """Resident memory of this process (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _pinned_bytes(nbytes: int, pin_model: str, cuda: bool) -> int:
+    """What a pinned host tensor of `nbytes` costs: torch's pinned allocator rounds each
+    allocation up to a power of two; the arena aligns to 64 bytes; pageable costs nbytes."""
+    if nbytes <= 0:
+        return 0
+    if pin_model == "arena":
+        return -(-nbytes // _ALIGN) * _ALIGN
+    if pin_model == "alloc" and cuda:
+        return 1 << (nbytes - 1).bit_length()
+    return nbytes
+
+
+def _cuda_pinned(nbytes: int, cuda: bool) -> int:
+    """An activation or gradient buffer from torch's pinned allocator (rounded on CUDA)."""
+    return _pinned_bytes(nbytes, "alloc", cuda)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """A decoder-only transformer (the Qwen3 / Llama presets), from its HF config."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    qk_norm: bool = True  # Qwen3 normalises q and k per head; Llama does not
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | Any) -> ModelShape:
+        """From an HF config object or its dict (config.json); missing head_dim and
+        num_key_value_heads default as HF does."""
+        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+        try:
+            hidden = int(get("hidden_size"))
+            heads = int(get("num_attention_heads"))
+            shape = cls(
+                hidden_size=hidden,
+                num_hidden_layers=int(get("num_hidden_layers")),
+                num_attention_heads=heads,
+                num_key_value_heads=int(get("num_key_value_heads") or heads),
+                head_dim=int(get("head_dim") or hidden // heads),
+                intermediate_size=int(get("intermediate_size")),
+                vocab_size=int(get("vocab_size")),
+                tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+                qk_norm=str(get("model_type", "qwen3")).startswith("qwen3"),
+            )
+        except (TypeError, ValueError, ArithmeticError) as exc:
+            raise ConfigError(
+                f"the model config lacks a transformer shape field the memory plan needs: {exc}"
+            ) from exc
+        sizes = [f for f in fields(shape) if f.type == "int"]
+        bad = [f.name for f in sizes if not 0 < getattr(shape, f.name) <= _MAX_DIM]
+        if bad:
+            raise ConfigError(f"the model config's {', '.join(bad)} must be in 1..{_MAX_DIM}")
+        return shape
+
+    def layer_tensors(self) -> list[int]:
+        """Element counts of one decoder layer's parameters."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        out = [h * q, h * kv, h * kv, q * h]  # q, k, v, o projections
+        out += [h * self.intermediate_size] * 3  # gate, up, down
+        out += [h, h]  # input and post-attention norms
+        if self.qk_norm:
+            out += [d, d]
+        return out
+
+    def param_tensors(self) -> list[int]:
+        """Element counts of every parameter tensor (a tied embedding once)."""
+        embed = self.vocab_size * self.hidden_size
+        head = [] if self.tie_word_embeddings else [embed]
+        return [embed, *self.layer_tensors() * self.num_hidden_layers, self.hidden_size, *head]
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.param_tensors())
+
+    def lora_params(self, rank: int) -> int:
+        """Trainable parameters of rank-`rank` adapters on all seven projections."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        inter = self.intermediate_size
+        pairs = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+        return rank * sum(a + b for a, b in pairs) * self.num_hidden_layers
+
+    def backward_groups(self, grain: str) -> int:
+        """How many backward groups (each keeps its input) the automatic plan makes."""
+        if grain == "layer":
+            return self.num_hidden_layers
+        layer = sum(self.layer_tensors())
+        head = self.vocab_size * self.hidden_size
+        per_group = max(1, int(_GROUP_THRESHOLD * head / layer))
+        return math.ceil(self.num_hidden_layers / per_group)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunShape:
+    """The run config the plan needs (JobSpec engine/train sections, RoundPipe options)."""
+
+    tokens_per_step: int
+    seq_len: int
+    num_microbatch: int = 4
+    recompute_grain: Literal["stage", "layer"] = "stage"
+    model_dtype_bytes: int = 2
+    optim_dtype_bytes: int = 4
+    optim_grad_dtype: Literal["optim", "model"] = "optim"
+    optim_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    pin_model: Literal["alloc", "register", "arena", "off"] = "alloc"
+    cuda: bool = True
+    saved_attention: bool = True  # CUDA, half precision, attention not recomputed
+    trainable_params: int | None = None  # None: all (full fine-tune); else e.g. LoRA's
+    optimizer_state: bool = True  # count Adam's moments
+
+
+@dataclass(frozen=True, slots=True)
+class HostMemoryPlan:
+    """Predicted peak host bytes, by part."""
+
+    parts: dict[str, int]
+    run: RunShape
+    shape: ModelShape | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready: total and parts in bytes and GiB."""
+        return {
+            "total_bytes": self.total_bytes,
+            "total_gib": round(self.total_bytes / GIB, 2),
+            "parts_gib": {k: round(v / GIB, 2) for k, v in self.parts.items()},
+        }
+
+    def check(self, budget_bytes: int | None = None) -> None:
+        """Raise HostMemoryError when the plan needs more than the budget (default:
+        default_budget_bytes()), naming the options that would fit."""
+        budget = default_budget_bytes() if budget_bytes is None else budget_bytes
+        need = self.total_bytes
+        if need <= budget:
+            return
+        fitting = self.fitting_options(budget)
+        parts = ", ".join(f"{k} {format_gib(v)}" for k, v in self.parts.items() if v)
+        hint = (
+            "; options that would fit: " + "; ".join(text for _, text in fitting)
+            if fitting
+            else "; no option of this engine fits: raise RP_HOST_MEMORY_BUDGET if the machine "
+            "has the memory, or use a machine with more"
+        )
+        raise HostMemoryError(
+            f"this run needs about {format_gib(need)} of host memory ({parts}), over the "
+            f"budget of {format_gib(budget)} (RP_HOST_MEMORY_BUDGET){hint}",
+            need_bytes=need,
+            budget_bytes=budget,
+            options=[text for _, text in fitting],
+            option_fields=[name for name, _ in fitting],
+            parts=dict(self.parts),
+        )
+
+    def fitting_options(self, budget: int) -> list[tuple[str, str]]:
+        """(config field, change with what it would need) for each change that fits."""
+        if self.shape is None:
+            return []
+        run, shape = self.run, self.shape
+        out: list[tuple[str, str]] = []
+        low = replace(
+            run, optim_grad_dtype="model", optim_state_dtype="bfloat16", pin_model="arena"
+        )
+        if low != run:
+            need = plan_host_memory(shape, low).total_bytes
+            if need <= budget:
+                out.append(
+                    (
+                        "optim_state_dtype",
+                        "lower-precision optimizer memory: optim_state_dtype=bfloat16, "
+                        f"optim_grad_dtype=model, pin_model=arena ({format_gib(need)})",
+                    )
+                )
+        if run.cuda and run.saved_attention:
+            for base, label in ((run, ""), (low, " with the lower-precision options")):
+                need = plan_host_memory(shape, replace(base, saved_attention=False)).total_bytes
+                if need <= budget:
+                    text = f"recompute_attention=true{label} ({format_gib(need)})"
+                    out.append(("recompute_attention", text))
+                    break
+        if run.trainable_params is None:
+            need = plan_host_memory(shape, replace(run, trainable_params=shape.lora_params(16)))
+            if need.total_bytes <= budget:
+                text = f"LoRA (rank 16 on all projections: {format_gib(need.total_bytes)})"
+                out.append(("lora", text))
+        for base, label in ((run, ""), (low, " with the lower-precision options")):
+            tokens = _max_tokens(shape, base, budget)
+            if tokens is not None and tokens < run.tokens_per_step:
+                out.append(("tokens_per_step", f"at most {tokens} tokens per step{label}"))
+                break
+        return out
+
+
+def _max_tokens(shape: ModelShape, run: RunShape, budget: int) -> int | None:
+    """The most tokens per step (whole micro-batches of seq_len sequences) that fit."""
+    step = run.seq_len * run.num_microbatch
+    lo, hi = 0, run.tokens_per_step // step
+    while lo < hi:  # the need grows with the tokens: bisect on sequences per micro-batch
+        mid = (lo + hi + 1) // 2
+        trial = replace(run, tokens_per_step=mid * step)
+        if plan_host_memory(shape, trial).total_bytes <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step if lo else None
+
+
+def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
+    """The predicted peak host memory of training `shape` with `run`."""
+    if run.tokens_per_step <= 0 or run.seq_len <= 0 or run.num_microbatch <= 0:
+        raise ConfigError("the memory plan needs tokens_per_step, seq_len, num_microbatch > 0")
+    tensors = shape.param_tensors()
+    total = sum(tensors)
+    trainable = total if run.trainable_params is None else run.trainable_params
+    mbytes = run.model_dtype_bytes
+    pin, cuda = run.pin_model, run.cuda
+    parts: dict[str, int] = {}
+    model = sum(_pinned_bytes(n * mbytes, pin, cuda) for n in tensors)
+    if run.trainable_params is None:
+        grads = sum(
+            _pinned_bytes(n * mbytes, pin, cuda)
+            if pin == "arena"
+            else _cuda_pinned(n * mbytes, cuda)
+            for n in tensors
+        )
+    else:  # adapters: small tensors, pinned one by one (the base is frozen: no gradient)
+        model += trainable * mbytes
+        grads = trainable * mbytes
+    parts["model"] = model
+    parts["host_gradients"] = grads
+    parts["optim_master"] = trainable * run.optim_dtype_bytes
+    parts["optim_gradients"] = (
+        trainable * run.optim_dtype_bytes if run.optim_grad_dtype == "optim" else 0
+    )
+    state_bytes = 4 if run.optim_state_dtype == "float32" else 2
+    parts["optim_state"] = 2 * trainable * state_bytes if run.optimizer_state else 0
+    mb_tokens = run.tokens_per_step // run.num_microbatch
+    boundary = _cuda_pinned(mb_tokens * shape.hidden_size * mbytes, cuda)
+    parts["activations"] = (
+        shape.backward_groups(run.recompute_grain) * run.num_microbatch * boundary
+    )
+    if cuda and run.saved_attention:
+        q_width = shape.num_attention_heads * shape.head_dim
+        per_mb = _cuda_pinned(mb_tokens * q_width * mbytes, cuda)
+        per_mb += _cuda_pinned(mb_tokens * shape.num_attention_heads * 4, cuda)  # fp32 LSE
+        parts["saved_attention"] = shape.num_hidden_layers * run.num_microbatch * per_mb
+    else:
+        parts["saved_attention"] = 0
+    parts["runtime"] = RUNTIME_BYTES["cuda" if cuda else "cpu"]
+    return HostMemoryPlan(parts, run, shape)
+
+
+def check_engine_allocation(
+    model: Any,
+    *,
+    optim_dtype: Any,
+    optim_grad_dtype: Any,
+    pin_model: str,
+    budget_bytes: int | None,
+) -> HostMemoryPlan:
+    """Before RoundPipe pins `model`: check what the engine itself will allocate.
+
+    Counts the pinned model copy, the host gradient buffers, the optimizer-side copies and
+    their gradient buffers of `model`'s parameters (the optimizer's own state and the
+    activations depend on the optimizer and the batch: see plan_host_memory). Raises
+    HostMemoryError over the budget (`budget_bytes`, else RP_HOST_MEMORY_BUDGET, else the
+    available memory less a margin).
+    """
+    import torch
+
+    from .device import host_memory_budget_setting  # imports torch: only on this path
+
+    cuda = torch.cuda.is_available()
+    seen: set[int] = set()
+    parts = {"model": 0, "host_gradients": 0, "optim_master": 0, "optim_gradients": 0}
+    for p in _unique(model.parameters(), seen):
+        nbytes = p.numel() * p.element_size()
+        parts["model"] += _pinned_bytes(nbytes, pin_model, cuda)
+        if not p.requires_grad:
+            continue
+        opt_dtype = optim_dtype or p.dtype
+        parts["host_gradients"] += (
+            _pinned_bytes(nbytes, "arena", cuda)
+            if pin_model == "arena"
+            else _cuda_pinned(nbytes, cuda)
+        )
+        parts["optim_master"] += p.numel() * opt_dtype.itemsize
+        if (optim_grad_dtype or opt_dtype) == opt_dtype:
+            parts["optim_gradients"] += p.numel() * opt_dtype.itemsize
+    for b in _unique(model.buffers(), seen):
+        parts["model"] += _pinned_bytes(b.numel() * b.element_size(), pin_model, cuda)
+    plan = HostMemoryPlan(
+        parts,
+        RunShape(tokens_per_step=1, seq_len=1, pin_model=pin_model, cuda=cuda),  # type: ignore[arg-type]
+        None,
+    )
+    budget = budget_bytes
+    if budget is None:
+        # The model already lives in this process: what is available now plus what the
+        # process holds is what it may use in all.
+        budget = default_budget_bytes(
+            host_memory_budget_setting(), in_use_bytes=process_rss_bytes()
+        )
+    plan.check(budget)
+    return plan
+
+
+def _unique(tensors: Iterable[Any], seen: set[int]) -> Iterable[Any]:
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t

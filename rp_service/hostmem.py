@@ -1,0 +1,181 @@
+"""The host-memory plan of a JobSpec, run at submission without importing torch.
+
+`engine.memory_plan` predicts from shapes; this module turns a JobSpec into those shapes
+(a preset's config defaults and overrides, or a model directory's config.json) and its
+refusal into the service's 422, naming the JobSpec field to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import ConfigError, HostMemoryError
+from engine.memory_plan import (
+    HostMemoryPlan,
+    ModelShape,
+    RunShape,
+    default_budget_bytes,
+    format_gib,
+    parse_bytes,
+    plan_host_memory,
+)
+from rp_service.errors import InvalidRequest
+from rp_service.schemas import JobSpec
+
+__all__ = ["PRESET_DEFAULTS", "budget_bytes", "check_spec", "plan_for_spec"]
+
+# transformers' Qwen3Config() and LlamaConfig() defaults (the shape fields the plan reads);
+# tests/unit/rp_service/test_hostmem.py checks them against transformers.
+PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+    "llama": {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "tie_word_embeddings": False,
+    },
+}
+# rp_service.tokenizer.BYTE_VOCAB_SIZE rounded up as modeling._preset_config does (that
+# module imports torch; the test checks the two agree).
+_BYTE_VOCAB_ROUNDED = 264
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# JobSpec field that each engine.memory_plan option changes.
+_OPTION_FIELDS = {
+    "optim_state_dtype": "engine.optim_state_dtype",
+    "recompute_attention": "engine.recompute_attention",
+    "lora": "model",
+    "tokens_per_step": "train.batch_size",
+}
+
+
+def budget_bytes(setting: str | None) -> int:
+    """RP_HOST_MEMORY_BUDGET parsed, or the available memory less the margin (now)."""
+    return default_budget_bytes(setting)
+
+
+def _model_config(spec: JobSpec, path_config: dict[str, Any] | None) -> dict[str, Any]:
+    if spec.model.preset is not None:
+        config = {**PRESET_DEFAULTS[spec.model.preset], **spec.model.config}
+        if "vocab_size" not in spec.model.config and spec.tokenizer.path is None:
+            config["vocab_size"] = _BYTE_VOCAB_ROUNDED  # the built-in byte-level tokenizer
+        return config
+    return dict(path_config or {})
+
+
+def plan_for_spec(
+    spec: JobSpec, *, path_config: dict[str, Any] | None, cuda: bool
+) -> HostMemoryPlan | None:
+    """The plan of `spec` (None when the model's config has no transformer shape)."""
+    try:
+        shape = ModelShape.from_config(_model_config(spec, path_config))
+    except ConfigError:
+        return None
+    engine = spec.engine
+    devices = max(engine.gpus, 1)
+    model_bytes = _DTYPE_BYTES[spec.model.dtype]
+    run = RunShape(
+        tokens_per_step=spec.train.batch_size * spec.data.seq_len,
+        seq_len=spec.data.seq_len,
+        num_microbatch=min(engine.num_microbatch or devices + 1, spec.train.batch_size),
+        recompute_grain=engine.recompute_grain,
+        model_dtype_bytes=model_bytes,
+        optim_dtype_bytes=_DTYPE_BYTES[engine.optim_dtype],
+        optim_grad_dtype="model" if engine.optim_grad_dtype == "model" else "optim",
+        optim_state_dtype=engine.optim_state_dtype,
+        pin_model=engine.pin_model,
+        cuda=cuda,
+        saved_attention=cuda and model_bytes == 2 and not engine.recompute_attention,
+        trainable_params=_lora_params(spec, shape),
+    )
+    return plan_host_memory(shape, run)
+
+
+def _lora_params(spec: JobSpec, shape: ModelShape) -> int | None:
+    """Adapter parameters of a LoRA job (None: a full fine-tune trains every weight)."""
+    if spec.train.method != "lora" or spec.lora is None:
+        return None
+    h, d = shape.hidden_size, shape.head_dim
+    q, kv, inter = (
+        shape.num_attention_heads * d,
+        shape.num_key_value_heads * d,
+        shape.intermediate_size,
+    )
+    widths = {  # (in_features, out_features) of each projection
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+    per_layer = sum(sum(widths[m]) for m in spec.lora.target_modules if m in widths)
+    return spec.lora.rank * per_layer * shape.num_hidden_layers
+
+
+def check_spec(
+    spec: JobSpec, *, path_config: dict[str, Any] | None, cuda: bool, budget: int
+) -> HostMemoryPlan | None:
+    """Raise InvalidRequest (422, code host_memory_exceeded) when `spec` would not fit."""
+    plan = plan_for_spec(spec, path_config=path_config, cuda=cuda)
+    if plan is None:
+        return None
+    try:
+        plan.check(budget)
+    except HostMemoryError as exc:
+        fields = [_OPTION_FIELDS.get(f, f) for f in exc.option_fields]
+        param = fields[0] if fields else "model"
+        message = (
+            f"{param}: the job needs about {format_gib(exc.need_bytes)} of host memory, over "
+            f"this daemon's budget of {format_gib(exc.budget_bytes)} (RP_HOST_MEMORY_BUDGET); "
+            + (
+                "options that would fit: " + "; ".join(exc.options)
+                if exc.options
+                else "no engine option fits: a smaller model or a larger budget"
+            )
+        )
+        raise InvalidRequest(
+            message,
+            code="host_memory_exceeded",
+            param=param,
+            details=[
+                {
+                    "param": param,
+                    "message": message,
+                    "need_bytes": exc.need_bytes,
+                    "budget_bytes": exc.budget_bytes,
+                    "parts_bytes": exc.parts,
+                    "options": [
+                        {"param": f, "change": text}
+                        for f, text in zip(fields, exc.options, strict=True)
+                    ],
+                }
+            ],
+        ) from None
+    return plan
+
+
+def parse_budget_setting(value: str | None) -> str | None:
+    """Validate RP_HOST_MEMORY_BUDGET at start-up (raises ValueError with what to write)."""
+    if value is None or not value.strip():
+        return None
+    try:
+        parse_bytes(value)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return value.strip()

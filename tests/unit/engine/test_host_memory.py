@@ -1,0 +1,294 @@
+"""Host memory per parameter (issue 15): the in-place half gradient, the pinned arena, the
+host-memory plan against the bytes the engine really allocates, and its refusals."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import engine.optim as eo
+from engine import RoundPipe, wrap_model_to_roundpipe
+from engine.attribute import ParamAttribute
+from engine.errors import ConfigError, HostMemoryError
+from engine.memory_plan import (
+    GIB,
+    ModelShape,
+    RunShape,
+    parse_bytes,
+    plan_host_memory,
+)
+from tests.unit.engine._models import make_batch, make_model
+
+STEPS = 3
+
+
+def _mse(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - label.float()) ** 2).mean()
+
+
+def _train(rp: Any, *, zero: bool = True, calls: int = 2, record: list | None = None) -> None:
+    """STEPS async steps of the C Adam, each after `calls` forward_backward (accumulated)."""
+    opt = eo.Adam(list(rp.optim_parameters()), lr=1e-2, weight_decay=0.01)
+    x, y = make_batch(batch=12)
+
+    def step_fn() -> None:
+        if record is not None:
+            record.append([p.grad.float().clone() for p in rp.optim_parameters()])
+        opt.step()
+        if zero:
+            opt.zero_grad(set_to_none=True)
+
+    for _ in range(STEPS):
+        for c in range(calls):
+            rp.forward_backward((x[c::calls].half(),), label=y[c::calls], loss_fn=_mse)
+        rp.step(step_fn)
+    rp.synchronize()
+
+
+def _half_model() -> nn.Sequential:
+    return make_model(p_drop=0.0).half()
+
+
+@pytest.mark.parametrize("pin_model", ["off", "arena"])
+def test_in_place_half_grads_train_like_the_fp32_buffer(num_devices: int, pin_model: str) -> None:
+    """The fp32 buffer holds the fp16 gradient widened exactly; reading the fp16 gradient
+    in place must give bit-identical training (accumulation over calls included)."""
+    base = _half_model()
+    ref = RoundPipe(copy.deepcopy(base), optim_dtype=torch.float32, pin_model="off")
+    got = RoundPipe(
+        copy.deepcopy(base),
+        optim_dtype=torch.float32,
+        optim_grad_dtype=torch.float16,
+        pin_model=pin_model,
+    )
+    _train(ref)
+    _train(got)
+    for (_, a), (_, b) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(ref.optim_parameters(), got.optim_parameters(), strict=True):
+        assert torch.equal(a, b)
+    for _, pa in got._all_params():
+        assert pa.grad_in_place and pa.optim_grad_buffer is None  # no fp32 gradient buffer
+
+
+def test_in_place_grads_accumulate_until_the_optimizer_drops_them(cpu3: int) -> None:
+    """Without zero_grad the optimizer's gradient keeps growing, as with the fp32 buffer."""
+    base = _half_model()
+    seen_ref: list = []
+    seen_got: list = []
+    ref = RoundPipe(copy.deepcopy(base), optim_dtype=torch.float32)
+    got = RoundPipe(copy.deepcopy(base), optim_dtype=torch.float32, optim_grad_dtype=torch.float16)
+    _train(ref, zero=False, calls=1, record=seen_ref)
+    _train(got, zero=False, calls=1, record=seen_got)
+    for step_ref, step_got in zip(seen_ref, seen_got, strict=True):
+        for a, b in zip(step_ref, step_got, strict=True):
+            # the sum is taken in fp16 on the device here, in fp32 on the host there
+            torch.testing.assert_close(b, a, rtol=2e-3, atol=1e-4)
+    assert any(not torch.equal(s0, s2) for s0, s2 in zip(seen_got[0], seen_got[2], strict=True))
+
+
+def test_arena_holds_parameters_and_gradient_buffers_in_one_block() -> None:
+    rp = RoundPipe(_half_model(), optim_dtype=torch.float32, pin_model="arena")
+    params = list(rp.model.parameters())
+    base = params[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in params)
+    for p in params:
+        pa = ParamAttribute.get(p)
+        assert pa.grad_host is not None and pa.grad_host.untyped_storage().data_ptr() == base
+        assert pa.grad_host.data_ptr() % 64 == 0 and p.data_ptr() % 64 == 0
+    ends = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for p in params
+        for t in (p, ParamAttribute.get(p).grad_host)
+    )
+    assert all(e0 <= s1 for (_, e0), (s1, _) in itertools.pairwise(ends))  # no overlap
+
+
+def test_unsupported_grad_dtype_is_refused() -> None:
+    with pytest.raises(ConfigError, match="optim_grad_dtype must be"):
+        RoundPipe(_half_model(), optim_dtype=torch.float32, optim_grad_dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def _qwen3(tie: bool) -> nn.Module:
+    config = transformers.Qwen3Config(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tie,
+        use_cache=False,
+    )
+    return transformers.Qwen3ForCausalLM(config).half()
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("model_fn", [lambda: _qwen3(True), lambda: _qwen3(False), _llama])
+def test_shape_counts_the_hf_parameters(model_fn: Any) -> None:
+    model = model_fn()
+    shape = ModelShape.from_config(model.config)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert sorted(shape.param_tensors()) == sorted(p.numel() for p in model.parameters())
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize(
+    "grad_mode,state_dtype,pin_model",
+    [("optim", "float32", "off"), ("model", "bfloat16", "arena"), ("optim", "bfloat16", "alloc")],
+)
+def test_plan_matches_the_bytes_allocated(
+    cpu3: int, tie: bool, grad_mode: str, state_dtype: str, pin_model: str
+) -> None:
+    hf = _qwen3(tie)
+    shape = ModelShape.from_config(hf.config)
+    seq, batch = 16, 4
+    run = RunShape(
+        tokens_per_step=seq * batch,
+        seq_len=seq,
+        optim_grad_dtype=grad_mode,  # type: ignore[arg-type]
+        optim_state_dtype=state_dtype,  # type: ignore[arg-type]
+        pin_model=pin_model,  # type: ignore[arg-type]
+        cuda=False,
+    )
+    plan = plan_host_memory(shape, run)
+    rp = wrap_model_to_roundpipe(
+        hf,
+        optim_dtype=torch.float32,
+        optim_grad_dtype=torch.float16 if grad_mode == "model" else None,
+        pin_model=pin_model,
+    )
+    opt = eo.Adam(list(rp.optim_parameters()), lr=1e-3, state_dtype=getattr(torch, state_dtype))
+    ids = torch.randint(0, 264, (batch, seq), generator=torch.Generator().manual_seed(0))
+    from engine.models import causal_lm_loss_fn
+
+    rp.forward_backward(
+        input_kwargs={"input_ids": ids, "return_logits": False},
+        label=ids,
+        loss_fn=causal_lm_loss_fn(ids),
+    )
+    rp.step(opt.step, is_async=False)
+    attrs = [pa for _, pa in rp._all_params()]
+    params = [p for p, _ in rp._all_params()]
+    got = {
+        "model": sum(_nbytes(p) for p in params),
+        "host_gradients": sum(_nbytes(pa.grad_host) for pa in attrs),
+        "optim_master": sum(_nbytes(pa.optim) for pa in attrs),
+        "optim_gradients": sum(_nbytes(pa.optim_grad_buffer) for pa in attrs),
+        "optim_state": sum(
+            _nbytes(s["exp_avg"]) + _nbytes(s["exp_avg_sq"]) for s in opt.state.values()
+        ),
+    }
+    if pin_model == "arena":  # the plan counts each tensor at its 64-byte-aligned slot
+        got["model"] = sum(-(-_nbytes(p) // 64) * 64 for p in params)
+        got["host_gradients"] = sum(-(-_nbytes(pa.grad_host) // 64) * 64 for pa in attrs)
+        arena = params[0].untyped_storage().nbytes()
+        buffers = sum(-(-_nbytes(b) // 64) * 64 for b in rp.model.buffers())
+        assert arena == got["model"] + got["host_gradients"] + buffers
+    assert {k: plan.parts[k] for k in got} == got
+
+
+def test_plan_of_8b_on_the_h100_box() -> None:
+    """The issue's target: Qwen3-8B, 32 x 2048 tokens, in 115 GiB (bench/RESULTS.md)."""
+    shape = ModelShape(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+    )
+    full = RunShape(tokens_per_step=32 * 2048, seq_len=2048)
+    with pytest.raises(HostMemoryError) as info:
+        plan_host_memory(shape, full).check(115 * GIB)
+    err = info.value
+    assert err.budget_bytes == 115 * GIB and err.need_bytes > 180 * GIB
+    assert "over the budget of 115.0 GiB" in str(err)
+    assert err.option_fields == ["recompute_attention", "lora", "tokens_per_step"]
+    assert "recompute_attention=true with the lower-precision options" in err.options[0]
+    low = RunShape(
+        tokens_per_step=32 * 2048,
+        seq_len=2048,
+        optim_grad_dtype="model",
+        optim_state_dtype="bfloat16",
+        pin_model="arena",
+        saved_attention=False,
+    )
+    plan = plan_host_memory(shape, low)
+    plan.check(115 * GIB)
+    weights = sum(plan.parts[k] for k in ("model", "host_gradients", "optim_master", "optim_state"))
+    assert weights == 12 * shape.num_params  # 2 + 2 + 4 + 4 bytes a parameter
+
+
+def test_engine_refuses_over_budget_before_pinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _half_model()
+    with pytest.raises(HostMemoryError, match=r"needs about .* over the budget of 0\.0 GiB"):
+        RoundPipe(model, optim_dtype=torch.float32, host_memory_budget=1000)
+    assert not any(ParamAttribute.has(p) for p in model.parameters())  # nothing allocated
+    monkeypatch.setenv("RP_HOST_MEMORY_BUDGET", "2KiB")
+    with pytest.raises(HostMemoryError, match="budget of 0.0 GiB"):
+        RoundPipe(model, optim_dtype=torch.float32)
+    monkeypatch.setenv("RP_HOST_MEMORY_BUDGET", "lots")
+    with pytest.raises(ConfigError, match="RP_HOST_MEMORY_BUDGET must be a positive size"):
+        RoundPipe(model, optim_dtype=torch.float32)
+    monkeypatch.setenv("RP_HOST_MEMORY_BUDGET", "1GiB")
+    RoundPipe(model, optim_dtype=torch.float32)  # fits
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("123", 123), ("96GiB", 96 << 30), ("100G", 100 * 10**9), ("1.5 MiB", 3 << 19), (7, 7)],
+)
+def test_parse_bytes(text: Any, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1G", "12XB", "nan", 0])
+def test_parse_bytes_rejects(text: Any) -> None:
+    with pytest.raises(ConfigError, match="RP_HOST_MEMORY_BUDGET"):
+        parse_bytes(text)
+
+
+def test_a_container_limit_lowers_the_available_memory(tmp_path: Any) -> None:
+    from engine.memory_plan import _cgroup_bytes_left
+
+    assert _cgroup_bytes_left(str(tmp_path)) is None  # no cgroup files: no limit
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("123\n")
+    assert _cgroup_bytes_left(str(tmp_path)) is None
+    (tmp_path / "memory.max").write_text(f"{8 << 30}\n")
+    assert _cgroup_bytes_left(str(tmp_path)) == (8 << 30) - 123
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("5")
+    assert _cgroup_bytes_left(str(v1)) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(1 << 30))
+    assert _cgroup_bytes_left(str(v1)) == (1 << 30) - 5
