@@ -21,35 +21,10 @@ from engine.memory_plan import (
 )
 from rp_service.errors import InvalidRequest
 from rp_service.schemas import JobSpec
+from rp_service.shapes import PRESET_DEFAULTS, projection_shapes
 
-__all__ = ["PRESET_DEFAULTS", "budget_bytes", "check_spec", "plan_for_spec"]
+__all__ = ["budget_bytes", "check_spec", "plan_for_spec"]
 
-# transformers' Qwen3Config() and LlamaConfig() defaults (the shape fields the plan reads);
-# tests/unit/rp_service/test_hostmem.py checks them against transformers.
-PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3": {
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 22016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "head_dim": 128,
-        "tie_word_embeddings": False,
-    },
-    "llama": {
-        "model_type": "llama",
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": None,
-        "head_dim": None,
-        "tie_word_embeddings": False,
-    },
-}
 # rp_service.tokenizer.BYTE_VOCAB_SIZE rounded up as modeling._preset_config does (that
 # module imports torch; the test checks the two agree).
 _BYTE_VOCAB_ROUNDED = 264
@@ -68,21 +43,33 @@ def budget_bytes(setting: str | None) -> int:
     return default_budget_bytes(setting)
 
 
-def _model_config(spec: JobSpec, path_config: dict[str, Any] | None) -> dict[str, Any]:
+# Model types whose parameters engine.memory_plan does not count (routed experts, sinks):
+# no plan, so no refusal, for them.
+_UNPLANNED_MODEL_TYPES = frozenset({"qwen3_moe", "gpt_oss"})
+
+
+def _model_config(spec: JobSpec, path_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The model's config as a dict, or None when the plan cannot count its parameters."""
     if spec.model.preset is not None:
+        if spec.model.preset not in PRESET_DEFAULTS:
+            return None  # a preset whose defaults the plan does not carry (qwen2, mistral, MoE)
         config = {**PRESET_DEFAULTS[spec.model.preset], **spec.model.config}
         if "vocab_size" not in spec.model.config and spec.tokenizer.path is None:
             config["vocab_size"] = _BYTE_VOCAB_ROUNDED  # the built-in byte-level tokenizer
         return config
-    return dict(path_config or {})
+    config = dict(path_config or {})
+    return None if config.get("model_type") in _UNPLANNED_MODEL_TYPES else config
 
 
 def plan_for_spec(
     spec: JobSpec, *, path_config: dict[str, Any] | None, cuda: bool
 ) -> HostMemoryPlan | None:
     """The plan of `spec` (None when the model's config has no transformer shape)."""
+    config = _model_config(spec, path_config)
+    if config is None:
+        return None
     try:
-        shape = ModelShape.from_config(_model_config(spec, path_config))
+        shape = ModelShape.from_config(config)
     except ConfigError:
         return None
     engine = spec.engine
@@ -100,30 +87,16 @@ def plan_for_spec(
         pin_model=engine.pin_model,
         cuda=cuda,
         saved_attention=cuda and model_bytes == 2 and not engine.recompute_attention,
-        trainable_params=_lora_params(spec, shape),
+        trainable_params=_lora_params(spec, config, shape),
     )
     return plan_host_memory(shape, run)
 
 
-def _lora_params(spec: JobSpec, shape: ModelShape) -> int | None:
+def _lora_params(spec: JobSpec, config: dict[str, Any], shape: ModelShape) -> int | None:
     """Adapter parameters of a LoRA job (None: a full fine-tune trains every weight)."""
     if spec.train.method != "lora" or spec.lora is None:
         return None
-    h, d = shape.hidden_size, shape.head_dim
-    q, kv, inter = (
-        shape.num_attention_heads * d,
-        shape.num_key_value_heads * d,
-        shape.intermediate_size,
-    )
-    widths = {  # (in_features, out_features) of each projection
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-    }
+    widths = projection_shapes(config) or {}
     per_layer = sum(sum(widths[m]) for m in spec.lora.target_modules if m in widths)
     return spec.lora.rank * per_layer * shape.num_hidden_layers
 

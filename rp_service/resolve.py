@@ -172,7 +172,10 @@ class SpecResolver:
     def _model_config(self, spec: JobSpec) -> dict[str, Any] | None:
         """The model's HF config fields: a preset's defaults with the overrides, or config.json."""
         if spec.model.preset is not None:
-            return {**PRESET_DEFAULTS[spec.model.preset], **spec.model.config}
+            defaults = PRESET_DEFAULTS.get(spec.model.preset)
+            if defaults is None:
+                return None  # no shape defaults here: the worker checks the rank (invalid_lora)
+            return {**defaults, **spec.model.config}
         if spec.model.path is None:
             return None
         config_path = self._model_dir(spec.model.path, param="model.path") / "config.json"

@@ -16,23 +16,33 @@ from rp_service.schemas import LoraSection
 
 __all__ = ["PRESET_DEFAULTS", "check_lora_rank", "projection_shapes"]
 
-PRESET_DEFAULTS: dict[str, dict[str, int | None]] = {
+# transformers' Qwen3Config() and LlamaConfig() defaults of the shape fields that the LoRA
+# rank check and the host-memory plan (rp_service/hostmem.py) read; tests/unit/rp_service/
+# test_lora_spec.py and test_hostmem.py check them against transformers.
+PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {
+        "model_type": "qwen3",
+        "vocab_size": 151936,
         "hidden_size": 4096,
         "intermediate_size": 22016,
+        "num_hidden_layers": 32,
         "num_attention_heads": 32,
         "num_key_value_heads": 32,
         "head_dim": 128,
+        "tie_word_embeddings": False,
     },
     "llama": {
+        "model_type": "llama",
+        "vocab_size": 32000,
         "hidden_size": 4096,
         "intermediate_size": 11008,
+        "num_hidden_layers": 32,
         "num_attention_heads": 32,
-        "num_key_value_heads": None,  # None: as many as the query heads
-        "head_dim": None,  # None: hidden_size / num_attention_heads
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "tie_word_embeddings": False,
     },
 }
-"""Transformers' Qwen3Config and LlamaConfig defaults of the fields the shapes depend on."""
 
 
 def _positive_int(value: Any) -> int | None:

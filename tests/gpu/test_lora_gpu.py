@@ -230,7 +230,7 @@ def test_saved_fp16_adapter_loads_in_peft_on_cuda(cuda_devices: int, tmp_path: A
     rp.synchronize()
     ids, _ = batch(20)
     with torch.no_grad():
-        trained = rp(ids).float().cpu()
+        trained = rp(input_ids=ids).logits.float().cpu()
         loaded = peft.PeftModel.from_pretrained(base.cuda(), tmp_path / "adapter")
         theirs = loaded(input_ids=ids.cuda()).logits.float().cpu()
     # fp16 logits of two implementations (ours fp16 adapters, peft fp32): a few ulps apart.

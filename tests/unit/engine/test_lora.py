@@ -197,7 +197,7 @@ def test_saved_adapter_and_merged_export_give_the_trained_logits(tmp_path: Any, 
     rp.synchronize()
     ids, _ = batch(40)
     with torch.no_grad():
-        trained = rp(ids)
+        trained = rp(input_ids=ids).logits
         loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "adapter")
         torch.testing.assert_close(loaded(input_ids=ids).logits, trained, rtol=RTOL, atol=ATOL)
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
@@ -337,7 +337,9 @@ def test_dropout_runs_unmerged_in_training_and_merged_in_eval(cpu3: int) -> None
     rp = wrap_model_to_roundpipe(hf, lora_config=config)
     load_adapter_state_dict(rp, peft.get_peft_model_state_dict(ref))
     with torch.no_grad():
-        torch.testing.assert_close(rp(ids), ref(input_ids=ids).logits, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(
+            rp(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=RTOL, atol=ATOL
+        )
     replicas = [m for rep in rp._replicas.values() for m in rep.module.modules()]
     merged = [m.merged for m in replicas if isinstance(m, LoraLinear)]
     assert merged and all(merged)

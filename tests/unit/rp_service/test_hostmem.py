@@ -15,9 +15,10 @@ from pydantic import ValidationError
 
 from engine.memory_plan import ModelShape
 from rp_service.app import create_app
-from rp_service.hostmem import _BYTE_VOCAB_ROUNDED, PRESET_DEFAULTS, plan_for_spec
+from rp_service.hostmem import _BYTE_VOCAB_ROUNDED, plan_for_spec
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
+from rp_service.shapes import PRESET_DEFAULTS
 
 TINY = {
     "hidden_size": 32,
