@@ -279,12 +279,17 @@ class DecoderLayer(nn.Module):
         position_embeddings = self.rotary_emb(hidden, positions)
         # The caller's position_ids (not the default arange) go to the mask builder: only
         # they can describe packing, and HF's packing check costs a host sync.
+        # A window that covers the whole sequence (every causal key is within it) is plain
+        # causal attention; HF still builds a sliding mask when the two are equal (its skip
+        # test is `length < window`), which would keep the layer off the cuDNN kernels.
+        window = getattr(self.config, "sliding_window", None)
+        covered = window is not None and hidden.shape[1] <= window
         mask = build_causal_mask(
             self.config,
             hidden,
             attention_mask,
             position_ids if self.mask_uses_position_ids else None,
-            sliding=self.sliding,
+            sliding=self.sliding and not covered,
         )
         # Compiled only for half precision on CUDA: fp32 models keep plain PyTorch's exact
         # numerics (inductor's fused kernels differed by ~4e-4 relative in an fp32 test on

@@ -57,7 +57,7 @@ def tiny_model(kind: str, **overrides: Any) -> nn.Module:
         model = transformers.Qwen2ForCausalLM(config)
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(
-            transformers.MistralConfig(sliding_window=4, **common)
+            transformers.MistralConfig(**{"sliding_window": 4, **common})
         )
     elif kind == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(
@@ -339,3 +339,19 @@ def test_inputs_embeds_instead_of_ids() -> None:
             out = layer(out)
     torch.testing.assert_close(out.loss, expected.loss, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(out.logits, expected.logits, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("window", [SEQ - 1, SEQ, SEQ + 1])
+def test_mistral_window_at_the_sequence_length_matches_hf(cpu3: int, window: int) -> None:
+    """A window of exactly the sequence length takes the plain causal mask (every key is in
+    it); one token shorter keeps the sliding mask. Both give HF's logits and gradients."""
+    hf = tiny_model("mistral", sliding_window=window)
+    rp = wrap(copy.deepcopy(hf), num_microbatch=2)
+    ids, _, _ = batch(3)
+    expected = hf(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    got = rp(input_ids=ids, labels=ids)
+    got.loss.backward()
+    torch.testing.assert_close(got.logits, expected.logits, rtol=RTOL, atol=ATOL)
+    rp.synchronize()
+    assert_grads_equal(rp.original_model, hf)
