@@ -6,7 +6,7 @@ import hashlib
 import os
 import secrets
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO
 
 from rp_service.errors import InvalidRequest, NotFound, RequestTooLarge
@@ -34,6 +34,13 @@ def _check_lines(path: Path, fmt: str) -> tuple[int, str]:
         raise InvalidRequest(
             message, code="invalid_file_format", param="file", details={"line": line}
         ) from None
+
+
+def _base_name(filename: str) -> str:
+    """The client's file name without any directory part (either slash), at most 255 chars."""
+    name = PurePosixPath(filename.replace("\\", "/")).name
+    name = "".join(ch for ch in name if ch.isprintable())
+    return name[:255] if name not in ("", ".", "..") else "upload.jsonl"
 
 
 class FileService:
@@ -77,7 +84,7 @@ class FileService:
             raise
         record = FileRecord(
             id=file_id,
-            filename=filename[:255] or "upload.jsonl",
+            filename=_base_name(filename),
             bytes=size,
             sha256=digest.hexdigest(),
             line_count=records,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from rp_service.faults import MemoryWatch
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 from rp_service.store import CheckpointRecord
@@ -104,6 +105,11 @@ class WorkerHandle:
     last_error: dict[str, Any] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     escalation: asyncio.Task[None] | None = None
+    attempt: int = 0
+    # The highest step an earlier attempt reported: steps up to it are trained again.
+    replay_until: int = 0
+    replay_noted: bool = False
+    memory: MemoryWatch = field(default_factory=MemoryWatch)
 
     def send(self, sig: signal.Signals) -> None:
         """Signal the worker's whole process group, if it is still running."""
@@ -136,6 +142,7 @@ class WorkerHandle:
         data = obj.get("data") if isinstance(obj.get("data"), dict) else {}
         out: dict[str, Any] = {"type_": type_, "level": level, "message": message, "data": data}
         if type_ == "metrics":
+            data["attempt"] = self.attempt  # one value per step: the latest attempt's wins
             out["job_fields"] = self._metrics_fields(data)
         elif type_ == "checkpoint" and isinstance(data.get("step"), int):
             out["checkpoint"] = CheckpointRecord(
@@ -160,6 +167,8 @@ class WorkerHandle:
                 "message": str(data.get("message") or message or "the worker reported an error"),
                 "param": data.get("param") if isinstance(data.get("param"), str) else None,
             }
+            if isinstance(data.get("details"), dict):
+                self.last_error["details"] = data["details"]
         return out
 
     def _metrics_fields(self, data: dict[str, Any]) -> dict[str, Any]:

@@ -496,9 +496,13 @@ class _Run:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.hf_model.save_pretrained(str(tmp), safe_serialization=True)
-        self.tokenizer.save(tmp)
-        (tmp / "training_metrics.json").write_text(json.dumps(self.meter.last, indent=1))
+        try:
+            self.hf_model.save_pretrained(str(tmp), safe_serialization=True)
+            self.tokenizer.save(tmp)
+            (tmp / "training_metrics.json").write_text(json.dumps(self.meter.last, indent=1))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # e.g. ENOSPC: free what was written
+            raise
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         return out

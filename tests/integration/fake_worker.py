@@ -4,7 +4,9 @@ No model: each "step" sleeps FAKE_STEP_S seconds. It emits status/metrics/checkp
 events on stdout, commits checkpoints by renaming a temporary directory, resumes from the
 newest one, exits 143 on SIGTERM and checkpoints then exits 75 on SIGUSR1. The job's
 `name` selects a misbehaviour: "fail-input" reports a bad-input error and exits 1,
-"ignore-sigterm" ignores SIGTERM (so only the SIGKILL escalation stops it).
+"ignore-sigterm" ignores SIGTERM (so only the SIGKILL escalation stops it),
+"sigkill-once" SIGKILLs itself after step 8 of its first attempt, "sigkill-always" after
+step 3 of every attempt, "device-fault-once" reports a device fault on its first attempt.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def main() -> int:
             level="error",
         )
         return 1
+    if spec.get("name") == "device-fault-once" and payload["attempt"] == 1:
+        message = "device fault: RuntimeError: CUDA error: an illegal memory access"
+        emit("message", message, {"code": "device_fault", "message": message}, level="error")
+        return 1
+    kill_after = {"sigkill-always": 3, "sigkill-once": 8 if payload["attempt"] == 1 else 0}
+    kill_at = kill_after.get(spec.get("name") or "", 0)
     total = spec["train"]["steps"]
     interval = spec["train"]["checkpoint_interval"]
     start = newest_checkpoint(checkpoint_dir)
@@ -109,6 +117,8 @@ def main() -> int:
         )
         if interval and step % interval == 0 and step < total:
             save_checkpoint(checkpoint_dir, step)
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         if _flags["pause"] and step < total:
             save_checkpoint(checkpoint_dir, step)
             emit("status", f"paused at step {step}", {"status": "paused", "step": step})
