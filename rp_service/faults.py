@@ -192,7 +192,7 @@ def classify_death(
         error["details"] = memory
         return Death(retry=False, reason=message, error=error)
     if last_error is not None:
-        reason = f"device fault: {last_error['message']}"
+        reason = str(last_error["message"])  # the worker names the device fault
     elif killed_by is not None:
         try:
             name = signal.Signals(killed_by).name

@@ -6,7 +6,7 @@ import hashlib
 import os
 import secrets
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO
 
 from rp_service.errors import InvalidRequest, NotFound, RequestTooLarge
@@ -38,7 +38,7 @@ def _check_lines(path: Path, fmt: str) -> tuple[int, str]:
 
 def _base_name(filename: str) -> str:
     """The client's file name without any directory part (either slash), at most 255 chars."""
-    name = PurePosixPath(filename.replace("\\", "/")).name
+    name = filename.replace("\\", "/").rsplit("/", 1)[-1]
     name = "".join(ch for ch in name if ch.isprintable())
     return name[:255] if name not in ("", ".", "..") else "upload.jsonl"
 

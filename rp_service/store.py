@@ -280,7 +280,8 @@ class Store:
         if check != "ok":
             raise StoreUnusable(f"{self.path} is damaged (integrity check: {check}): {fix}")
         ours = {"jobs", "events", "files", "checkpoints", "idempotency_keys"}
-        if (version == 0 and tables) or (version > 0 and not ours <= tables):
+        foreign = (version == 0 and tables) or (0 < version <= SCHEMA_VERSION and ours - tables)
+        if foreign:  # a newer version is refused by open(), which says to upgrade
             raise StoreUnusable(
                 f"{self.path} is an SQLite database of another program (schema version "
                 f"{version}, tables {sorted(tables)[:8]}): {fix}"
