@@ -27,6 +27,7 @@ from typing import IO, Any
 from rp_service.errors import Conflict, InvalidRequest, NotFound
 from rp_service.events import EventHub
 from rp_service.faults import MemoryWatch, classify_death
+from rp_service.journal import recover
 from rp_service.pipe import WorkerHandle, prepare_job_dir, proc_start_time
 from rp_service.resolve import SpecResolver
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
@@ -104,6 +105,8 @@ class Orchestrator:
                 while proc_start_time(pid) == started and time.monotonic() < deadline:
                     time.sleep(0.05)
             self.store.update_job(job.id, worker_pid=None, worker_started=None)
+        for job in self.store.jobs_with_status(["running", "pausing"]):
+            recover(self.store, job, self.settings.jobs_dir / job.id)
         for job in self.store.jobs_with_status(["running"]):
             if job.restarts + 1 > self.settings.max_attempts:
                 self.store.transition(

@@ -21,7 +21,13 @@ from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 from rp_service.store import CheckpointRecord
 
-__all__ = ["PAUSED_EXIT_CODE", "WorkerHandle", "prepare_job_dir", "proc_start_time"]
+__all__ = [
+    "PAUSED_EXIT_CODE",
+    "WorkerHandle",
+    "journal_path",
+    "prepare_job_dir",
+    "proc_start_time",
+]
 
 PAUSED_EXIT_CODE = 75
 _EVENT_TYPES = {"status", "metrics", "checkpoint", "log", "message"}
@@ -49,6 +55,11 @@ def proc_start_time(pid: int) -> str | None:
     return fields[19]
 
 
+def journal_path(job_dir: Path, attempt: int) -> Path:
+    """Where the worker of `attempt` also writes its events (see rp_service.journal)."""
+    return job_dir / f"events-{attempt}.jsonl"
+
+
 def prepare_job_dir(
     settings: Settings,
     *,
@@ -69,6 +80,7 @@ def prepare_job_dir(
         "attempt": attempt,
         "spec": spec.model_dump(mode="json"),
         "resolved": resolved,
+        "event_journal": str(journal_path(job_dir, attempt)),
     }
     tmp = job_dir / "spec.json.tmp"
     tmp.write_text(json.dumps(payload, indent=2))

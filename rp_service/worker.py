@@ -59,6 +59,16 @@ class EventWriter:
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
         self._lock = threading.Lock()
+        self._journal: IO[str] | None = None
+
+    def open_journal(self, path: str | None) -> None:
+        """Also append every event to `path`, before the pipe: the daemon recovers from it
+        what a SIGKILL of the daemon lost in the pipe (rp_service.journal)."""
+        if path:
+            try:
+                self._journal = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            except OSError as exc:
+                log.warning("no event journal at %s: %s", path, exc)
 
     def __call__(
         self, type: str, message: str, data: dict[str, Any] | None = None, level: str = "info"
@@ -69,6 +79,11 @@ class EventWriter:
             default=_json_default,
         )
         with self._lock:
+            if self._journal is not None:
+                try:
+                    self._journal.write(line + "\n")
+                except OSError:  # a full disk must not stop the events on the pipe
+                    self._journal = None
             self._stream.write(line + "\n")
             self._stream.flush()
 
@@ -229,6 +244,7 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"])
         return _fail(emit, "invalid_spec", f"{param}: {first['msg']}", param)
+    emit.open_journal(payload.get("event_journal"))
     log.info("job %s attempt %s in %s", payload.get("job_id"), payload.get("attempt"), job_dir)
     from transformers.utils import logging as hf_logging
 

@@ -6,7 +6,8 @@ newest one, exits 143 on SIGTERM and checkpoints then exits 75 on SIGUSR1. The j
 `name` selects a misbehaviour: "fail-input" reports a bad-input error and exits 1,
 "ignore-sigterm" ignores SIGTERM (so only the SIGKILL escalation stops it),
 "sigkill-once" SIGKILLs itself after step 8 of its first attempt, "sigkill-always" after
-step 3 of every attempt, "device-fault-once" reports a device fault on its first attempt.
+step 3 of every attempt, "device-fault-once" reports a device fault on its first attempt;
+a name starting with "real" hands the job to the real worker (exec, same pid and pipes).
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 _flags = {"pause": False, "stop": False}
+_journal: list[Any] = []  # the open event journal, as the real worker keeps one
 
 
 def emit(type_: str, message: str, data: dict[str, Any], level: str = "info") -> None:
     line = json.dumps({"type": type_, "level": level, "message": message, "data": data})
+    for journal in _journal:
+        journal.write(line + "\n")
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -61,6 +65,10 @@ def main() -> int:
     job_dir = Path(sys.argv[1])
     payload = json.loads((job_dir / "spec.json").read_text())
     spec, resolved = payload["spec"], payload["resolved"]
+    if (spec.get("name") or "").startswith("real"):
+        os.execv(sys.executable, [sys.executable, "-m", "rp_service.worker", str(job_dir)])
+    if payload.get("event_journal"):
+        _journal.append(open(payload["event_journal"], "a", buffering=1))  # noqa: SIM115
     if spec.get("name") != "ignore-sigterm":
         signal.signal(signal.SIGTERM, lambda *_: _flags.update(stop=True))
     else:

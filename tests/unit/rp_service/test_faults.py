@@ -339,3 +339,42 @@ def test_metrics_events_carry_the_attempt() -> None:
     event = handle.read_line(line.encode())
     assert event is not None and event["data"]["attempt"] == 3
     assert event["job_fields"]["progress"]["step"] == 4
+
+
+# ---------------------------------------------------------------- the event journal
+
+
+def test_recover_stores_what_a_killed_daemon_lost_and_nothing_twice(tmp_path: Path) -> None:
+    from rp_service.journal import recover
+    from rp_service.pipe import journal_path
+    from rp_service.store import JobRecord
+
+    store = Store(tmp_path / "rp.sqlite3")
+    store.open()
+    store.create_job(JobRecord(id="job-1", status="queued", created_at=0, spec={}))
+    store.update_job("job-1", attempt=2)
+    handle = WorkerHandle(job_id="job-1", gpus=[], attempt=2)
+
+    def line(type_: str, step: int) -> bytes:
+        data: dict[str, Any] = {"step": step, "train_loss": 1.0 / step}
+        if type_ == "checkpoint":
+            data = {"step": step, "path": f"/ckpt/step-{step}", "size_bytes": 10}
+        return json.dumps({"type": type_, "message": "m", "data": data}).encode()
+
+    journal = [line("metrics", s) for s in range(1, 6)] + [line("checkpoint", 5)]
+    for raw in journal[:3]:  # the daemon stored steps 1-3, then died
+        event = handle.read_line(raw)
+        assert event is not None
+        store.append_event("job-1", **event)
+    job_dir = tmp_path / "jobs" / "job-1"
+    job_dir.mkdir(parents=True)
+    journal_path(job_dir, 2).write_bytes(b"\n".join(journal) + b'\n{"type": "metr')
+    running = store.get_job("job-1")
+    assert running is not None and running.progress["step"] == 3
+    assert recover(store, running, job_dir) == 3
+    assert recover(store, store.get_job("job-1"), job_dir) == 0  # type: ignore[arg-type]
+    metrics = store.list_events("job-1", type_="metrics")
+    assert [(e.data["step"], e.data["attempt"]) for e in metrics] == [(s, 2) for s in range(1, 6)]
+    assert [c.step for c in store.list_checkpoints("job-1")] == [5]
+    assert store.get_job("job-1").progress["step"] == 5  # type: ignore[union-attr]
+    store.close()
