@@ -79,7 +79,7 @@ class _Submitter(threading.Thread):
         self.real_spec = real_spec
         self.stop = threading.Event()
         self.ids: list[str] = []
-        self.lost_answers = 0
+        self.retried_posts = 0
 
     def body(self) -> dict[str, Any]:
         n = len(self.ids)
@@ -102,7 +102,7 @@ class _Submitter(threading.Thread):
                     return r.json()["id"]
                 assert r.status_code == 503, r.text  # only "not ready" may be refused
             except httpx.HTTPError:
-                self.lost_answers += 1
+                self.retried_posts += 1
             time.sleep(0.1)
 
     def run(self) -> None:
@@ -332,7 +332,7 @@ def test_chaos_soak(make_daemon, capsys: pytest.CaptureFixture[str]) -> None:
         "sse_reconnects": follower.reconnects,
         "sse_events": follower.events,
         "late_readers": tally["late_readers"],
-        "lost_submit_answers": submitter.lost_answers,
+        "submit_posts_retried": submitter.retried_posts,
         "rss_mib_after_20": round(rss20 / 2**20, 1),
         f"rss_mib_after_{LEAK_JOBS}": round(rss_end / 2**20, 1),
         "fds_after_20": fds20,
