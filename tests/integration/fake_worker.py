@@ -6,12 +6,14 @@ newest one, exits 143 on SIGTERM and checkpoints then exits 75 on SIGUSR1. The j
 `name` selects a misbehaviour: "fail-input" reports a bad-input error and exits 1,
 "ignore-sigterm" ignores SIGTERM (so only the SIGKILL escalation stops it),
 "sigkill-once" SIGKILLs itself after step 8 of its first attempt, "sigkill-always" after
-step 3 of every attempt, "device-fault-once" reports a device fault on its first attempt;
+step 3 of every attempt, "device-fault-once" reports a device fault on its first attempt,
+"disk-full" meets ENOSPC at its second checkpoint and reports it as the real worker does;
 a name starting with "real" hands the job to the real worker (exec, same pid and pipes).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -123,6 +125,14 @@ def main() -> int:
                 "eta_seconds": (total - step) * step_s,
             },
         )
+        if spec.get("name") == "disk-full" and step == 2 * interval:
+            from types import SimpleNamespace
+
+            from rp_service.worker import _fail_for  # the real worker's report of the error
+
+            where = str(checkpoint_dir / f".tmp-step-{step}" / "weights.bin")
+            full = OSError(errno.ENOSPC, "No space left on device", where)
+            return _fail_for(emit, full, SimpleNamespace(checkpoint_dir=checkpoint_dir))
         if interval and step % interval == 0 and step < total:
             save_checkpoint(checkpoint_dir, step)
         if step == kill_at:

@@ -79,3 +79,25 @@ def test_a_device_fault_is_retried_and_the_job_succeeds(make_daemon) -> None:
     assert done["status"] == "succeeded" and done["attempt"] == 2, done
     retry = next(e for e in _events(daemon, job["id"]) if "retry" in e["data"])
     assert retry["message"].startswith("device fault: RuntimeError: CUDA error")
+
+
+def test_a_full_disk_fails_the_job_keeps_its_checkpoints_and_the_daemon_serves(
+    make_daemon,
+) -> None:
+    daemon: Daemon = make_daemon()
+    with daemon.client() as c:
+        job = c.post("/v1/jobs", json=spec(name="disk-full", train={"steps": 20})).json()
+        done = daemon.wait_for(job["id"], {"succeeded", "failed"})
+        assert done["status"] == "failed" and done["attempt"] == 1  # not retried
+        error = done["error"]
+        assert error["code"] == "disk_full"
+        assert "disk full while writing" in error["message"]
+        assert "earlier checkpoints are intact" in error["message"]
+        assert error["details"]["total_bytes"] >= error["details"]["free_bytes"] >= 0
+        kept = c.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]
+        assert [k["step"] for k in kept] == [5]
+        tar = c.get(f"/v1/jobs/{job['id']}/checkpoints/5/content")
+        assert tar.status_code == 200
+        assert c.get("/healthz").status_code == 200
+        nxt = c.post("/v1/jobs", json=spec(train={"steps": 3})).json()
+        assert daemon.wait_for(nxt["id"], {"succeeded"})["status"] == "succeeded"
