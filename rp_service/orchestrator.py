@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import signal
+import sqlite3
 import sys
 import time
 from functools import partial
@@ -457,9 +458,31 @@ class Orchestrator:
         if worker.escalation is not None:
             worker.escalation.cancel()
         try:
-            await self._settle(worker, returncode)
+            await self._settle_durably(worker, returncode)
         finally:
             self._release(worker)
+
+    async def _settle_durably(
+        self, worker: WorkerHandle, returncode: int, *, delays_s: tuple[float, ...] = (1, 5, 30)
+    ) -> None:
+        """`_settle`, tried again while the store cannot be written (a full disk): the job
+        keeps its worker's resources until its state is recorded. Gives up after the last
+        delay; the next start reconciles the job then."""
+        for delay in (*delays_s, None):
+            try:
+                await self._settle(worker, returncode)
+                return
+            except sqlite3.Error as exc:
+                if delay is None:
+                    log.error("job %s: cannot record the worker's exit: %s", worker.job_id, exc)
+                    return
+                log.warning(
+                    "job %s: cannot record the worker's exit (%s); again in %.0f s",
+                    worker.job_id,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
 
     async def _sample_memory(self, worker: WorkerHandle) -> None:
         """Note the worker's resident memory now and then, to name an OOM kill later."""

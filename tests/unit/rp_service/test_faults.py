@@ -378,3 +378,37 @@ def test_recover_stores_what_a_killed_daemon_lost_and_nothing_twice(tmp_path: Pa
     assert [c.step for c in store.list_checkpoints("job-1")] == [5]
     assert store.get_job("job-1").progress["step"] == 5  # type: ignore[union-attr]
     store.close()
+
+
+# ---------------------------------------------------------------- a store that cannot write
+
+
+def test_a_workers_exit_is_recorded_once_the_store_can_be_written_again(tmp_path: Path) -> None:
+    import asyncio
+
+    from rp_service.events import EventHub
+    from rp_service.orchestrator import Orchestrator
+    from rp_service.settings import Settings
+    from rp_service.store import JobRecord
+
+    class FullDiskStore(Store):
+        failures = 0
+
+        def transition(self, *args: Any, **kwargs: Any) -> Any:
+            if self.failures > 0:
+                self.failures -= 1
+                raise sqlite3.OperationalError("database or disk is full")
+            return super().transition(*args, **kwargs)
+
+    store = FullDiskStore(tmp_path / "rp.sqlite3")
+    store.open()
+    orchestrator = Orchestrator(Settings(data_dir=tmp_path, gpus="none"), store, EventHub())
+    for job_id, failures, expected in (("job-a", 2, "succeeded"), ("job-b", 9, "running")):
+        store.create_job(JobRecord(id=job_id, status="queued", created_at=0, spec={}))
+        store.transition(job_id, ["queued"], "running")
+        handle = WorkerHandle(job_id=job_id, gpus=[], succeeded=True)
+        store.failures = failures
+        asyncio.run(orchestrator._settle_durably(handle, 0, delays_s=(0.01, 0.01)))
+        job = store.get_job(job_id)
+        assert job is not None and job.status == expected  # given up: left for reconcile
+    store.close()
