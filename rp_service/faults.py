@@ -6,9 +6,9 @@ event, and trying again would fail the same way) or was ended from outside (a si
 driver fault, an exit with no final report): that is retried from the newest checkpoint.
 
 The one outside death we can name is the kernel's OOM killer: the daemon samples the
-worker's resident memory while it runs (`MemoryWatch`) and reads the memory cgroup's
-``oom_kill`` counter before and after; a SIGKILL with that counter raised, or with the
-last sample near the limit, is reported as ``out_of_host_memory`` with the figures. That
+worker's resident memory, and the memory in use against the limit, while it runs
+(`MemoryWatch`) and reads the memory cgroup's ``oom_kill`` counter before and after; a
+SIGKILL with that counter raised, or with either last sample near the limit, is reported as ``out_of_host_memory`` with the figures. That
 one is not retried: the same spec on the same box meets the same limit again.
 """
 
@@ -26,6 +26,7 @@ __all__ = [
     "MemoryWatch",
     "classify_death",
     "host_memory_limit",
+    "host_memory_used",
     "oom_kill_count",
     "tree_rss_bytes",
 ]
@@ -39,7 +40,7 @@ HOST_OOM_ADVICE = (
     "precision, follow the host-memory plan of GET /v1/system, or run fewer jobs at once "
     "(RP_MAX_CPU_JOBS)"
 )
-_NEAR_LIMIT = 0.9  # a sampled RSS above this share of the limit counts as "near"
+_NEAR_LIMIT = 0.9  # sampled memory above this share of the limit counts as "near"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge page-aligned number
 
@@ -77,6 +78,30 @@ def host_memory_limit() -> tuple[int, str]:
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) * 1024, "/proc/meminfo MemTotal"
     return 0, "unknown"
+
+
+def host_memory_used(limit_source: str) -> int | None:
+    """Bytes in use against the limit `host_memory_limit` named: the cgroup's usage less
+    its reclaimable file cache (what `docker stats` shows), or MemTotal - MemAvailable."""
+    if limit_source.startswith(str(_CGROUP_ROOT)):
+        directory = Path(limit_source).parent
+        for name in ("memory.current", "memory.usage_in_bytes"):
+            text = (_read(directory / name) or "").strip()
+            if text.isdigit():
+                stat = dict(
+                    line.split(" ", 1)
+                    for line in (_read(directory / "memory.stat") or "").splitlines()
+                )
+                inactive = stat.get("inactive_file", stat.get("total_inactive_file", "0")).strip()
+                return max(0, int(text) - int(inactive if inactive.isdigit() else 0))
+        return None
+    info = {}
+    for line in (_read(Path("/proc/meminfo")) or "").splitlines():
+        key, _, rest = line.partition(":")
+        info[key] = int(rest.split()[0]) * 1024 if rest.split() else 0
+    if "MemTotal" in info and "MemAvailable" in info:
+        return info["MemTotal"] - info["MemAvailable"]
+    return None
 
 
 def oom_kill_count() -> int | None:
@@ -126,6 +151,8 @@ class MemoryWatch:
     oom_kills_before: int | None = None
     last_rss_bytes: int = 0
     peak_rss_bytes: int = 0
+    # Memory in use against the limit by everything in it (other jobs too), last sample.
+    last_used_bytes: int | None = None
     samples: int = 0
 
     @classmethod
@@ -138,6 +165,7 @@ class MemoryWatch:
         if rss:  # a zero means the process is already gone: keep the last real figure
             self.last_rss_bytes = rss
             self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+            self.last_used_bytes = host_memory_used(self.limit_source)
             self.samples += 1
 
     def figures(self) -> dict[str, Any]:
@@ -145,6 +173,7 @@ class MemoryWatch:
         return {
             "rss_bytes": self.last_rss_bytes,
             "peak_rss_bytes": self.peak_rss_bytes,
+            "used_bytes": self.last_used_bytes,
             "limit_bytes": self.limit_bytes,
             "limit_source": self.limit_source,
             "oom_kills": None
@@ -184,8 +213,10 @@ def classify_death(
         seen = f"the kernel's OOM killer ended the worker (cgroup oom_kill +{oom_kills}); "
         if not oom_kills:
             seen = "the worker was killed by SIGKILL while near the host memory limit; "
+        used = memory.get("used_bytes")
+        in_use = f", {_gib(used)} in use by all" if used else ""
         message = (
-            f"out of host memory: {seen}its resident memory was {_gib(rss)} of a "
+            f"out of host memory: {seen}its resident memory was {_gib(rss)}{in_use} of a "
             f"{_gib(limit)} limit ({memory['limit_source']}); {HOST_OOM_ADVICE}"
         )
         error = {"code": "out_of_host_memory", "message": message, "param": None}
@@ -211,4 +242,7 @@ def _near_limit(memory: dict[str, Any]) -> bool:
     if memory.get("oom_kills"):
         return True
     limit = memory.get("limit_bytes") or 0
-    return limit > 0 and memory.get("rss_bytes", 0) >= _NEAR_LIMIT * limit
+    if limit <= 0:
+        return False
+    used = max(memory.get("rss_bytes") or 0, memory.get("used_bytes") or 0)
+    return used >= _NEAR_LIMIT * limit

@@ -71,6 +71,16 @@ def test_the_cgroup_oom_kill_counter_names_the_oom_killer() -> None:
     assert "OOM killer" in death.reason
 
 
+def test_a_sigkill_while_the_box_was_full_is_out_of_host_memory() -> None:
+    # The worker itself held little, but everything in the cgroup together was at the limit.
+    memory = {**_memory(rss=_GIB), "used_bytes": int(7.8 * _GIB)}
+    death = classify_death(-signal.SIGKILL, None, memory)
+    assert not death.retry and death.error["code"] == "out_of_host_memory"
+    assert "1.00 GiB, 7.80 GiB in use by all of a 8.00 GiB limit" in death.reason
+    calm = classify_death(-signal.SIGKILL, None, {**_memory(rss=_GIB), "used_bytes": 4 * _GIB})
+    assert calm.retry
+
+
 def test_a_sigterm_near_the_limit_is_not_an_oom_kill() -> None:
     death = classify_death(-signal.SIGTERM, None, _memory(rss=int(7.9 * _GIB)))
     assert death.retry and death.error["code"] == "worker_failed"
@@ -108,6 +118,7 @@ def test_memory_watch_samples_a_child_process_tree() -> None:
         assert watch.last_rss_bytes > _rss_of(proc.pid)  # the grandchild counted too
         limit, source = host_memory_limit()
         assert limit > watch.last_rss_bytes and source
+        assert watch.last_used_bytes is not None and 0 < watch.last_used_bytes < limit
         figures = watch.figures()
         assert figures["rss_bytes"] == figures["peak_rss_bytes"] == watch.last_rss_bytes
     finally:
@@ -412,3 +423,20 @@ def test_a_workers_exit_is_recorded_once_the_store_can_be_written_again(tmp_path
         job = store.get_job(job_id)
         assert job is not None and job.status == expected  # given up: left for reconcile
     store.close()
+
+
+def test_cgroup_memory_in_use_leaves_out_reclaimable_file_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rp_service import faults
+
+    monkeypatch.setattr(faults, "_CGROUP_ROOT", tmp_path)
+    (tmp_path / "memory.max").write_text("8000\n")
+    (tmp_path / "memory.current").write_text("5000\n")
+    (tmp_path / "memory.stat").write_text("anon 3000\ninactive_file 1200\nactive_file 800\n")
+    assert faults.host_memory_used(str(tmp_path / "memory.max")) == 3800
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "memory.usage_in_bytes").write_text("9000\n")
+    (v1 / "memory.stat").write_text("cache 100\ntotal_inactive_file 2000\n")
+    assert faults.host_memory_used(str(v1 / "memory.limit_in_bytes")) == 7000
