@@ -549,6 +549,10 @@ class Orchestrator:
             await self._transition(job_id, ["pausing", "running"], "paused", **clear)
         else:
             await self._worker_died(worker, returncode, clear)
+        # A cancel or pause that came while this exit was being settled: no worker is left
+        # to act on it, so it takes effect now (else the job would wait in that state).
+        await self._transition(job_id, ["cancelling"], "cancelled", **clear)
+        await self._transition(job_id, ["pausing"], "paused", **clear)
 
     async def _worker_died(
         self, worker: WorkerHandle, returncode: int, clear: dict[str, Any]

@@ -440,3 +440,35 @@ def test_cgroup_memory_in_use_leaves_out_reclaimable_file_cache(
     (v1 / "memory.usage_in_bytes").write_text("9000\n")
     (v1 / "memory.stat").write_text("cache 100\ntotal_inactive_file 2000\n")
     assert faults.host_memory_used(str(v1 / "memory.limit_in_bytes")) == 7000
+
+
+def test_a_cancel_during_the_settling_of_a_death_still_ends_the_job(tmp_path: Path) -> None:
+    import asyncio
+
+    from rp_service.events import EventHub
+    from rp_service.orchestrator import Orchestrator
+    from rp_service.settings import Settings
+    from rp_service.store import JobRecord
+
+    store = Store(tmp_path / "rp.sqlite3")
+    store.open()
+    orchestrator = Orchestrator(Settings(data_dir=tmp_path, gpus="none"), store, EventHub())
+    store.create_job(JobRecord(id="job-c", status="queued", created_at=0, spec={}))
+    store.transition("job-c", ["queued"], "running")
+    handle = WorkerHandle(job_id="job-c", gpus=[])
+
+    async def scenario() -> None:
+        real_get = orchestrator.get
+
+        async def get_then_cancel(job_id: str) -> Any:
+            job = await real_get(job_id)
+            store.transition(job_id, ["running"], "cancelling")  # the user's cancel lands here
+            return job
+
+        orchestrator.get = get_then_cancel  # type: ignore[method-assign]
+        await orchestrator._settle(handle, -signal.SIGKILL)
+
+    asyncio.run(scenario())
+    job = store.get_job("job-c")
+    assert job is not None and job.status == "cancelled"
+    store.close()
