@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
 from rp_service.app import create_app
 from rp_service.settings import Settings
+from rp_service.store import Store, StoreUnusable
 
 
 def main() -> None:
@@ -16,6 +18,11 @@ def main() -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:  # before uvicorn: a refusal is one clear line, not a lifespan traceback
+        Store(settings.db_path).check_existing()
+    except StoreUnusable as exc:
+        print(f"rp_service: refusing to start: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -133,14 +133,20 @@ def write_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    for name, group in tensors.items():
-        save_file({k: v.detach().contiguous() for k, v in group.items()}, str(tmp / name))
-    for name, payload in (files or {}).items():
-        (tmp / name).write_bytes(payload)
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
-    for child in tmp.iterdir():
-        _fsync_path(child)
-    _fsync_path(tmp)
+    try:
+        for name, group in tensors.items():
+            save_file({k: v.detach().contiguous() for k, v in group.items()}, str(tmp / name))
+        for name, payload in (files or {}).items():
+            (tmp / name).write_bytes(payload)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+        for child in tmp.iterdir():
+            _fsync_path(child)
+        _fsync_path(tmp)
+    except BaseException:
+        # A full disk (ENOSPC) or any other failure: give the space back; the committed
+        # checkpoints were never touched.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         # The same step again (a resumed run re-saving it): swap, never leave it missing.
         old = root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"

@@ -39,6 +39,13 @@ def _check_lines(path: Path, fmt: str) -> tuple[int, str]:
         ) from None
 
 
+def _base_name(filename: str) -> str:
+    """The client's file name without any directory part (either slash), at most 255 chars."""
+    name = filename.replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(ch for ch in name if ch.isprintable())
+    return name[:255] if name not in ("", ".", "..") else "upload.jsonl"
+
+
 class FileService:
     """Saves uploads under `files_dir` and records them in the store."""
 
@@ -99,7 +106,7 @@ class FileService:
                 return earlier, False
         record = FileRecord(
             id=file_id,
-            filename=filename[:255] or "upload.jsonl",
+            filename=_base_name(filename),
             bytes=size,
             sha256=digest.hexdigest(),
             line_count=records,

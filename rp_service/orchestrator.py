@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import secrets
 import signal
+import sqlite3
 import sys
 import time
 from functools import partial
@@ -25,6 +27,8 @@ from typing import IO, Any
 
 from rp_service.errors import Conflict, InvalidRequest, NotFound
 from rp_service.events import EventHub
+from rp_service.faults import MemoryWatch, classify_death
+from rp_service.journal import recover
 from rp_service.pipe import WorkerHandle, prepare_job_dir, proc_start_time
 from rp_service.resolve import SpecResolver
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
@@ -102,6 +106,8 @@ class Orchestrator:
                 while proc_start_time(pid) == started and time.monotonic() < deadline:
                     time.sleep(0.05)
             self.store.update_job(job.id, worker_pid=None, worker_started=None)
+        for job in self.store.jobs_with_status(["running", "pausing"]):
+            recover(self.store, job, self.settings.jobs_dir / job.id)
         for job in self.store.jobs_with_status(["running"]):
             if job.restarts + 1 > self.settings.max_attempts:
                 self.store.transition(
@@ -361,6 +367,9 @@ class Orchestrator:
                 "CPU device(s) instead",
                 data={"devices": f"cpu:{self.settings.cpu_devices}"},
             )
+        worker.attempt = attempt
+        worker.replay_until = int((job.progress or {}).get("step") or 0)
+        worker.memory = await asyncio.to_thread(MemoryWatch.begin)
         log_file: IO[bytes] | None = None
         try:
             env, log_file = await asyncio.to_thread(
@@ -391,7 +400,10 @@ class Orchestrator:
             if log_file is not None:
                 log_file.close()
             self._release(worker)
-            await self._finish_failed(job.id, f"could not start the worker: {exc}", gpus=[])
+            code = "disk_full" if exc.errno == errno.ENOSPC else "worker_failed"
+            await self._finish_failed(
+                job.id, f"could not start the worker: {exc}", code=code, gpus=[]
+            )
             return
         worker.proc = proc
         pid_started = await asyncio.to_thread(proc_start_time, proc.pid)
@@ -425,6 +437,7 @@ class Orchestrator:
         proc = worker.proc
         if proc is None or proc.stdout is None:
             return
+        sampler = asyncio.create_task(self._sample_memory(worker))
         try:
             while True:
                 try:
@@ -441,17 +454,66 @@ class Orchestrator:
             returncode = await proc.wait()
         finally:
             log_file.close()
+            sampler.cancel()
         if worker.escalation is not None:
             worker.escalation.cancel()
         try:
-            await self._settle(worker, returncode)
+            await self._settle_durably(worker, returncode)
         finally:
             self._release(worker)
 
+    async def _settle_durably(
+        self, worker: WorkerHandle, returncode: int, *, delays_s: tuple[float, ...] = (1, 5, 30)
+    ) -> None:
+        """`_settle`, tried again while the store cannot be written (a full disk): the job
+        keeps its worker's resources until its state is recorded. Gives up after the last
+        delay; the next start reconciles the job then."""
+        for delay in (*delays_s, None):
+            try:
+                await self._settle(worker, returncode)
+                return
+            except sqlite3.Error as exc:
+                if delay is None:
+                    log.error("job %s: cannot record the worker's exit: %s", worker.job_id, exc)
+                    return
+                log.warning(
+                    "job %s: cannot record the worker's exit (%s); again in %.0f s",
+                    worker.job_id,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+
+    async def _sample_memory(self, worker: WorkerHandle) -> None:
+        """Note the worker's resident memory now and then, to name an OOM kill later."""
+        proc = worker.proc
+        while proc is not None and proc.returncode is None:
+            await asyncio.to_thread(worker.memory.sample, proc.pid)
+            await asyncio.sleep(self.settings.memory_sample_s)
+
     async def _on_line(self, worker: WorkerHandle, line: bytes) -> None:
         event = worker.read_line(line)
-        if event is not None:
-            await self._event(worker.job_id, **event)
+        if event is None:
+            return
+        if event["type_"] == "metrics" and not worker.replay_noted:
+            worker.replay_noted = True
+            step = event["data"].get("step")
+            if isinstance(step, int) and step <= worker.replay_until:
+                last = worker.replay_until
+                steps = f"step {step}" if step == last else f"steps {step}-{last}"
+                await self._event(
+                    worker.job_id,
+                    type_="message",
+                    level="info",
+                    message=f"{steps} replayed after resume from step {step - 1}: "
+                    f"the metrics of attempt {worker.attempt} replace the earlier ones",
+                    data={
+                        "replayed_steps": [step, last],
+                        "resumed_from": step - 1,
+                        "attempt": worker.attempt,
+                    },
+                )
+        await self._event(worker.job_id, **event)
 
     async def _settle(self, worker: WorkerHandle, returncode: int) -> None:
         """Move the job to the state the worker's exit means."""
@@ -470,7 +532,7 @@ class Orchestrator:
             )
             await self._transition(job_id, ["pausing"], "paused", **clear)
             return
-        outcome, reason = worker.outcome(returncode)
+        outcome, _ = worker.outcome(returncode)
         if outcome == "cancelled":
             await self._transition(
                 job_id, ["cancelling", "running", "pausing"], "cancelled", **clear
@@ -486,13 +548,62 @@ class Orchestrator:
         elif outcome == "paused":
             await self._transition(job_id, ["pausing", "running"], "paused", **clear)
         else:
-            await self._finish_failed(job_id, reason or "worker failed", **clear)
+            await self._worker_died(worker, returncode, clear)
+        # A cancel or pause that came while this exit was being settled: no worker is left
+        # to act on it, so it takes effect now (else the job would wait in that state).
+        await self._transition(job_id, ["cancelling"], "cancelled", **clear)
+        await self._transition(job_id, ["pausing"], "paused", **clear)
 
-    async def _finish_failed(self, job_id: str, message: str, **fields: Any) -> None:
+    async def _worker_died(
+        self, worker: WorkerHandle, returncode: int, clear: dict[str, Any]
+    ) -> None:
+        """Retry a death that is not the job's own fault from the last checkpoint (up to
+        RP_MAX_ATTEMPTS), fail the job with the named cause otherwise."""
+        job_id = worker.job_id
+        memory = await asyncio.to_thread(worker.memory.figures)
+        death = classify_death(returncode, worker.last_error, memory)
+        job = await self.get(job_id)
+        limit = self.settings.max_attempts
+        if death.retry and job.restarts + 1 <= limit:
+            # A pause asked for before the death: the job is paused at its last checkpoint.
+            await self._transition(job_id, ["pausing"], "paused", **clear)
+            done = await self._transition(
+                job_id,
+                ["running"],
+                "queued",
+                level="warning",
+                message=f"{death.reason}: job re-queued to resume from its last checkpoint "
+                f"(retry {job.restarts + 1} of {limit}, RP_MAX_ATTEMPTS)",
+                event_data={"retry": job.restarts + 1, "reason": death.reason, **memory},
+                restarts=job.restarts + 1,
+                **clear,
+            )
+            if done is not None:
+                log.warning("job %s: %s; retrying", job_id, death.reason)
+            return
+        error = dict(death.error)
+        message = death.reason
+        if death.retry:
+            message += f" (after {job.restarts} retries, RP_MAX_ATTEMPTS={limit})"
+            error["message"] = message
+        await self._transition(
+            job_id,
+            ["running", "pausing"],
+            "failed",
+            level="error",
+            message=f"job failed: {message}",
+            error=error,
+            event_data={"details": error["details"]} if error.get("details") else None,
+            **clear,
+        )
+
+    async def _finish_failed(
+        self, job_id: str, message: str, *, code: str | None = None, **fields: Any
+    ) -> None:
         worker = self._workers.get(job_id)
         reported = worker.last_error if worker and worker.last_error else {}
         # The worker's own code (invalid_data, out_of_memory, ...) says more than ours.
-        code = reported.get("code") or "worker_failed"
+        code = code or reported.get("code") or "worker_failed"
         await self._transition(
             job_id,
             ["running", "pausing", "queued"],

@@ -18,7 +18,14 @@ from rp_service.store import CheckpointRecord, EventRecord, JobRecord, Store
 
 __all__ = ["SERIES_COLUMNS", "JobOutputs"]
 
-SERIES_COLUMNS = ("step", "train_loss", "valid_loss", "learning_rate", "tokens_per_second")
+SERIES_COLUMNS = (
+    "step",
+    "attempt",
+    "train_loss",
+    "valid_loss",
+    "learning_rate",
+    "tokens_per_second",
+)
 _LOG_CHUNK_BYTES = 1 << 20
 _TAR_CHUNK_BYTES = 1 << 20
 
@@ -52,20 +59,27 @@ class JobOutputs:
         return sse_stream(self.store, self.hub, job_id, after=after)
 
     async def metric_series(self, job_id: str) -> dict[str, list[float | int | None]]:
+        """One row per step, in step order: a step trained again after a resume keeps the
+        latest attempt's values (events are read in id order, so later rows overwrite)."""
         await self._job(job_id)
-        columns: dict[str, list[float | int | None]] = {name: [] for name in SERIES_COLUMNS}
+        rows: dict[int, dict[str, float | int | None]] = {}
         after = 0
         while True:
             page = await asyncio.to_thread(
                 self.store.list_events, job_id, after=after, limit=5000, type_="metrics"
             )
             for event in page:
+                row = {}
                 for name in SERIES_COLUMNS:
                     value = event.data.get(name)
-                    columns[name].append(value if isinstance(value, int | float) else None)
+                    row[name] = value if isinstance(value, int | float) else None
+                step = event.data.get("step")
+                rows[step if isinstance(step, int) else -event.id] = row
             if len(page) < 5000:
-                return columns
+                break
             after = page[-1].id
+        ordered = [rows[k] for k in sorted(rows)]
+        return {name: [row[name] for row in ordered] for name in SERIES_COLUMNS}
 
     def _log_path(self, job_id: str) -> Path:
         return self.settings.jobs_dir / job_id / "worker.log"

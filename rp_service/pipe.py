@@ -16,11 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from rp_service.faults import MemoryWatch
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 from rp_service.store import CheckpointRecord
 
-__all__ = ["PAUSED_EXIT_CODE", "WorkerHandle", "prepare_job_dir", "proc_start_time"]
+__all__ = [
+    "PAUSED_EXIT_CODE",
+    "WorkerHandle",
+    "journal_path",
+    "prepare_job_dir",
+    "proc_start_time",
+]
 
 PAUSED_EXIT_CODE = 75
 _EVENT_TYPES = {"status", "metrics", "checkpoint", "log", "message"}
@@ -48,6 +55,11 @@ def proc_start_time(pid: int) -> str | None:
     return fields[19]
 
 
+def journal_path(job_dir: Path, attempt: int) -> Path:
+    """Where the worker of `attempt` also writes its events (see rp_service.journal)."""
+    return job_dir / f"events-{attempt}.jsonl"
+
+
 def prepare_job_dir(
     settings: Settings,
     *,
@@ -68,6 +80,7 @@ def prepare_job_dir(
         "attempt": attempt,
         "spec": spec.model_dump(mode="json"),
         "resolved": resolved,
+        "event_journal": str(journal_path(job_dir, attempt)),
     }
     tmp = job_dir / "spec.json.tmp"
     tmp.write_text(json.dumps(payload, indent=2))
@@ -114,6 +127,11 @@ class WorkerHandle:
     last_error: dict[str, Any] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     escalation: asyncio.Task[None] | None = None
+    attempt: int = 0
+    # The highest step an earlier attempt reported: steps up to it are trained again.
+    replay_until: int = 0
+    replay_noted: bool = False
+    memory: MemoryWatch = field(default_factory=MemoryWatch)
 
     def send(self, sig: signal.Signals) -> None:
         """Signal the worker's whole process group, if it is still running."""
@@ -146,6 +164,7 @@ class WorkerHandle:
         data = obj.get("data") if isinstance(obj.get("data"), dict) else {}
         out: dict[str, Any] = {"type_": type_, "level": level, "message": message, "data": data}
         if type_ == "metrics":
+            data["attempt"] = self.attempt  # one value per step: the latest attempt's wins
             out["job_fields"] = self._metrics_fields(data)
         elif type_ == "checkpoint" and isinstance(data.get("step"), int):
             out["checkpoint"] = CheckpointRecord(
@@ -173,6 +192,8 @@ class WorkerHandle:
                 "message": str(data.get("message") or message or "the worker reported an error"),
                 "param": data.get("param") if isinstance(data.get("param"), str) else None,
             }
+            if isinstance(data.get("details"), dict):
+                self.last_error["details"] = data["details"]
         return out
 
     def _metrics_fields(self, data: dict[str, Any]) -> dict[str, Any]:

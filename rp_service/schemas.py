@@ -274,6 +274,8 @@ class JobError(BaseModel):
     code: str
     message: str
     param: str | None = None
+    # The figures behind the cause, e.g. out_of_host_memory's rss_bytes and limit_bytes.
+    details: dict[str, Any] | None = None
 
 
 class Job(BaseModel):
@@ -286,6 +288,8 @@ class Job(BaseModel):
     finished_at: int | None
     priority: int
     attempt: int
+    # Times the job was resumed after a fault that was not its own (RP_MAX_ATTEMPTS bounds it).
+    restarts: int = 0
     spec: dict[str, Any]
     progress: Progress
     metrics: dict[str, Any]

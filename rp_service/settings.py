@@ -40,7 +40,11 @@ class Settings(BaseSettings):
     dataset_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     max_upload_bytes: int = Field(1 << 30, ge=1)
     max_request_bytes: int = Field(1 << 20, ge=1)
+    # Interruptions that are not the job's fault (a daemon restart, a worker killed by a
+    # signal or a device fault) are resumed from the last checkpoint this many times.
     max_attempts: int = Field(3, ge=1)
+    # How often the daemon samples a worker's resident memory (to name an OOM kill).
+    memory_sample_s: float = Field(1.0, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     worker_module: str = "rp_service.worker"
     cancel_grace_s: float = Field(10.0, gt=0)

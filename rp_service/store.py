@@ -29,6 +29,7 @@ __all__ = [
     "OpenAIJobRecord",
     "OpenAIStore",
     "Store",
+    "StoreUnusable",
 ]
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,10 @@ def _encode(key: str, value: Any) -> Any:
     return json.dumps(value) if key in _JSON_COLUMNS and value is not None else value
 
 
+class StoreUnusable(RuntimeError):
+    """The store file exists but is not a usable RoundPipe store; the daemon refuses to start."""
+
+
 class Store:
     """The daemon's database; safe to call from any thread."""
 
@@ -257,9 +262,43 @@ class Store:
             raise
         conn.execute("COMMIT")
 
+    def check_existing(self) -> None:
+        """Refuse a file that is not this daemon's store, reading it only.
+
+        Raises StoreUnusable for a file that is not SQLite, is damaged, or is another
+        program's database; the file is never written, so nothing of it is lost.
+        """
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        fix = f"move it away or point RP_DATA_DIR at another directory; {self.path} was not changed"
+        try:
+            conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
+        except sqlite3.Error as exc:
+            raise StoreUnusable(f"cannot open {self.path} ({exc}): {fix}") from exc
+        try:
+            check = conn.execute("PRAGMA quick_check").fetchone()[0]
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+        except sqlite3.DatabaseError as exc:
+            raise StoreUnusable(
+                f"{self.path} is not a RoundPipe store or is damaged ({exc}): {fix}"
+            ) from exc
+        finally:
+            conn.close()
+        if check != "ok":
+            raise StoreUnusable(f"{self.path} is damaged (integrity check: {check}): {fix}")
+        ours = {"jobs", "events", "files", "checkpoints", "idempotency_keys"}
+        foreign = (version == 0 and tables) or (0 < version <= SCHEMA_VERSION and ours - tables)
+        if foreign:  # a newer version is refused by open(), which says to upgrade
+            raise StoreUnusable(
+                f"{self.path} is an SQLite database of another program (schema version "
+                f"{version}, tables {sorted(tables)[:8]}): {fix}"
+            )
+
     def open(self) -> None:
         """Create the file if needed and bring its schema up to `SCHEMA_VERSION`."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.check_existing()
         conn = self._conn()
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:

@@ -606,16 +606,20 @@ class _Run:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if self.adapter_keys is None:
-            self.hf_model.save_pretrained(str(tmp), safe_serialization=True)
-        else:
-            lora = self.spec.lora
-            merged = tmp / MERGED_DIR if lora is not None and lora.merge else None
-            self.rp.save_adapter(str(tmp), merged_path=None if merged is None else str(merged))
-            if merged is not None:
-                self.tokenizer.save(merged)
-        self.tokenizer.save(tmp)
-        (tmp / "training_metrics.json").write_text(json.dumps(self.meter.last, indent=1))
+        try:
+            if self.adapter_keys is None:
+                self.hf_model.save_pretrained(str(tmp), safe_serialization=True)
+            else:
+                lora = self.spec.lora
+                merged = tmp / MERGED_DIR if lora is not None and lora.merge else None
+                self.rp.save_adapter(str(tmp), merged_path=None if merged is None else str(merged))
+                if merged is not None:
+                    self.tokenizer.save(merged)
+            self.tokenizer.save(tmp)
+            (tmp / "training_metrics.json").write_text(json.dumps(self.meter.last, indent=1))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # e.g. ENOSPC: free what was written
+            raise
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         return out

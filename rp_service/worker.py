@@ -15,6 +15,7 @@ Protocol (the orchestrator's side is in orchestrator.py):
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -35,8 +36,20 @@ EXIT_CANCELLED = 128 + signal.SIGTERM
 
 _OOM_ADVICE = (
     "out of memory: raise engine.num_microbatch (smaller micro-batches), set "
-    "engine.recompute_grain to 'layer', lower data.seq_len or train.batch_size, or use "
-    "model.dtype bfloat16"
+    "engine.recompute_grain to 'layer', lower data.seq_len or train.batch_size (fewer tokens "
+    "per step), train a LoRA adapter (train.method: lora), or use model.dtype bfloat16"
+)
+# Messages of CUDA/driver faults: the machine failed, not the job; the daemon retries them.
+_DEVICE_FAULTS = (
+    "cuda error",
+    "cudaerror",
+    "cublas_status",
+    "cudnn_status",
+    "nccl error",
+    "ecc error",
+    "illegal memory access",
+    "unspecified launch failure",
+    "uncorrectable",
 )
 
 
@@ -46,6 +59,16 @@ class EventWriter:
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
         self._lock = threading.Lock()
+        self._journal: IO[str] | None = None
+
+    def open_journal(self, path: str | None) -> None:
+        """Also append every event to `path`, before the pipe: the daemon recovers from it
+        what a SIGKILL of the daemon lost in the pipe (rp_service.journal)."""
+        if path:
+            try:
+                self._journal = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            except OSError as exc:
+                log.warning("no event journal at %s: %s", path, exc)
 
     def __call__(
         self, type: str, message: str, data: dict[str, Any] | None = None, level: str = "info"
@@ -56,6 +79,11 @@ class EventWriter:
             default=_json_default,
         )
         with self._lock:
+            if self._journal is not None:
+                try:
+                    self._journal.write(line + "\n")
+                except OSError:  # a full disk must not stop the events on the pipe
+                    self._journal = None
             self._stream.write(line + "\n")
             self._stream.flush()
 
@@ -103,15 +131,100 @@ def _fail(emit: EventWriter, code: str, message: str, param: str | None, **detai
     return EXIT_FAILED
 
 
-def _is_oom(exc: BaseException) -> bool:
-    seen: set[int] = set()
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or while handling."""
+    seen: list[BaseException] = []
     current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, MemoryError) or "out of memory" in str(current).lower():
-            return True
+    while current is not None and all(current is not s for s in seen):
+        seen.append(current)
         current = current.__cause__ or current.__context__
-    return False
+    return seen
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return any(isinstance(e, MemoryError) or "out of memory" in str(e).lower() for e in _chain(exc))
+
+
+def _is_host_oom(exc: BaseException) -> bool:
+    return any(isinstance(e, MemoryError) for e in _chain(exc))
+
+
+def _no_space(exc: BaseException) -> OSError | None:
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return e
+    return None
+
+
+def _is_device_fault(exc: BaseException) -> bool:
+    text = " ".join(str(e).lower() for e in _chain(exc))
+    return "out of memory" not in text and any(mark in text for mark in _DEVICE_FAULTS)
+
+
+def _gpu_figures() -> dict[str, Any]:
+    """Per-GPU memory at the failure: what the job held, its peak, and the device's size."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        gpus.append(
+            {
+                "device": i,
+                "allocated_bytes": torch.cuda.memory_allocated(i),
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(i),
+                "reserved_bytes": torch.cuda.memory_reserved(i),
+                "free_bytes": free,
+                "total_bytes": total,
+            }
+        )
+    return {"gpus": gpus}
+
+
+def _host_figures() -> dict[str, Any]:
+    from .faults import host_memory_limit, tree_rss_bytes
+
+    limit, source = host_memory_limit()
+    return {"rss_bytes": tree_rss_bytes(os.getpid()), "limit_bytes": limit, "limit_source": source}
+
+
+def _fail_for(emit: EventWriter, exc: BaseException, paths: Any) -> int:
+    """The error event of an exception in training: named cause, figures, what helps."""
+    full = _no_space(exc)
+    if full is not None:
+        import shutil
+
+        where = Path(full.filename) if full.filename else Path(paths.checkpoint_dir)
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        usage = shutil.disk_usage(where)
+        details = {"path": str(where), "free_bytes": usage.free, "total_bytes": usage.total}
+        message = (
+            f"disk full while writing {full.filename or 'the job directory'} "
+            f"({usage.free} bytes free of {usage.total}): free space under RP_DATA_DIR or "
+            "lower train.keep_checkpoints; earlier checkpoints are intact"
+        )
+        return _fail(emit, "disk_full", message, None, details=details)
+    if _is_host_oom(exc):
+        from .faults import HOST_OOM_ADVICE
+
+        message = f"out of host memory ({type(exc).__name__}: {exc}); {HOST_OOM_ADVICE}"
+        return _fail(emit, "out_of_host_memory", message, None, details=_host_figures())
+    if _is_oom(exc):
+        details = _gpu_figures()
+        return _fail(
+            emit,
+            "out_of_memory",
+            f"{_OOM_ADVICE} ({exc})",
+            "engine.num_microbatch",
+            details=details,
+        )
+    if _is_device_fault(exc):
+        message = f"device fault: {type(exc).__name__}: {exc}"
+        return _fail(emit, "device_fault", message, None)
+    return _fail(emit, "internal_error", f"training failed: {type(exc).__name__}: {exc}", None)
 
 
 def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
@@ -131,6 +244,7 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"])
         return _fail(emit, "invalid_spec", f"{param}: {first['msg']}", param)
+    emit.open_journal(payload.get("event_journal"))
     log.info("job %s attempt %s in %s", payload.get("job_id"), payload.get("attempt"), job_dir)
     from transformers.utils import logging as hf_logging
 
@@ -145,9 +259,7 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
         if isinstance(exc, HostMemoryError):  # the engine's own check, before allocating
             return _fail(emit, "host_memory_exceeded", str(exc), "engine")
         traceback.print_exc()
-        if _is_oom(exc):
-            return _fail(emit, "out_of_memory", f"{_OOM_ADVICE} ({exc})", "engine.num_microbatch")
-        return _fail(emit, "internal_error", f"training failed: {type(exc).__name__}: {exc}", None)
+        return _fail_for(emit, exc, paths)
     if outcome.status == "paused":
         emit("status", f"paused at step {outcome.step}", {"status": "paused", "step": outcome.step})
         return EXIT_PAUSED

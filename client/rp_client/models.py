@@ -55,6 +55,7 @@ class JobError(_Model):
     code: str | None = None
     message: str = ""
     param: str | None = None
+    details: dict[str, Any] | None = None
 
 
 class ParameterCounts(_Model):
@@ -79,6 +80,7 @@ class Job(_Model):
     finished_at: int | None = None
     priority: int = 0
     attempt: int = 0
+    restarts: int = 0
     spec: dict[str, Any] = {}
     progress: JobProgress = JobProgress()
     metrics: dict[str, Any] = {}

@@ -4,11 +4,16 @@ No model: each "step" sleeps FAKE_STEP_S seconds. It emits status/metrics/checkp
 events on stdout, commits checkpoints by renaming a temporary directory, resumes from the
 newest one, exits 143 on SIGTERM and checkpoints then exits 75 on SIGUSR1. The job's
 `name` selects a misbehaviour: "fail-input" reports a bad-input error and exits 1,
-"ignore-sigterm" ignores SIGTERM (so only the SIGKILL escalation stops it).
+"ignore-sigterm" ignores SIGTERM (so only the SIGKILL escalation stops it),
+"sigkill-once" SIGKILLs itself after step 8 of its first attempt, "sigkill-always" after
+step 3 of every attempt, "device-fault-once" reports a device fault on its first attempt,
+"disk-full" meets ENOSPC at its second checkpoint and reports it as the real worker does;
+a name starting with "real" hands the job to the real worker (exec, same pid and pipes).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -18,10 +23,13 @@ from pathlib import Path
 from typing import Any
 
 _flags = {"pause": False, "stop": False}
+_journal: list[Any] = []  # the open event journal, as the real worker keeps one
 
 
 def emit(type_: str, message: str, data: dict[str, Any], level: str = "info") -> None:
     line = json.dumps({"type": type_, "level": level, "message": message, "data": data})
+    for journal in _journal:
+        journal.write(line + "\n")
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -59,6 +67,10 @@ def main() -> int:
     job_dir = Path(sys.argv[1])
     payload = json.loads((job_dir / "spec.json").read_text())
     spec, resolved = payload["spec"], payload["resolved"]
+    if (spec.get("name") or "").startswith("real"):
+        os.execv(sys.executable, [sys.executable, "-m", "rp_service.worker", str(job_dir)])
+    if payload.get("event_journal"):
+        _journal.append(open(payload["event_journal"], "a", buffering=1))  # noqa: SIM115
     if spec.get("name") != "ignore-sigterm":
         signal.signal(signal.SIGTERM, lambda *_: _flags.update(stop=True))
     else:
@@ -80,6 +92,12 @@ def main() -> int:
             level="error",
         )
         return 1
+    if spec.get("name") == "device-fault-once" and payload["attempt"] == 1:
+        message = "device fault: RuntimeError: CUDA error: an illegal memory access"
+        emit("message", message, {"code": "device_fault", "message": message}, level="error")
+        return 1
+    kill_after = {"sigkill-always": 3, "sigkill-once": 8 if payload["attempt"] == 1 else 0}
+    kill_at = kill_after.get(spec.get("name") or "", 0)
     total = spec["train"]["steps"] or round(spec["train"]["epochs"] * 10)
     interval = spec["train"]["checkpoint_interval"]
     start = newest_checkpoint(checkpoint_dir)
@@ -107,9 +125,19 @@ def main() -> int:
                 "eta_seconds": (total - step) * step_s,
             },
         )
+        if spec.get("name") == "disk-full" and step == 2 * interval:
+            from types import SimpleNamespace
+
+            from rp_service.worker import _fail_for  # the real worker's report of the error
+
+            where = str(checkpoint_dir / f".tmp-step-{step}" / "weights.bin")
+            full = OSError(errno.ENOSPC, "No space left on device", where)
+            return _fail_for(emit, full, SimpleNamespace(checkpoint_dir=checkpoint_dir))
         saved = bool(interval and step % interval == 0 and step < total)
         if saved:
             save_checkpoint(checkpoint_dir, step)
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         if _flags["pause"] and step < total:
             if not saved:  # a pause on a checkpoint step keeps the one just written
                 save_checkpoint(checkpoint_dir, step)

@@ -122,20 +122,28 @@ def test_resume_of_a_running_job_is_a_conflict(service_daemon: Daemon) -> None:
         service_daemon.wait_for(job["id"], {"cancelled"})
 
 
-def test_kill_9_of_a_worker_fails_the_job_and_the_daemon_keeps_serving(
-    service_daemon: Daemon,
+def test_kill_9_of_a_worker_is_retried_then_fails_the_job_and_the_daemon_keeps_serving(
+    make_daemon,
 ) -> None:
-    with service_daemon.client() as c:
+    daemon: Daemon = make_daemon(RP_MAX_ATTEMPTS="1")
+    with daemon.client() as c:
         job = c.post("/v1/jobs", json=spec(train={"steps": 100000})).json()
-        service_daemon.wait_for_step(job["id"], 2)
-        pid = _worker_pid(service_daemon, job["id"])
-        os.kill(pid, signal.SIGKILL)
-        done = service_daemon.wait_for(job["id"], {"failed"}, timeout_s=15)
+        daemon.wait_for_step(job["id"], 2)
+        first = _worker_pid(daemon, job["id"])
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _worker_pid(daemon, job["id"]) == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        again = c.get(f"/v1/jobs/{job['id']}").json()
+        assert again["attempt"] == 2 and again["status"] == "running", again
+        os.kill(_worker_pid(daemon, job["id"]), signal.SIGKILL)
+        done = daemon.wait_for(job["id"], {"failed"}, timeout_s=15)
         assert done["error"]["code"] == "worker_failed"
         assert "worker killed by signal 9" in done["error"]["message"]
+        assert "after 1 retries, RP_MAX_ATTEMPTS=1" in done["error"]["message"]
         assert c.get("/healthz").status_code == 200
         nxt = c.post("/v1/jobs", json=spec(train={"steps": 3})).json()
-        assert service_daemon.wait_for(nxt["id"], {"succeeded"})["status"] == "succeeded"
+        assert daemon.wait_for(nxt["id"], {"succeeded"})["status"] == "succeeded"
 
 
 def test_worker_bad_input_error_becomes_the_job_error(service_daemon: Daemon) -> None:
@@ -147,7 +155,9 @@ def test_worker_bad_input_error_becomes_the_job_error(service_daemon: Daemon) ->
         "code": "invalid_data",  # the worker's own code
         "message": "data.train: line 3 is not valid JSON",
         "param": "data.train",
+        "details": None,
     }
+    assert done["attempt"] == 1 and done["restarts"] == 0  # the job's own error: no retry
 
 
 def _worker_pid(daemon: Daemon, job_id: str) -> int:

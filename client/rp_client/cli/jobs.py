@@ -117,6 +117,7 @@ def status(
         ("status", job.status),
         ("step", _steps(job)),
         ("attempt", str(job.attempt)),
+        ("restarts", str(job.restarts)),
         ("created", _when(job.created_at)),
         ("started", _when(job.started_at)),
         ("finished", _when(job.finished_at)),
@@ -131,7 +132,8 @@ def status(
         lines.append(("model", job.output_model_path))
     if job.error:
         param = f" ({job.error.param})" if job.error.param else ""
-        lines.append(("error", f"{job.error.message}{param}"))
+        code = f"[{job.error.code}] " if job.error.code else ""
+        lines.append(("error", f"{code}{job.error.message}{param}"))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         sys.stdout.write(f"{key:<{width}}  {value}\n")

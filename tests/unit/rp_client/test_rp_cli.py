@@ -321,3 +321,37 @@ def test_follow_lines_show_transitions_warnings_and_checkpoints_once():
     assert _describe(ev("metrics", step=3, valid_loss=0.5)) == "job-1: step 3 valid loss 0.5000"
     assert _describe(ev("log", message="noise")) is None
     assert _describe(ev("log", "error", "CUDA OOM")) == "job-1: error: CUDA OOM"
+
+
+def test_metrics_shows_one_row_per_step_with_its_attempt(rp):
+    body = {
+        "object": "job.metrics",
+        "job_id": "job-1",
+        "columns": {
+            "step": [1, 2, 3],
+            "attempt": [1, 2, 2],
+            "train_loss": [2.5, 2.0, 1.5],
+            "valid_loss": [None, None, 1.75],
+        },
+    }
+    result = rp(lambda r: httpx.Response(200, json=body), "metrics", "job-1", "--json")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert rows == [
+        {"step": 1, "attempt": 1, "train_loss": 2.5, "valid_loss": None},
+        {"step": 2, "attempt": 2, "train_loss": 2.0, "valid_loss": None},
+        {"step": 3, "attempt": 2, "train_loss": 1.5, "valid_loss": 1.75},
+    ]
+    table = rp(lambda r: httpx.Response(200, json=body), "metrics", "job-1", "--last", "1")
+    assert table.exit_code == 0 and table.requests[0].url.path == "/v1/jobs/job-1/metrics"
+    lines = table.stdout.strip().splitlines()
+    assert "ATTEMPT" in lines[0] and len(lines) == 2
+    assert lines[1].split() == ["3", "2", "1.5", "1.75"]
+
+
+def test_status_names_the_error_code_and_restarts(rp):
+    error = {"code": "out_of_host_memory", "message": "out of host memory", "param": None}
+    job = job_obj(status="failed", error=error, restarts=2)
+    result = rp(lambda r: httpx.Response(200, json=job), "status", "job-1")
+    assert "[out_of_host_memory] out of host memory" in result.stdout
+    assert any(line.split() == ["restarts", "2"] for line in result.stdout.splitlines())
