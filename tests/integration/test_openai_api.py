@@ -436,3 +436,27 @@ def test_an_idempotency_key_returns_the_same_job(fake_daemon: Daemon) -> None:
             model=MODEL, training_file=file_id, suffix="other", extra_headers=key
         )
     assert info.value.response.headers["x-should-retry"] == "false"
+
+
+def test_a_supervised_lora_method_makes_a_lora_job(fake_daemon: Daemon) -> None:
+    """The SDK passes this daemon's `method.supervised.lora` through; the native job trains
+    adapters (`train.method: lora`) at the LoRA learning rate."""
+    client = _sdk(fake_daemon)
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    job = client.fine_tuning.jobs.create(
+        model=MODEL,
+        training_file=_chat_file(client),
+        method={"type": "supervised", "supervised": {"lora": lora}},  # type: ignore[typeddict-unknown-key]
+    )
+    with fake_daemon.client() as c:
+        spec = c.get(f"/v1/jobs/{job.id}").json()["spec"]
+    assert spec["train"]["method"] == "lora"
+    assert {k: spec["lora"][k] for k in lora} == {**lora, "alpha": 8.0}
+    assert spec["train"]["lr"] == pytest.approx(1e-4)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.fine_tuning.jobs.create(
+            model=MODEL,
+            training_file=job.training_file,
+            method={"type": "supervised", "supervised": {"lora": {"rank": 0}}},  # type: ignore[typeddict-unknown-key]
+        )
+    assert refused.value.body["param"] == "method.supervised.lora.rank"  # type: ignore[index]

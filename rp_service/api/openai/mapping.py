@@ -66,8 +66,9 @@ STATUSES: dict[str, OpenAIStatus] = {
 }
 # What `learning_rate_multiplier` multiplies, by what is trained: all the weights of a
 # pretrained model folder (1e-5, the usual full fine-tuning rate of 1B-10B models), or a
-# preset's random initialisation (the JobSpec's default 1e-3, a pre-training rate).
-BASE_LEARNING_RATE = {"pretrained": 1.0e-5, "preset": 1.0e-3}
+# preset's random initialisation (the JobSpec's default 1e-3, a pre-training rate), or LoRA
+# adapters (method.supervised.lora: 1e-4, the usual LoRA rate, whatever the base).
+BASE_LEARNING_RATE = {"pretrained": 1.0e-5, "preset": 1.0e-3, "lora": 1.0e-4}
 AUTO_EPOCHS = 3
 AUTO_BATCH_SIZE = 8  # the JobSpec's default; at most the training file's example count
 AUTO_LEARNING_RATE_MULTIPLIER = 1.0
@@ -145,7 +146,12 @@ def plan_job(
         if hp.learning_rate_multiplier == "auto"
         else hp.learning_rate_multiplier
     )
-    base_lr = BASE_LEARNING_RATE["preset" if model.preset is not None else "pretrained"]
+    method = body.method
+    lora = method.supervised.lora if method is not None and method.supervised else None
+    if lora is not None:
+        base_lr = BASE_LEARNING_RATE["lora"]
+    else:
+        base_lr = BASE_LEARNING_RATE["preset" if model.preset is not None else "pretrained"]
     steps_per_epoch = max(1, math.ceil(train_examples / batch_size))
     seq_len = min(MAX_SEQ_LEN, max_positions) if max_positions else MAX_SEQ_LEN
     spec = JobSpec(
@@ -165,6 +171,7 @@ def plan_job(
             epochs=float(n_epochs),
             batch_size=batch_size,
             lr=base_lr * multiplier,
+            method="lora" if lora is not None else "full",
             # Linear decay without warm-up: the Hugging Face Trainer's defaults.
             schedule="linear",
             warmup_steps=0,
@@ -174,6 +181,7 @@ def plan_job(
             keep_checkpoints=KEEP_CHECKPOINTS,
         ),
         engine=EngineSection(gpus=1 if gpu_count else 0),
+        lora=lora,
     )
     resolved = ResolvedHyperparameters(
         n_epochs=n_epochs, batch_size=batch_size, learning_rate_multiplier=multiplier

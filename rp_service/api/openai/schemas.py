@@ -8,6 +8,8 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rp_service.schemas import LoraSection
+
 __all__ = [
     "FineTuningJob",
     "FineTuningJobCheckpoint",
@@ -43,6 +45,9 @@ class Hyperparameters(_Request):
 
 class SupervisedMethod(_Request):
     hyperparameters: Hyperparameters | None = None
+    # This daemon's extension of OpenAI's shape (the SDK passes the key through): train
+    # LoRA adapters on a frozen base instead of every weight (the JobSpec's `lora` section).
+    lora: LoraSection | None = None
 
 
 class Method(_Request):

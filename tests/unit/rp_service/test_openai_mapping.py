@@ -122,6 +122,26 @@ def test_unsupported_options_are_refused_by_name(body: dict[str, Any], param: st
     assert "not supported" in info.value.message or "once" in info.value.message
 
 
+def test_supervised_lora_maps_to_a_lora_job_at_the_lora_rate() -> None:
+    lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"], "merge": True}
+    method = {
+        "type": "supervised",
+        "supervised": {"hyperparameters": {"learning_rate_multiplier": 2}, "lora": lora},
+    }
+    spec = _plan({"method": method}).spec
+    assert spec.train.method == "lora"
+    assert spec.lora is not None
+    assert (spec.lora.rank, spec.lora.alpha, spec.lora.target_modules, spec.lora.merge) == (
+        8,
+        16.0,
+        ["q_proj", "v_proj"],
+        True,
+    )
+    assert spec.train.lr == pytest.approx(2 * BASE_LEARNING_RATE["lora"])
+    full = _plan({"method": {"type": "supervised"}}).spec
+    assert (full.train.method, full.lora) == ("full", None)
+
+
 def _validation_error(body: dict[str, Any]) -> RequestValidationError:
     with pytest.raises(ValidationError) as info:
         FineTuningJobCreate.model_validate(body)
@@ -143,6 +163,27 @@ def _validation_error(body: dict[str, Any]) -> RequestValidationError:
             {"model": "m", "training_file": "f", "hyperparameters": {"warmup": 3}},
             "hyperparameters.warmup",
             "unsupported_parameter",
+        ),
+        (
+            {
+                "model": "m",
+                "training_file": "f",
+                "method": {"type": "supervised", "supervised": {"lora": {"rank": 0}}},
+            },
+            "method.supervised.lora.rank",
+            "invalid_value",
+        ),
+        (
+            {
+                "model": "m",
+                "training_file": "f",
+                "method": {
+                    "type": "supervised",
+                    "supervised": {"lora": {"target_modules": ["fc"]}},
+                },
+            },
+            "method.supervised.lora.target_modules",
+            "invalid_value",
         ),
         (
             {"model": "m", "training_file": "f", "metadata": {f"k{i}": "v" for i in range(17)}},
