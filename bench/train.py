@@ -60,6 +60,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 log = logging.getLogger("bench.train")
 
+_QWEN3_30B_A3B: dict[str, Any] = {
+    "family": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-1.7b": {
         "hidden_size": 2048,
@@ -96,39 +112,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     # 30.5 B parameters, 3.3 B active per token (8 of 128 experts per layer); a full
     # fine-tune needs ~512 GiB of host memory at 18 bytes per parameter (fp16/bf16 copy,
     # fp32 master, Adam m and v, fp32 gradient), so on the 125 GiB box it needs --lora.
-    "qwen3-30b-a3b": {
-        "family": "qwen3_moe",
-        "hidden_size": 2048,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-    },
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
     # The same decoder layers (and routing), 6 of the 48: 4.36 B parameters, 0.96 B active
     # per token (embedding and head included); a full fine-tune at 18 bytes per parameter
     # is ~73 GiB of host memory.
-    "qwen3-30b-a3b-6l": {
-        "family": "qwen3_moe",
-        "hidden_size": 2048,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "norm_topk_prob": True,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-    },
+    "qwen3-30b-a3b-6l": {**_QWEN3_30B_A3B, "num_hidden_layers": 6},
     "tiny-moe": {
         "family": "qwen3_moe",
         "hidden_size": 64,

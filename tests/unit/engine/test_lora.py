@@ -381,3 +381,10 @@ def test_lora_through_the_auto_split_keeps_the_model_names(cpu3: int) -> None:
     expected.backward()
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
     assert_adapters_equal(rp, ref, grads=True, atol=ATOL)
+
+
+def test_the_service_offers_the_engines_target_modules() -> None:
+    """rp_service.schemas keeps its own copy (it must not import torch on the request path)."""
+    from rp_service.schemas import LORA_TARGET_MODULES
+
+    assert LORA_TARGET_MODULES == DEFAULT_TARGET_MODULES
