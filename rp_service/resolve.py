@@ -73,7 +73,8 @@ class SpecResolver:
 
     def check(self, spec: JobSpec, *, gpu_count: int) -> None:
         """Raise InvalidRequest, naming the field, for what this daemon cannot run."""
-        max_positions = self._max_positions(spec)
+        path_config = self._path_config(spec)  # config.json of a model folder, read once
+        max_positions = self._max_positions(spec, path_config)
         if max_positions is not None and spec.data.seq_len > max_positions:
             raise InvalidRequest(
                 f"data.seq_len: {spec.data.seq_len} is above the model's maximum of "
@@ -82,7 +83,7 @@ class SpecResolver:
                 param="data.seq_len",
             )
         if spec.lora is not None:
-            config = self._model_config(spec)
+            config = self._model_config(spec, path_config)
             if config is not None:
                 check_lora_rank(spec.lora, config)
         if spec.tokenizer.path is not None:
@@ -99,7 +100,7 @@ class SpecResolver:
             )
         check_spec(
             spec,
-            path_config=self._path_config(spec),
+            path_config=path_config,
             cuda=gpu_count > 0 and spec.engine.gpus > 0,
             budget=self.host_budget_bytes,
         )
@@ -144,14 +145,13 @@ class SpecResolver:
             )
         return path
 
-    def _max_positions(self, spec: JobSpec) -> int | None:
+    def _max_positions(self, spec: JobSpec, path_config: dict[str, Any] | None) -> int | None:
         if spec.model.preset is not None:
             override = spec.model.config.get("max_position_embeddings")
             if isinstance(override, int) and not isinstance(override, bool) and override > 0:
                 return override
             return PRESET_MAX_POSITIONS[spec.model.preset]
-        config = self._path_config(spec)
-        value = config.get("max_position_embeddings") if config is not None else None
+        value = path_config.get("max_position_embeddings") if path_config is not None else None
         return value if isinstance(value, int) and value > 0 else None
 
     def _path_config(self, spec: JobSpec) -> dict[str, Any] | None:
@@ -169,21 +169,16 @@ class SpecResolver:
             ) from None
         return config if isinstance(config, dict) else None
 
-    def _model_config(self, spec: JobSpec) -> dict[str, Any] | None:
+    def _model_config(
+        self, spec: JobSpec, path_config: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
         """The model's HF config fields: a preset's defaults with the overrides, or config.json."""
         if spec.model.preset is not None:
             defaults = PRESET_DEFAULTS.get(spec.model.preset)
             if defaults is None:
                 return None  # no shape defaults here: the worker checks the rank (invalid_lora)
             return {**defaults, **spec.model.config}
-        if spec.model.path is None:
-            return None
-        config_path = self._model_dir(spec.model.path, param="model.path") / "config.json"
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError):
-            return None  # _max_positions has reported an unreadable config.json already
-        return config if isinstance(config, dict) else None
+        return path_config
 
     def _data(self, param: str, raw: str, fmt: str) -> str:
         if raw == "synthetic":
