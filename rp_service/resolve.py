@@ -64,6 +64,12 @@ def _under_roots(raw: str, roots: list[Path], *, param: str, env: str) -> Path:
     )
 
 
+def config_max_positions(config: dict[str, Any] | None) -> int | None:
+    """A config.json's `max_position_embeddings` when it is a positive integer, else None."""
+    value = config.get("max_position_embeddings") if config is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 class SpecResolver:
     """Checks specs at submission and resolves them for the worker at start."""
 
@@ -151,8 +157,7 @@ class SpecResolver:
             if isinstance(override, int) and not isinstance(override, bool) and override > 0:
                 return override
             return PRESET_MAX_POSITIONS[spec.model.preset]
-        value = path_config.get("max_position_embeddings") if path_config is not None else None
-        return value if isinstance(value, int) and value > 0 else None
+        return config_max_positions(path_config)
 
     def _path_config(self, spec: JobSpec) -> dict[str, Any] | None:
         """config.json of `model.path` (None for a preset)."""

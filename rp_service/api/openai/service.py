@@ -28,7 +28,7 @@ from rp_service.api.openai.schemas import (
 )
 from rp_service.errors import BadRequest, Conflict, InvalidRequest
 from rp_service.files import RETRY_WINDOW_S
-from rp_service.resolve import PRESET_MAX_POSITIONS
+from rp_service.resolve import PRESET_MAX_POSITIONS, config_max_positions
 from rp_service.schemas import ModelSection
 from rp_service.store import FileRecord, JobRecord, OpenAIJobRecord, OpenAIStore
 
@@ -241,5 +241,4 @@ def _max_positions(folder: Path) -> int | None:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return None  # the resolver names the unreadable config at submission
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return config_max_positions(config if isinstance(config, dict) else None)
