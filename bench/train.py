@@ -164,6 +164,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-1.7b")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="keep only the first N decoder layers of the shape (memory probes of long sequences)",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048)")
     p.add_argument(
         "--seqs-per-step", type=int, default=None, help="sequences per optimizer step (64)"
@@ -222,6 +228,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="under torchrun: fp32 masters and Adam state sharded across ranks (ZeRO-1)",
     )
+    p.add_argument(
+        "--memory-breakdown",
+        action="store_true",
+        help="record CUDA allocations and report the largest ones alive at the peak",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -241,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype = "bfloat16" if "family" in SHAPES[args.model] else "float16"
     if args.seqs_per_step % args.num_microbatch:
         p.error("--seqs-per-step must be a multiple of --num-microbatch")
-    if args.seqs_per_step % args.baseline_microbatch:
+    if (args.baseline or args.baseline_only) and args.seqs_per_step % args.baseline_microbatch:
         p.error("--seqs-per-step must be a multiple of --baseline-microbatch")
     return args
 
@@ -257,17 +268,29 @@ def _no_hf_init() -> Iterator[None]:
         yield
 
 
-def build_model(name: str, dtype: torch.dtype, attn: str, seed: int) -> nn.Module:
+def build_model(
+    name: str,
+    dtype: torch.dtype,
+    attn: str,
+    seed: int,
+    *,
+    layers: int | None = None,
+    seq_len: int = 0,
+) -> nn.Module:
     """A randomly initialised Qwen3ForCausalLM (Qwen3MoeForCausalLM for a MoE shape) of the
-    named shape, on the host, in `dtype`."""
+    named shape, on the host, in `dtype`; `layers` keeps the first N decoder layers, and
+    the position limit covers `seq_len`."""
     import transformers
 
     shape = dict(SHAPES[name])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
     family = shape.pop("family", "qwen3")
     prefix = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
     config_cls = getattr(transformers, f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix}ForCausalLM")
-    config = config_cls(**shape, max_position_embeddings=40960, rope_theta=1e6, use_cache=False)
+    positions = max(40960, seq_len)
+    config = config_cls(**shape, max_position_embeddings=positions, rope_theta=1e6, use_cache=False)
     config._attn_implementation = attn
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # allocate straight in the model dtype
@@ -491,7 +514,8 @@ def host_plan(args: argparse.Namespace) -> Any:
 
     if "family" in SHAPES[args.model]:
         return None
-    shape = ModelShape.from_config({**SHAPES[args.model], "model_type": "qwen3"})
+    layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    shape = ModelShape.from_config({**SHAPES[args.model], **layers, "model_type": "qwen3"})
     run = RunShape(
         tokens_per_step=args.seqs_per_step * args.seq_len,
         seq_len=args.seq_len,
@@ -520,7 +544,14 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     else:
         check_host_memory(args)
     t0 = time.perf_counter()
-    model = build_model(args.model, getattr(torch, args.dtype), "sdpa", args.seed)
+    model = build_model(
+        args.model,
+        getattr(torch, args.dtype),
+        "sdpa",
+        args.seed,
+        layers=args.layers,
+        seq_len=args.seq_len,
+    )
     build_s = time.perf_counter() - t0
     batches = make_batches(args, model.config.vocab_size)
     expected_first = reference_loss(model, batches[0]) if args.check else None
@@ -556,6 +587,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         adam_s.append(time.perf_counter() - start)
 
     reset_gpu_peak()
+    recorder = MemoryBreakdown() if args.memory_breakdown else None
     times, losses, compiled = [], [], []
     for k, ids in enumerate(batches):
         graphs = _compiled_graphs()
@@ -573,6 +605,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         if _compiled_graphs() != graphs:
             compiled.append(k)
     rp.synchronize()
+    breakdown = recorder.finish() if recorder is not None else None
     # A re-plan can put layers together in a new way (e.g. LoRA's frozen embedding with
     # the first decoder layer: an input without grad) and torch.compile builds a variant
     # during a measured step; the median includes it, the steady figure does not.
@@ -610,6 +643,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         build_s=round(build_s, 2),
         wrap_s=round(wrap_s, 2),
         plan=_last_plan(rp),
+        layer_times_ms=_layer_times(rp),
+        gpu_peak_breakdown=breakdown,
         steps_with_compile=compiled,
         tokens_per_s_steps_without_compile=(
             round(tokens / statistics.median(steady), 1) if steady else None
@@ -617,6 +652,57 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         **checks,
     )
     return result
+
+
+def _layer_times(rp: Any) -> dict[str, Any] | None:
+    """The engine's smoothed per-layer times (ms over a step's micro-batches) that its
+    plan used: bench/simulate.py's input."""
+    source, fwd, bwd = rp.model_timer.get_estimate("fused")
+    if source != "time":
+        return None
+    return {"fwd": [round(x, 3) for x in fwd], "bwd": [round(x, 3) for x in bwd]}
+
+
+class MemoryBreakdown:
+    """The largest CUDA allocations alive at the peak of device 0, by the Python line that
+    made them (torch.cuda.memory's allocation history, replayed)."""
+
+    def __init__(self) -> None:
+        self.enabled = torch.cuda.is_available()
+        if self.enabled:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+    def finish(self, top: int = 12) -> list[dict[str, Any]] | None:
+        if not self.enabled:
+            return None
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        live: dict[int, tuple[int, str]] = {}
+        total = peak = 0
+        at_peak: dict[int, tuple[int, str]] = {}
+        for ev in snap["device_traces"][0]:
+            if ev["action"] == "alloc":
+                live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
+                total += ev["size"]
+                if total > peak:
+                    peak, at_peak = total, dict(live)
+            elif ev["action"] in ("free_completed",) and ev["addr"] in live:
+                total -= live.pop(ev["addr"])[0]
+        sites: dict[str, int] = {}
+        for size, site in at_peak.values():
+            sites[site] = sites.get(site, 0) + size
+        ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+        return [{"gib": round(b / 2**30, 3), "site": s} for s, b in ranked]
+
+
+def _site(frames: list[dict[str, Any]]) -> str:
+    """The innermost frames outside torch itself: where an allocation came from."""
+    ours = [
+        f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+        for f in frames
+        if "/torch/" not in f["filename"] or "/transformers/" in f["filename"]
+    ]
+    return " < ".join(ours[:3]) or "(torch internals)"
 
 
 def lora_config(args: argparse.Namespace) -> Any:
@@ -697,7 +783,9 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     adapters."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.lora else torch.float32
-    model = build_model(args.model, dtype, "sdpa", args.seed).to(device)
+    model = build_model(
+        args.model, dtype, "sdpa", args.seed, layers=args.layers, seq_len=args.seq_len
+    ).to(device)
     if args.lora:
         import peft
 
