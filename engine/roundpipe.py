@@ -521,9 +521,8 @@ class RoundPipe(RoundPipeBase):
             raise RuntimeError("RoundPipe does not support backward twice through the same forward")
         run.backward_done = True
         check_optim_error()
-        first = len(run.plan.fwd_plan)
         for b, layer_ids in enumerate(run.plan.bwd_plan):
-            run.claim_grads(first + b, layer_ids)
+            run.claim_grads(run.backward_job_index(b), layer_ids)
         run.jobs = []
         for b in range(len(run.plan.bwd_plan)):
             run.launch(get_next_device(), backward_job, b, name=f"bwd{b}")
@@ -577,12 +576,14 @@ class RoundPipe(RoundPipeBase):
             return_outputs=return_outputs,
         )
         n_fwd = len(plan.fwd_plan)
-        run.claim_grads(n_fwd - 1, plan.fwd_plan[-1])
+        for part in range(run.tail_split):
+            run.claim_grads(run.fused_job_index(part), plan.fwd_plan[-1])
         for b, layer_ids in enumerate(plan.bwd_plan):
-            run.claim_grads(n_fwd + b, layer_ids)
+            run.claim_grads(run.backward_job_index(b), layer_ids)
         for g in range(n_fwd - 1):
             run.launch(get_next_device(), forward_job, g, name=f"fwd{g}")
-        run.launch(get_next_device(), fused_job, name="fused")
+        for part in range(run.tail_split):
+            run.launch(get_next_device(), fused_job, part, name=f"fused{part}")
         for b in range(len(plan.bwd_plan)):
             run.launch(get_next_device(), backward_job, b, name=f"bwd{b}")
         run.join()

@@ -8,7 +8,9 @@ events, so a device never blocks on another device's stream.
 Jobs:
 - forward_job: forward of a group over all micro-batches (no autograd graph); keeps the
   inputs (and RNG states) the backward will re-run from.
-- fused_job: forward + loss + backward of the last group, no recompute.
+- fused_job: forward + loss + backward of the last group, no recompute; with a plan's
+  `tail_split` > 1, several fused jobs on consecutive devices share the micro-batches
+  (job s takes s, s + tail_split, ...), so the head with its loss is not one long job.
 - backward_job: re-runs a group's forward from its kept input ('stage': the whole group,
   then one backward; 'layer': one layer at a time), backpropagates, and hands the input
   gradient to the group before it.
@@ -108,6 +110,13 @@ class RunState:
         self.num_microbatch = len(inputs)
         self.enable_grad = run_type != "infer"
         self.tracker = ModelTracker(plan, model.num_layers, cfg.recompute_grain)
+        # The fused tail's jobs (micro-batch i on job i mod tail_split); more jobs than
+        # micro-batches would leave some with nothing to do.
+        self.tail_split = min(plan.tail_split, len(inputs)) if run_type == "fused" else 1
+        # Per micro-batch, since the tail's jobs take micro-batches out of order: the input
+        # of the fused tail is ready, and the tail has handed back its input gradient.
+        self.tail_input_ready = [threading.Event() for _ in inputs]
+        self.tail_done = [threading.Event() for _ in inputs]
         self.states: list[Act] = list(inputs)
         self.inputs = list(inputs)
         self.input_requires_grad = input_requires_grad
@@ -196,6 +205,24 @@ class RunState:
         if group > 0:
             self.wait(self.tracker.fwd_sem[group - 1])
         return self.states[mb]
+
+    def wait_tail_input(self, mb: int) -> Act:
+        if len(self.plan.fwd_plan) > 1:
+            self.wait(self.tail_input_ready[mb])
+        return self.states[mb]
+
+    def tail_micro_batches(self, part: int) -> range:
+        """The micro-batches of the fused tail's job `part`."""
+        return range(part, self.num_microbatch, self.tail_split)
+
+    def fused_job_index(self, part: int) -> int:
+        """Launch position of the fused tail's job `part` (gradient accumulation order)."""
+        return len(self.plan.fwd_plan) - 1 + part
+
+    def backward_job_index(self, bwd_id: int) -> int:
+        """Launch position of backward group `bwd_id` among this call's jobs."""
+        extra = self.tail_split - 1 if self.run_type == "fused" else 0
+        return len(self.plan.fwd_plan) + extra + bwd_id
 
 
 @contextlib.contextmanager
@@ -321,14 +348,17 @@ def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
                 run.outputs[mb] = run.states[mb]
                 run.add_end_event(ev)
             run.tracker.forward_notify(group_id)
+            if group_id == len(run.plan.fwd_plan) - 2:
+                run.tail_input_ready[mb].set()
         download_buffers(dev, group, run.saved_buffers if run.enable_grad else None)
     finally:
         dev.job_issued()
         release_group(group)
 
 
-def fused_job(dev: DeviceManager, run: RunState) -> None:
-    """Forward, loss and backward of the last layer group over every micro-batch."""
+def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
+    """Forward, loss and backward of the last layer group over its share of the
+    micro-batches (all of them unless the plan splits the tail)."""
     group_id = len(run.plan.fwd_plan) - 1
     layer_ids = run.plan.fwd_plan[group_id]
     dev.throttle()
@@ -338,8 +368,8 @@ def fused_job(dev: DeviceManager, run: RunState) -> None:
     run.timers += [fwd_timer, bwd_timer]
     assert run.loss_fn is not None
     try:
-        for mb in range(run.num_microbatch):
-            act = run.wait_forward_input(group_id, mb)
+        for mb in run.tail_micro_batches(part):
+            act = run.wait_tail_input(mb)
             leaves = async_h2d(dev, [act.event], act.leaves)
             flags = _requires_grad_leaves(
                 leaves, run.input_requires_grad if group_id == 0 else None
@@ -388,9 +418,10 @@ def fused_job(dev: DeviceManager, run: RunState) -> None:
                 run.add_end_event(oev)
             grads = [t.grad if f else None for t, f in zip(leaves, flags, strict=True)]
             _hand_back_input_grads(run, dev, grads, mb, to_user=group_id == 0)
+            run.tail_done[mb].set()
             run.tracker.fused_forward_notify()
             del out, loss, losses, differentiable, leaves, grads
-        download_param_grads(dev, run, group, job_index=len(run.plan.fwd_plan) - 1)
+        download_param_grads(dev, run, group, job_index=run.fused_job_index(part))
         download_buffers(dev, group, None)
     finally:
         dev.job_issued()
@@ -417,17 +448,18 @@ def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
     group = run.model.upload_group(dev, layer_ids, run, saved_buffers=run.saved_buffers)
     timer = IterTimer(run.model.model_timer, "bwd", dev.is_cuda)
     run.timers.append(timer)
+    upstream_done: threading.Semaphore | None = None
     if bwd_id > 0:
-        upstream_done: threading.Semaphore | None = run.tracker.bwd_sem[bwd_id - 1]
-    elif run.run_type == "fused":
-        upstream_done = run.tracker.fused_fwd_sem
-    else:
-        upstream_done = None  # 'train': every output gradient is there before we start
+        upstream_done = run.tracker.bwd_sem[bwd_id - 1]
+    # else 'fused': the tail's jobs hand gradients back out of order (tail_done per
+    # micro-batch); 'train': every output gradient is there before we start
     first_group = layer_ids.start == 0
     try:
         for mb in range(run.num_microbatch):
             if upstream_done is not None:
                 run.wait(upstream_done)
+            elif run.run_type == "fused":
+                run.wait(run.tail_done[mb])
             gout = run.grad_states[mb]
             assert gout is not None
             cur_grads = async_h2d(dev, [gout.event], gout.leaves)
@@ -475,7 +507,7 @@ def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
                     del cur, outs, pairs, leaves
             _hand_back_input_grads(run, dev, cur_grads, mb, to_user=first_group)
             run.tracker.backward_notify(bwd_id)
-        download_param_grads(dev, run, group, job_index=len(run.plan.fwd_plan) + bwd_id)
+        download_param_grads(dev, run, group, job_index=run.backward_job_index(bwd_id))
     finally:
         dev.job_issued()
         release_group(group)

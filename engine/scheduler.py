@@ -22,6 +22,8 @@ __all__ = [
     "RunType",
     "chunk_layer_params",
     "pipeline_makespan",
+    "plan_from_times",
+    "simulate_plan",
 ]
 
 log = logging.getLogger(__name__)
@@ -38,32 +40,44 @@ class ModelExecutePlan:
     - 'train' (forward, then backward through autograd): `bwd_plan` covers every layer;
     - 'fused' (forward_backward): the last forward group runs forward and backward in one
       job, so `bwd_plan` covers the layers before it.
+
+    `tail_split` (fused only) spreads that fused tail over several jobs on consecutive
+    devices, job s taking micro-batches s, s + tail_split, ...: the tail (the head with its
+    loss: ~575 ms of a 3.5 s Qwen3-1.7B step) is then no longer one job that is longer
+    than a GPU's share of the step when there are many GPUs. Results are the same; the
+    tail's parameter gradients are summed over its jobs.
     """
 
     def __init__(self) -> None:
         self.fwd_plan: list[range] = []
         self.bwd_plan: list[range] = []
+        self.tail_split = 1
 
     def __repr__(self) -> str:
         def fmt(plan: list[range]) -> str:
             return "[" + ", ".join(f"{r.start}-{r.stop - 1}" for r in plan) + "]"
 
-        return f"ModelExecutePlan(fwd={fmt(self.fwd_plan)}, bwd={fmt(self.bwd_plan)})"
+        split = f", tail_split={self.tail_split}" if self.tail_split != 1 else ""
+        return f"ModelExecutePlan(fwd={fmt(self.fwd_plan)}, bwd={fmt(self.bwd_plan)}{split})"
 
     @classmethod
     def from_ranges(
-        cls, fwd_plan: Sequence[range], bwd_plan: Sequence[range] = ()
+        cls, fwd_plan: Sequence[range], bwd_plan: Sequence[range] = (), tail_split: int = 1
     ) -> ModelExecutePlan:
-        """A plan from explicit ranges."""
+        """A plan from explicit ranges (and the number of jobs of the fused tail)."""
         plan = cls()
         plan.fwd_plan = list(fwd_plan)
         plan.bwd_plan = list(bwd_plan)
+        plan.tail_split = tail_split
         return plan
 
     def check_valid(self, num_layers: int, run_type: RunType) -> None:
         """Raise ConfigError unless the plans cover the layers exactly once, in order."""
         if not self.fwd_plan:
             raise ConfigError("execute_plan.fwd_plan is empty")
+        split = self.tail_split
+        if isinstance(split, bool) or not isinstance(split, int) or split < 1:
+            raise ConfigError(f"execute_plan.tail_split must be an int >= 1, got {split!r}")
         _check_cover(self.fwd_plan, 0, num_layers, "fwd_plan", ascending=True)
         if run_type == "infer":
             return
@@ -97,7 +111,9 @@ class ModelExecutePlan:
         tail's cost instead, so no device waits on a slower stage before it; and given
         measured times and `num_microbatch`, the group boundaries are then moved to where
         a simulation of the round-robin pipeline finishes the call soonest (short groups
-        first and last fill and drain the pipeline faster; see `_pipeline_search`).
+        first and last fill and drain the pipeline faster; see `_pipeline_search`), and
+        the fused tail is split over the number of jobs (`tail_split`, at most one per
+        device) whose simulated call is shortest. See `plan_from_times`.
         """
         from .device import get_min_gpu_memory, get_num_devices
 
@@ -123,40 +139,76 @@ class ModelExecutePlan:
                 fwd[i] += f[i]
                 bwd[i] += b[i]
                 mem[i] += m.layer_size[i]
-        mem_cap = model_memory_limit / 2
-        # The slowest single layer (usually the head with its loss) is the pipeline's
-        # smallest unit of work; grouping the other layers up to that size keeps stages
-        # balanced while moving as few activations as possible between them.
-        fwd_cap = upper_threshold * max(fwd)
-        bwd_cap = upper_threshold * max(bwd)
-        plan = cls()
-        if run_type == "fused":
-            # The fused tail: the longest suffix within the cap on forward + backward cost.
-            fused_cost = [f + b for f, b in zip(fwd, bwd, strict=True)]
-            fused_cap = upper_threshold * max(fused_cost)
-            tail_start = n - 1
-            acc, acc_mem = fused_cost[-1], mem[-1]
-            while tail_start > 0:
-                c, m = fused_cost[tail_start - 1], mem[tail_start - 1]
-                if acc + c > fused_cap or acc_mem + m > mem_cap:
-                    break
-                acc, acc_mem, tail_start = acc + c, acc_mem + m, tail_start - 1
-            if tail_start == 0 and min_stages > 1:
-                tail_start = n - 1  # leave work for the other devices
-            head = _balanced_groups(
-                fwd[:tail_start], mem[:tail_start], min_stages - 1, fwd_cap, mem_cap
+        return plan_from_times(
+            run_type,
+            fwd,
+            bwd,
+            mem,
+            num_devices=min_stages,
+            num_microbatch=num_microbatch if measured else None,
+            upper_threshold=upper_threshold,
+            mem_cap=model_memory_limit / 2,
+        )
+
+
+def plan_from_times(
+    run_type: RunType,
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    mem: Sequence[float],
+    *,
+    num_devices: int,
+    num_microbatch: int | None = None,
+    upper_threshold: float = 1.1,
+    mem_cap: float = float("inf"),
+) -> ModelExecutePlan:
+    """`ModelExecutePlan.auto` on given per-layer costs (forward, backward: ms over a call's
+    micro-batches) and parameter sizes (GB, at most `mem_cap` per group), for `num_devices`
+    devices; with `num_microbatch`, fused plans for several devices are searched on the
+    pipeline simulation (`simulate_plan`). bench/simulate.py plans hypothetical machines
+    with it."""
+    n = len(fwd)
+    fwd, bwd, mem = list(fwd), list(bwd), list(mem)
+    min_stages = num_devices
+    # The slowest single layer (usually the head with its loss) is the pipeline's
+    # smallest unit of work; grouping the other layers up to that size keeps stages
+    # balanced while moving as few activations as possible between them.
+    fwd_cap = upper_threshold * max(fwd)
+    bwd_cap = upper_threshold * max(bwd)
+    plan = ModelExecutePlan()
+    if run_type == "fused":
+        # The fused tail: the longest suffix within the cap on forward + backward cost.
+        fused_cost = [f + b for f, b in zip(fwd, bwd, strict=True)]
+        fused_cap = upper_threshold * max(fused_cost)
+        tail_start = n - 1
+        acc, acc_mem = fused_cost[-1], mem[-1]
+        while tail_start > 0:
+            c, m = fused_cost[tail_start - 1], mem[tail_start - 1]
+            if acc + c > fused_cap or acc_mem + m > mem_cap:
+                break
+            acc, acc_mem, tail_start = acc + c, acc_mem + m, tail_start - 1
+        if tail_start == 0 and min_stages > 1:
+            tail_start = n - 1  # leave work for the other devices
+        best: tuple[float, list[range], list[range], int] | None = None
+        # One device runs everything in turn: the tail stays one job. With several, each
+        # split of the tail over 1..devices jobs gets its groups and its simulated call.
+        splits = range(1, min_stages + 1) if num_microbatch and min_stages > 1 else (1,)
+        for split in splits:
+            if num_microbatch and split > num_microbatch:
+                break
+            head, back = _fused_groups(
+                fwd,
+                bwd,
+                mem,
+                tail_start,
+                acc / split,
+                min_stages,
+                fwd_cap,
+                bwd_cap,
+                upper_threshold,
+                mem_cap,
             )
-            # With several devices, each backward group runs on another device than the
-            # group before it and gets its micro-batches no faster than that group finishes
-            # them; the first waits on the fused tail (the head and its loss: the slowest
-            # stage by far). Groups as long as the tail keep both sides busy, where groups
-            # of the slowest single layer left the next device idle half the time (2 H200s).
-            # One device waits on no one and keeps the smaller groups: less memory.
-            back_cap = max(bwd_cap, upper_threshold * acc) if min_stages > 1 else bwd_cap
-            back = _balanced_groups_from_top(
-                bwd[:tail_start], mem[:tail_start], min_stages - 1, back_cap, mem_cap
-            )
-            if measured and num_microbatch and min_stages > 1 and head and back:
+            if num_microbatch and min_stages > 1 and head and back:
                 head, back = _pipeline_search(
                     fwd[:tail_start],
                     bwd[:tail_start],
@@ -166,19 +218,56 @@ class ModelExecutePlan:
                     back,
                     num_devices=min_stages,
                     num_microbatch=num_microbatch,
-                    cap=max(back_cap, fwd_cap),
+                    cap=max(bwd_cap, upper_threshold * acc / split, fwd_cap),
                     mem_cap=mem_cap,
+                    tail_split=split,
                 )
-            plan.fwd_plan = [*head, range(tail_start, n)]
-            plan.bwd_plan = list(reversed(back))
-        else:
-            plan.fwd_plan = _balanced_groups(fwd, mem, min_stages, fwd_cap, mem_cap)
-            if run_type == "train":
-                plan.bwd_plan = list(
-                    reversed(_balanced_groups(bwd, mem, min_stages, bwd_cap, mem_cap))
-                )
-        plan.check_valid(n, run_type)
-        return plan
+            if len(splits) == 1:
+                best = (0.0, head, back, split)
+                break
+            trial = ModelExecutePlan.from_ranges(
+                [*head, range(tail_start, n)], list(reversed(back)), split
+            )
+            span = simulate_plan(trial, fwd, bwd, min_stages, num_microbatch or 1)
+            if best is None or span < best[0] * (1 - 1e-6):
+                best = (span, head, back, split)
+        assert best is not None
+        _, head, back, plan.tail_split = best
+        plan.fwd_plan = [*head, range(tail_start, n)]
+        plan.bwd_plan = list(reversed(back))
+    else:
+        plan.fwd_plan = _balanced_groups(fwd, mem, min_stages, fwd_cap, mem_cap)
+        if run_type == "train":
+            plan.bwd_plan = list(reversed(_balanced_groups(bwd, mem, min_stages, bwd_cap, mem_cap)))
+    plan.check_valid(n, run_type)
+    return plan
+
+
+def _fused_groups(
+    fwd: list[float],
+    bwd: list[float],
+    mem: list[float],
+    tail_start: int,
+    tail_job_cost: float,
+    min_stages: int,
+    fwd_cap: float,
+    bwd_cap: float,
+    upper_threshold: float,
+    mem_cap: float,
+) -> tuple[list[range], list[range]]:
+    """Balanced forward groups before the fused tail and backward groups (ascending)."""
+    head = _balanced_groups(fwd[:tail_start], mem[:tail_start], min_stages - 1, fwd_cap, mem_cap)
+    # With several devices, each backward group runs on another device than the group
+    # before it and gets its micro-batches no faster than that group finishes them; the
+    # first waits on the fused tail (the head and its loss: the slowest stage by far).
+    # Groups as long as one tail job keep both sides busy, where groups of the slowest
+    # single layer left the next device idle half the time (2 H200s). One device waits on
+    # no one and keeps the smaller groups: less memory.
+    back_cap = max(bwd_cap, upper_threshold * tail_job_cost) if min_stages > 1 else bwd_cap
+    back = _balanced_groups_from_top(
+        bwd[:tail_start], mem[:tail_start], min_stages - 1, back_cap, mem_cap
+    )
+    return head, back
 
 
 def _check_cover(plan: list[range], start: int, stop: int, what: str, *, ascending: bool) -> None:
@@ -248,28 +337,72 @@ def _balanced_groups_from_top(
 
 
 def pipeline_makespan(
-    job_costs: Sequence[float], num_devices: int, num_microbatch: int, handoff: float = 0.0
+    job_costs: Sequence[float],
+    num_devices: int,
+    num_microbatch: int,
+    handoff: float = 0.0,
+    *,
+    split_job: int | None = None,
+    split: int = 1,
 ) -> float:
     """When the last of a call's jobs finishes, in the engine's round-robin pipeline.
 
-    Job k (in launch order: forward groups, the fused tail, backward groups) runs on
-    device k mod num_devices after that device's previous job, and its micro-batch i
-    `handoff` after micro-batch i of job k - 1 finished (the download and upload of the
-    activations in between); `job_costs` are per micro-batch.
+    Job k (in launch order: forward groups, the fused tail, backward groups) runs on the
+    next device in rotation after that device's previous job, and its micro-batch i
+    `handoff` after micro-batch i of the job before finished (the download and upload of
+    the activations in between); `job_costs` are per micro-batch. With `split_job`, that
+    job is `split` jobs on consecutive devices, job s taking micro-batches s, s + split, ...
+    (ModelExecutePlan.tail_split).
     """
     free = [0.0] * num_devices
     prev: list[float] | None = None
+    device = 0
     for k, cost in enumerate(job_costs):
-        t = free[k % num_devices]
-        done = []
-        for i in range(num_microbatch):
-            if prev is not None and prev[i] + handoff > t:
-                t = prev[i] + handoff
-            t += cost
-            done.append(t)
-        free[k % num_devices] = t
+        parts = split if k == split_job else 1
+        done = [0.0] * num_microbatch
+        for part in range(parts):
+            t = free[device]
+            for i in range(part, num_microbatch, parts):
+                if prev is not None and prev[i] + handoff > t:
+                    t = prev[i] + handoff
+                t += cost
+                done[i] = t
+            free[device] = t
+            device = (device + 1) % num_devices
         prev = done
     return max(free)
+
+
+def simulate_plan(
+    plan: ModelExecutePlan,
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    num_devices: int,
+    num_microbatch: int,
+    handoff: float | None = None,
+) -> float:
+    """The simulated duration of one `forward_backward` call of a fused plan, from
+    per-layer forward and backward costs over the call's micro-batches (`pipeline_makespan`).
+
+    `handoff` is the time between one job finishing a micro-batch and the next starting
+    it, in the costs' unit; by default the median layer's forward for one micro-batch (on
+    the H100/H200 the device -> host -> device round trip of a Qwen3-1.7B micro-batch, 5
+    ms, is about one decoder layer's forward, 6 ms).
+    """
+    if handoff is None:
+        handoff = sorted(fwd)[len(fwd) // 2] / num_microbatch
+    tail = plan.fwd_plan[-1]
+    jobs = [sum(fwd[i] for i in g) for g in plan.fwd_plan[:-1]]
+    jobs.append(sum(fwd[i] + bwd[i] for i in tail))
+    jobs += [sum(bwd[i] for i in g) for g in plan.bwd_plan]
+    return pipeline_makespan(
+        [j / num_microbatch for j in jobs],
+        num_devices,
+        num_microbatch,
+        handoff,
+        split_job=len(plan.fwd_plan) - 1,
+        split=plan.tail_split,
+    )
 
 
 def _cuts_to_groups(cuts: Sequence[int], n: int) -> list[range]:
@@ -289,6 +422,7 @@ def _pipeline_search(
     num_microbatch: int,
     cap: float,
     mem_cap: float,
+    tail_split: int = 1,
 ) -> tuple[list[range], list[range]]:
     """Forward and backward groups (ascending) with the shortest simulated call.
 
@@ -300,11 +434,7 @@ def _pipeline_search(
     """
     n = len(fwd)
     min_groups = min(max(num_devices - 1, 1), n)
-    # A micro-batch's activations travel device -> host -> device between groups. Their
-    # size, like a layer's forward time, grows with tokens x hidden: on the H100/H200 the
-    # round trip of a Qwen3-1.7B micro-batch (5 ms) is about one decoder layer's forward
-    # (6 ms), so that is the estimate; it keeps the search from cutting too fine.
-    handoff = sorted(fwd)[n // 2] / num_microbatch
+    handoff = sorted(fwd)[n // 2] / num_microbatch  # see simulate_plan
 
     def ok(groups: list[range], cost: list[float]) -> bool:
         return len(groups) >= min_groups and all(
@@ -319,7 +449,12 @@ def _pipeline_search(
         jobs.append(tail_cost)
         jobs += [sum(bwd[i] for i in g) for g in reversed(b_groups)]
         return pipeline_makespan(
-            [j / num_microbatch for j in jobs], num_devices, num_microbatch, handoff
+            [j / num_microbatch for j in jobs],
+            num_devices,
+            num_microbatch,
+            handoff,
+            split_job=len(f_groups),
+            split=tail_split,
         )
 
     def neighbours(cuts: frozenset[int]) -> list[frozenset[int]]:

@@ -87,12 +87,9 @@ H200_BWD = [20.0] + [71.0] * 28 + [430.0]
 
 
 def _makespan(plan: ModelExecutePlan, devices: int, nmb: int) -> float:
-    from engine.scheduler import pipeline_makespan
+    from engine.scheduler import simulate_plan
 
-    jobs = [sum(H200_FWD[i] for i in g) for g in plan.fwd_plan[:-1]]
-    jobs.append(sum(H200_FWD[i] + H200_BWD[i] for i in plan.fwd_plan[-1]))
-    jobs += [sum(H200_BWD[i] for i in g) for g in plan.bwd_plan]
-    return pipeline_makespan([j / nmb for j in jobs], devices, nmb, handoff=24.5 / nmb)
+    return simulate_plan(plan, H200_FWD, H200_BWD, devices, nmb, handoff=24.5 / nmb)
 
 
 @pytest.mark.parametrize(("devices", "nmb"), [(2, 4), (2, 8), (4, 8)])
