@@ -32,6 +32,8 @@ from torch import nn
 
 from ._common import (
     DEFAULT_LOSS_CHUNK_TOKENS,
+    DEFAULT_MLP_CHUNK_SIZE,
+    DEFAULT_MLP_CHUNK_TOKENS,
     IGNORE_INDEX,
     causal_lm_loss,
     causal_lm_loss_fn,
@@ -41,8 +43,11 @@ from ._common import (
 
 __all__ = [
     "DEFAULT_LOSS_CHUNK_TOKENS",
+    "DEFAULT_MLP_CHUNK_SIZE",
+    "DEFAULT_MLP_CHUNK_TOKENS",
     "DISABLE_TORCH_COMPILE",
     "IGNORE_INDEX",
+    "MLP_CHUNK_TOKENS",
     "RECOMPUTE_ATTENTION",
     "SUPPORTED_MODELS",
     "causal_lm_loss",
@@ -69,6 +74,16 @@ DISABLE_TORCH_COMPILE: bool = False
 # 18 GB for Qwen3-4B at 65k). Measured on the H100: +6% tokens/s at sequence length 8192,
 # within noise at 2048. Set to True before training to recompute attention instead.
 RECOMPUTE_ATTENTION: bool = False
+
+# Dense decoder layers (Qwen3, Llama, Qwen2, Mistral; not the MoE presets) whose micro-batch
+# has more tokens (batch x sequence) than this run their MLP half (post-attention norm,
+# MLP, residual) over chunks of DEFAULT_MLP_CHUNK_SIZE tokens, each recomputed in the
+# backward, so autograd never keeps the MLP's (tokens, intermediate) tensors of the whole
+# micro-batch: they are ~62% of a Qwen3-1.7B layer's saved activations. Same math; it costs
+# one more MLP forward per layer and step. None: never chunk. Read when the preset is built
+# (set it before wrapping); each layer keeps its own copy in `mlp_chunk_tokens` (and the
+# chunk size in `mlp_chunk_size`).
+MLP_CHUNK_TOKENS: int | None = DEFAULT_MLP_CHUNK_TOKENS
 
 SUPPORTED_MODELS: dict[str, str] = {
     "qwen3": "engine.models.qwen3",

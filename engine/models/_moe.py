@@ -42,6 +42,8 @@ class MoeDecoderLayer(DecoderLayer):
     """
 
     compilable = False
+    # The router's statistics and the experts' batches see the whole micro-batch.
+    mlp_is_dense = False
 
     def __init__(
         self,
