@@ -144,6 +144,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": False,
     },
+    # Qwen3-1.7B's structure (28 decoder layers, the same kernels per layer and micro-batch)
+    # with tiny matrices: its step time is the host's time to issue the work
+    # (bench/simulate.py --dispatch).
+    "tiny28": {
+        "hidden_size": 64,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 192,
+        "vocab_size": 256,
+        "tie_word_embeddings": True,
+    },
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 3,
@@ -178,6 +191,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="unmeasured first steps (2)")
     p.add_argument("--num-microbatch", type=int, default=4)
     p.add_argument("--recompute-grain", choices=["stage", "layer"], default="stage")
+    p.add_argument(
+        "--group-layers",
+        type=int,
+        default=None,
+        help="an explicit plan of K-layer groups (long sequences: fewer recompute inputs in "
+        "host memory than the automatic one-layer groups)",
+    )
+    p.add_argument(
+        "--mlp-chunk-tokens",
+        type=int,
+        default=None,
+        help="engine.models.MLP_CHUNK_TOKENS: chunk the MLP over tokens above this many "
+        "tokens a micro-batch (0: never)",
+    )
     p.add_argument("--sync", action="store_true", help="synchronous optimizer step")
     p.add_argument(
         "--recompute-attention",
@@ -242,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="self-checks (default: on for --model tiny)",
     )
     args = p.parse_args(argv)
-    tiny = args.model.startswith("tiny")
+    tiny = args.model in ("tiny", "tiny-moe")
     for key, full in (("seq_len", 2048), ("seqs_per_step", 64), ("steps", 5), ("warmup", 2)):
         if getattr(args, key) is None:
             setattr(args, key, TINY_DEFAULTS[key] if tiny else full)
@@ -558,12 +585,16 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     initial = {n: p.detach().clone() for n, p in model.named_parameters()} if args.check else {}
 
     engine.models.RECOMPUTE_ATTENTION = args.recompute_attention
+    if args.mlp_chunk_tokens is not None:
+        engine.models.MLP_CHUNK_TOKENS = args.mlp_chunk_tokens or None
     t0 = time.perf_counter()
     rp = wrap_model_to_roundpipe(
         model,
         use_sequential_preset=True,
         model_run_config=RoundPipeRunConfig(
-            num_microbatch=args.num_microbatch, recompute_grain=args.recompute_grain
+            num_microbatch=args.num_microbatch,
+            recompute_grain=args.recompute_grain,
+            execute_plan=grouped_plan(model.config.num_hidden_layers + 2, args.group_layers),
         ),
         optim_dtype=torch.float32,
         optim_grad_dtype=getattr(torch, args.dtype) if args.optim_grad_dtype == "model" else None,
@@ -652,6 +683,18 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         **checks,
     )
     return result
+
+
+def grouped_plan(num_layers: int, size: int | None) -> Any:
+    """Forward and backward groups of `size` layers, the head with the last group's layers
+    as the fused tail; None for the automatic plan."""
+    if not size:
+        return None
+    from engine.scheduler import ModelExecutePlan
+
+    fwd = [range(a, min(a + size, num_layers)) for a in range(0, num_layers, size)]
+    bwd = list(reversed(fwd[:-1]))
+    return ModelExecutePlan.from_ranges(fwd, bwd)
 
 
 def _layer_times(rp: Any) -> dict[str, Any] | None:
