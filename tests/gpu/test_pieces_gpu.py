@@ -24,20 +24,20 @@ def test_300_mib_download_is_pinned_in_pieces_and_comes_back_bit_exact(
     cuda_devices: int,
 ) -> None:
     dev = get_next_device()
-    n = 300 * MIB // 2 + 12345  # fp16 elements: a bit over 300 MiB, not a granule multiple
+    n = 300 * MIB // 2 - 12345  # fp16 elements: just under 300 MiB, not a granule multiple
     gen = torch.Generator(device=dev.device).manual_seed(0)
     src = torch.randn(n, generator=gen, device=dev.device).half().view(3, -1)
     small = torch.randn(1000, device=dev.device)
-    torch.cuda.synchronize(
-        dev.device
-    )  # made on the default stream, which the engine's don't wait for
+    # Made on the default stream, which the engine's streams do not wait for.
+    torch.cuda.synchronize(dev.device)
     host, ev = async_d2h(dev, [src, small, 7], pieces=True)
     hp = host[0]
     assert isinstance(hp, HostPieces)
     assert isinstance(host[1], torch.Tensor) and host[1].is_pinned()  # under the threshold
     assert host[2] == 7
     pinned = sum(p.numel() for p in hp.pieces)
-    assert src.numel() * 2 <= pinned < 302 * MIB
+    assert src.numel() * 2 <= pinned < 302 * MIB  # one pinned tensor would take 512 MiB
+    assert sorted(p.numel() for p in hp.pieces) == [4 * MIB, 8 * MIB, 32 * MIB, 256 * MIB]
     assert all(p.is_pinned() for p in hp.pieces)
     back = async_h2d(dev, [ev], [hp, host[1]])
     torch.cuda.synchronize(dev.device)
