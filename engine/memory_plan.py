@@ -17,7 +17,8 @@ What a full fine-tune holds on the host, per trainable parameter (fp16/bf16 mode
 
 plus torch's power-of-two rounding of every pinned tensor (pin_model='alloc'; 'arena'
 avoids it), the activations kept for the backward (each backward group's input, per
-micro-batch), the saved attention outputs (on CUDA unless attention is recomputed) and
+micro-batch; from 64 MiB up pinned in power-of-two pieces, so not rounded), the saved
+attention outputs (on CUDA unless attention is recomputed; pieces as well) and
 the runtime itself (CUDA context, libraries). Frozen parameters (LoRA bases) have only
 the model copy.
 """
@@ -56,6 +57,8 @@ BUDGET_MARGIN_MIN_BYTES = GIB
 # scheduler.ModelExecutePlan.auto groups layers up to 1.1x the slowest one (the head).
 _GROUP_THRESHOLD = 1.1
 _ALIGN = 64  # memory.ARENA_ALIGN_BYTES
+_PIECES_MIN_BYTES = 64 << 20  # transfer.PIECES_MIN_BYTES
+_PIECE_GRANULE_BYTES = 2 << 20  # transfer.PIECE_GRANULE_BYTES
 _MAX_DIM = (
     1 << 31
 )  # no real model dimension is larger; bigger values are typos (kept here so this module stays torch-free)
@@ -178,6 +181,15 @@ def _pinned_bytes(nbytes: int, pin_model: str, cuda: bool) -> int:
 def _cuda_pinned(nbytes: int, cuda: bool) -> int:
     """An activation or gradient buffer from torch's pinned allocator (rounded on CUDA)."""
     return _pinned_bytes(nbytes, "alloc", cuda)
+
+
+def _activation_pinned(nbytes: int, cuda: bool) -> int:
+    """An activation the engine keeps on the host (transfer.async_d2h with pieces=True):
+    from _PIECES_MIN_BYTES up, pinned in power-of-two pieces that waste under a granule;
+    below, one tensor rounded up to a power of two."""
+    if cuda and nbytes >= _PIECES_MIN_BYTES:
+        return -(-nbytes // _PIECE_GRANULE_BYTES) * _PIECE_GRANULE_BYTES
+    return _cuda_pinned(nbytes, cuda)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -409,14 +421,14 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
     state_bytes = 4 if run.optim_state_dtype == "float32" else 2
     parts["optim_state"] = 2 * trainable * state_bytes if run.optimizer_state else 0
     mb_tokens = run.tokens_per_step // run.num_microbatch
-    boundary = _cuda_pinned(mb_tokens * shape.hidden_size * mbytes, cuda)
+    boundary = _activation_pinned(mb_tokens * shape.hidden_size * mbytes, cuda)
     parts["activations"] = (
         shape.backward_groups(run.recompute_grain) * run.num_microbatch * boundary
     )
     if cuda and run.saved_attention:
         q_width = shape.num_attention_heads * shape.head_dim
-        per_mb = _cuda_pinned(mb_tokens * q_width * mbytes, cuda)
-        per_mb += _cuda_pinned(mb_tokens * shape.num_attention_heads * 4, cuda)  # fp32 LSE
+        per_mb = _activation_pinned(mb_tokens * q_width * mbytes, cuda)
+        per_mb += _activation_pinned(mb_tokens * shape.num_attention_heads * 4, cuda)  # fp32 LSE
         parts["saved_attention"] = shape.num_hidden_layers * run.num_microbatch * per_mb
     else:
         parts["saved_attention"] = 0

@@ -270,7 +270,7 @@ def _make_save_fn(run: RunState, dev: DeviceManager, layer_id: int, mb: int) -> 
                     f"save_for_recompute in layer {layer_id} got a tensor that requires grad; "
                     "save .detach()ed tensors"
                 )
-        host, ev = async_d2h(dev, leaves)
+        host, ev = async_d2h(dev, leaves, pieces=True)
         run.recompute_data[key] = Act(host, tree, ev)
 
     return save
@@ -301,7 +301,7 @@ def _run_forward_layers(
         needs_input = keep_for_backward and tracker.backward_need_input(j)
         if needs_input and k > 0:
             leaves, tree = _flatten(cur)
-            host, ev = async_d2h(dev, leaves)
+            host, ev = async_d2h(dev, leaves, pieces=True)
             run.saved_inputs[(j, mb)] = Act(host, tree, ev, is_args=False)
         if needs_input and run.cfg.preserve_rng_state:
             run.rng_states[(j, mb)] = dev.get_rng_state()
@@ -342,7 +342,8 @@ def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
                     keep_for_backward=run.enable_grad,
                 )
             out_leaves, tree = _flatten(out)
-            host, ev = async_d2h(dev, out_leaves)
+            # The last group's outputs go to the caller: real tensors, not HostPieces.
+            host, ev = async_d2h(dev, out_leaves, pieces=not last)
             run.states[mb] = Act(host, tree, ev)
             if last:
                 run.outputs[mb] = run.states[mb]
@@ -433,7 +434,7 @@ def _hand_back_input_grads(
 ) -> None:
     """Download a micro-batch's input gradients: for the group before this one, or, for
     the first layer, for the caller's inputs."""
-    host, ev = async_d2h(dev, grads)
+    host, ev = async_d2h(dev, grads, pieces=not to_user)
     if to_user:
         run.input_grads[mb] = Act(host, None, ev)
         run.add_end_event(ev)

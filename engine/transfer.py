@@ -4,13 +4,19 @@ Layers are uploaded into per-device replicas: a copy of the layer's module struc
 parameters and buffers are placeholders, rebound to freshly uploaded device tensors for
 each job, so the host model is never touched by a device thread. Activations travel as
 flat lists of leaves (tensors and plain values).
+
+torch's caching pinned-host allocator rounds every request up to a power of two, so a
+1.25 GiB hidden state would take 2 GiB of pinned memory. The engine's own big activations
+(never the user's) are therefore kept as HostPieces: pinned buffers whose sizes are powers
+of two, which the allocator serves at their exact size and reuses across iterations.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +26,16 @@ from torch import nn
 from .device import DeviceManager
 
 __all__ = [
+    "PIECES_MIN_BYTES",
+    "PIECE_GRANULE_BYTES",
+    "HostPieces",
     "LayerReplica",
     "UploadedGroup",
     "async_d2h",
     "async_h2d",
     "download_buffers",
     "make_replica",
+    "piece_sizes",
     "release_group",
     "upload_layers",
 ]
@@ -37,6 +47,15 @@ log = logging.getLogger(__name__)
 # stream, with the freshly uploaded device tensors bound (engine.lora merges its adapters
 # into the device copy of the frozen weight there).
 AFTER_UPLOAD_HOOK = "rp_after_upload"
+
+# Downloads with pieces=True of tensors at least this big go into HostPieces. Below it a
+# single pinned tensor wastes less than this in rounding, and small tensors are many.
+# memory_plan._PIECES_MIN_BYTES mirrors it.
+PIECES_MIN_BYTES = 64 << 20
+# Piece sizes are multiples of this (and powers of two): at most one granule is wasted,
+# and a tensor needs at most one piece per set bit of its size in granules.
+# memory_plan._PIECE_GRANULE_BYTES mirrors it.
+PIECE_GRANULE_BYTES = 2 << 20
 
 
 @dataclass
@@ -188,19 +207,128 @@ def release_group(group: UploadedGroup) -> None:
     group.device_tensors.clear()
 
 
+def piece_sizes(nbytes: int, granule: int = PIECE_GRANULE_BYTES) -> list[int]:
+    """Power-of-two sizes, largest first, that together hold `nbytes` rounded up to `granule`.
+
+    The binary decomposition of the rounded size: each piece is a power of two of at least
+    `granule` bytes, the waste is under one granule, and a size below 2**k granules needs
+    at most k pieces.
+    """
+    if granule <= 0 or granule & (granule - 1):
+        raise ValueError(f"granule must be a power of two, got {granule}")
+    if nbytes <= 0:
+        return []
+    total = -(-nbytes // granule) * granule
+    sizes = []
+    bit = 1 << (total.bit_length() - 1)
+    while bit >= granule:
+        if total & bit:
+            sizes.append(bit)
+        bit >>= 1
+    return sizes
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of a contiguous tensor's bytes."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass(eq=False)
+class HostPieces:
+    """A tensor's bytes on the host, split over 1-D uint8 buffers (`pieces`) in order.
+
+    The buffers hold the bytes of the contiguous tensor of `shape` and `dtype` one after
+    the other; the last ones may be longer than the bytes left (padding, never read).
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    pieces: list[torch.Tensor]
+    requires_grad: bool = False  # the downloaded tensor did (async_d2h keep_requires_grad)
+
+    @classmethod
+    def empty(
+        cls,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        *,
+        pin: bool,
+        granule: int = PIECE_GRANULE_BYTES,
+    ) -> HostPieces:
+        """Uninitialised pieces for a tensor of `shape` and `dtype` (pinned if `pin`)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        pieces = [
+            torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in piece_sizes(nbytes, granule)
+        ]
+        return cls(torch.Size(shape), dtype, pieces)
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's bytes (without the padding of the last piece)."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def _ranges(self) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """(piece, offset into the tensor's bytes, bytes used in the piece) in order."""
+        offset, nbytes = 0, self.nbytes
+        for piece in self.pieces:
+            used = min(piece.numel(), nbytes - offset)
+            if used <= 0:
+                return
+            yield piece, offset, used
+            offset += used
+
+    def copy_from(self, src: torch.Tensor, *, non_blocking: bool) -> None:
+        """Copy `src` (any strides, on any device) into the pieces, one copy per piece.
+
+        A non-contiguous `src` is made contiguous first, on the current stream.
+        """
+        if src.shape != self.shape or src.dtype != self.dtype:
+            raise ValueError(
+                f"HostPieces of {tuple(self.shape)} {self.dtype} cannot hold "
+                f"{tuple(src.shape)} {src.dtype}"
+            )
+        flat = _flat_bytes(src.detach().contiguous())
+        for piece, offset, used in self._ranges():
+            piece[:used].copy_(flat[offset : offset + used], non_blocking=non_blocking)
+
+    def to_device(self, device: torch.device, *, non_blocking: bool) -> torch.Tensor:
+        """A new tensor on `device` with the pieces' bytes: one allocation, one copy a piece."""
+        out = torch.empty(self.shape, dtype=self.dtype, device=device)
+        flat = _flat_bytes(out)
+        for piece, offset, used in self._ranges():
+            flat[offset : offset + used].copy_(piece[:used], non_blocking=non_blocking)
+        return out
+
+    @classmethod
+    def of(cls, t: torch.Tensor, *, pin: bool, granule: int = PIECE_GRANULE_BYTES) -> HostPieces:
+        """A synchronous copy of `t` in new pieces (tests and host-side callers)."""
+        hp = cls.empty(t.shape, t.dtype, pin=pin, granule=granule)
+        hp.copy_from(t, non_blocking=False)
+        return hp
+
+
 def async_h2d(
     dev: DeviceManager,
     host_ready_event: Iterable[torch.cuda.Event | None],
     host_tensors: Iterable[Any],
     keep_requires_grad: bool = False,
 ) -> list[Any]:
-    """Upload the tensors of a flat list on the activation stream; other leaves pass."""
+    """Upload the tensors and HostPieces of a flat list on the activation stream.
+
+    Other leaves pass unchanged. A HostPieces becomes one device tensor (requiring grad
+    under the same rule as a tensor).
+    """
     for ev in host_ready_event:
         dev.wait_event(dev.upstream, ev)
     out: list[Any] = []
     with dev.on(dev.upstream):
         for t in host_tensors:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, HostPieces):
+                d = t.to_device(dev.device, non_blocking=dev.is_cuda)
+                if keep_requires_grad and t.requires_grad:
+                    d.requires_grad_(True)
+                out.append(d)
+            elif isinstance(t, torch.Tensor):
                 d = _copy_to(dev, t.detach())
                 if keep_requires_grad and t.requires_grad:
                     d.requires_grad_(True)
@@ -219,13 +347,25 @@ def _pinned_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
+def _wants_pieces(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.numel() * t.element_size() >= PIECES_MIN_BYTES
+
+
 def async_d2h(
-    dev: DeviceManager, device_tensors: Iterable[Any], keep_requires_grad: bool = False
+    dev: DeviceManager,
+    device_tensors: Iterable[Any],
+    keep_requires_grad: bool = False,
+    *,
+    pieces: bool = False,
 ) -> tuple[list[Any], torch.cuda.Event | None]:
     """Download the tensors of a flat list to the host; return it and the event to wait on.
 
     The download stream waits for the compute stream first. Host tensors are pinned on
     CUDA (so the copy is asynchronous), detached unless `keep_requires_grad`.
+
+    Args:
+        pieces: CUDA tensors of at least PIECES_MIN_BYTES come back as HostPieces, which
+            only async_h2d reads: for the engine's own data, never for what the caller gets.
     """
     items = list(device_tensors)
     if not dev.is_cuda:
@@ -243,7 +383,13 @@ def async_d2h(
     out = []
     with dev.on(dev.downstream):
         for t in items:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and pieces and _wants_pieces(t):
+                hp = HostPieces.empty(t.shape, t.dtype, pin=True, granule=PIECE_GRANULE_BYTES)
+                hp.copy_from(t, non_blocking=True)
+                dev.mark_used(t, dev.downstream)
+                hp.requires_grad = keep_requires_grad and t.requires_grad
+                out.append(hp)
+            elif isinstance(t, torch.Tensor):
                 h = _pinned_like(t) if t.is_cuda else torch.empty_like(t)
                 h.copy_(t.detach(), non_blocking=True)
                 dev.mark_used(t, dev.downstream)
