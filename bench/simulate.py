@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.scheduler import ModelExecutePlan, plan_from_times, simulate_plan  # noqa: E402
+from engine.scheduler import ModelExecutePlan, plan_from_times, simulate_plan
 
 
 @dataclass
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
             error=round(row["tokens_per_s"] / measured_rate - 1, 4),
         )
         print(json.dumps(row), flush=True)
-    for (source, d), row in sorted(best.items()):
+    for _, row in sorted(best.items()):
         print(json.dumps({**row, "kind": "best"}), flush=True)
 
 
