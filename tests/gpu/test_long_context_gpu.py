@@ -133,6 +133,17 @@ def test_roundpipe_fp16_with_chunked_mlp_matches_unchunked(
         results[chunk] = (loss.detach().float().cpu(), grads)
         # 2 layers x 4 chunks, in the forward, the recompute and the chunks' backward
         assert calls == ([CHUNK] * 24 if chunk else [])
-    close(results[True][0], results[False][0], "loss")
-    for name, grad in results[False][1].items():
-        close(results[True][1][name], grad, name)
+    # The oracle: the same (fp16-rounded) weights in fp32 through the HF model. fp16 runs
+    # of the same math differ by rounding (compiled bodies fuse differently chunked and
+    # whole; the embedding gradient sums ~32 tokens a row), so the chunked run must be as
+    # close to fp32 as the unchunked one is, not equal to it element by element.
+    ref = copy.deepcopy(base).float().cuda()
+    ref_loss = ref(input_ids=ids.cuda(), labels=ids.cuda()).loss
+    ref_loss.backward()
+    expected = {n: p.grad.detach().float().cpu() for n, p in ref.named_parameters()}
+    close(results[True][0], ref_loss.detach().float().cpu(), "loss")
+    for name, grad in expected.items():
+        scale = grad.abs().max().item() or 1.0
+        err_chunked = (results[True][1][name] - grad).abs().max().item() / scale
+        err_whole = (results[False][1][name] - grad).abs().max().item() / scale
+        assert err_chunked <= 2 * err_whole + 1e-3, (name, err_chunked, err_whole)
