@@ -226,3 +226,12 @@ def test_tail_jobs_take_interleaved_micro_batches_on_their_own_devices(
     assert [p for _, p, _ in first_call] == [0, 1, 2]
     assert [mbs for _, _, mbs in first_call] == [[0, 3, 6], [1, 4, 7], [2, 5]]
     assert len({d for d, _, _ in first_call}) == 3  # three devices
+
+
+def test_two_devices_never_split_the_tail() -> None:
+    """A split changes the order of the head's gradient sums (last bits of fp16 weights);
+    plans follow measured times, so 1-2 GPU runs keep one tail job and stay reproducible."""
+    mem = [0.01] * len(H100_FWD)
+    for m in (2, 4, 8, 16):
+        plan = plan_from_times("fused", H100_FWD, H100_BWD, mem, num_devices=2, num_microbatch=m)
+        assert plan.tail_split == 1
