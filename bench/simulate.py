@@ -35,6 +35,7 @@ summary per GPU count of the best micro-batch count (`kind: best`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -58,6 +59,15 @@ class Measured:
     step_s: float
     tokens_per_step: int
     source: str
+
+    @functools.cached_property
+    def overhead_s(self) -> float:
+        """The measured step less the simulated one-GPU call: what a call costs besides its
+        jobs (the first upload, the last download, the Python around the jobs)."""
+        m = self.num_microbatch
+        mem = [0.0] * len(self.fwd)
+        one = plan_from_times("fused", self.fwd, self.bwd, mem, num_devices=1, num_microbatch=m)
+        return self.step_s - simulate_plan(one, self.fwd, self.bwd, 1, m) / 1000
 
 
 def uniform_layers(times: list[float]) -> list[float]:
@@ -124,8 +134,7 @@ def predict(
     """The predicted step on `devices` GPUs from one GPU's measurement."""
     m = meas.num_microbatch
     mem = [0.0] * len(meas.fwd)  # parameter memory does not bind for these shapes
-    one = plan_from_times("fused", meas.fwd, meas.bwd, mem, num_devices=1, num_microbatch=m)
-    overhead = meas.step_s - simulate_plan(one, meas.fwd, meas.bwd, 1, m) / 1000
+    overhead = meas.overhead_s
     if plan is None:
         plan = plan_from_times(
             "fused", meas.fwd, meas.bwd, mem, num_devices=devices, num_microbatch=m

@@ -76,6 +76,17 @@ _QWEN3_30B_A3B: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+_TINY: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "tie_word_embeddings": True,
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-1.7b": {
         "hidden_size": 2048,
@@ -147,26 +158,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     # Qwen3-1.7B's structure (28 decoder layers, the same kernels per layer and micro-batch)
     # with tiny matrices: its step time is the host's time to issue the work
     # (bench/simulate.py --dispatch).
-    "tiny28": {
-        "hidden_size": 64,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 192,
-        "vocab_size": 256,
-        "tie_word_embeddings": True,
-    },
-    "tiny": {
-        "hidden_size": 64,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 128,
-        "vocab_size": 256,
-        "tie_word_embeddings": True,
-    },
+    "tiny28": {**_TINY, "num_hidden_layers": 28, "intermediate_size": 192},
+    "tiny": _TINY,
 }
 # `--model tiny` runs on a CPU in seconds: shorter sequences, fewer of them.
 TINY_DEFAULTS = {"seq_len": 32, "seqs_per_step": 8, "steps": 3, "warmup": 1}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -214,6 +214,7 @@ def plan_from_times(
                 upper_threshold,
                 mem_cap,
             )
+            cap = max(bwd_cap, upper_threshold * acc / split, fwd_cap)
             if num_microbatch and min_stages > 1 and head and back:
                 head, back = _best_seed(
                     fwd,
@@ -225,7 +226,7 @@ def plan_from_times(
                     split=split,
                     num_devices=min_stages,
                     num_microbatch=num_microbatch,
-                    cap=max(bwd_cap, upper_threshold * acc / split, fwd_cap),
+                    cap=cap,
                     mem_cap=mem_cap,
                 )
                 head, back = _pipeline_search(
@@ -237,7 +238,7 @@ def plan_from_times(
                     back,
                     num_devices=min_stages,
                     num_microbatch=num_microbatch,
-                    cap=max(bwd_cap, upper_threshold * acc / split, fwd_cap),
+                    cap=cap,
                     mem_cap=mem_cap,
                     tail_split=split,
                 )
@@ -249,7 +250,7 @@ def plan_from_times(
             )
             span = simulate_plan(trial, fwd, bwd, min_stages, num_microbatch or 1)
             if best is None:
-                best = (span * _SPLIT_GAIN, head, back, split)  # split 1: the bar to beat
+                best = (span * _CLEAR_GAIN, head, back, split)  # split 1: the bar to beat
             elif span < best[0]:
                 best = (span, head, back, split)
         assert best is not None
@@ -264,8 +265,9 @@ def plan_from_times(
     return plan
 
 
-# A split of the fused tail must make the simulated call at least this much shorter.
-_SPLIT_GAIN = 0.95
+# A split of the fused tail, or finer groups than the balanced ones, must make the
+# simulated call at least this much shorter (both cost what the simulation does not see).
+_CLEAR_GAIN = 0.95
 
 
 def _uniform_groups(n: int, size: int) -> list[range]:
@@ -300,11 +302,10 @@ def _best_seed(
     candidates_f = [head] + [_uniform_groups(n, k) for k in range(1, 7) if k < n]
     candidates_b = [back] + [_uniform_groups(n, k) for k in range(1, 7) if k < n]
 
+    min_groups = min(max(num_devices - 1, 1), n)
+
     def fits(groups: list[range], cost: list[float]) -> bool:
-        return len(groups) >= min(max(num_devices - 1, 1), n) and all(
-            len(g) == 1 or (sum(cost[i] for i in g) <= cap and sum(mem[i] for i in g) <= mem_cap)
-            for g in groups
-        )
+        return _groups_fit(groups, cost, mem, min_groups=min_groups, cap=cap, mem_cap=mem_cap)
 
     tail = range(tail_start, len(fwd))
     balanced = ModelExecutePlan.from_ranges([*head, tail], list(reversed(back)), split)
@@ -313,7 +314,11 @@ def _best_seed(
     # input there (0.5 GiB per layer for Qwen3-1.7B at 131,072 tokens). Finer groups are
     # taken only where they shorten the simulated call by 5% or more (many GPUs), so two
     # GPUs keep the measured coarse groups (1.92x on two H200s).
-    best = (simulate_plan(balanced, fwd, bwd, num_devices, num_microbatch) * 0.95, head, back)
+    best = (
+        simulate_plan(balanced, fwd, bwd, num_devices, num_microbatch) * _CLEAR_GAIN,
+        head,
+        back,
+    )
     for f_groups in candidates_f[1:]:
         if not fits(f_groups, fwd):
             continue
@@ -478,18 +483,62 @@ def simulate_plan(
     """
     if handoff is None:
         handoff = sorted(fwd)[len(fwd) // 2] / num_microbatch
-    tail = plan.fwd_plan[-1]
-    jobs = [sum(fwd[i] for i in g) for g in plan.fwd_plan[:-1]]
-    jobs.append(sum(fwd[i] + bwd[i] for i in tail))
-    jobs += [sum(bwd[i] for i in g) for g in plan.bwd_plan]
+    tail_cost = sum(fwd[i] + bwd[i] for i in plan.fwd_plan[-1])
+    return _simulate_groups(
+        fwd,
+        bwd,
+        plan.fwd_plan[:-1],
+        tail_cost,
+        plan.bwd_plan,
+        num_devices=num_devices,
+        num_microbatch=num_microbatch,
+        handoff=handoff,
+        tail_split=plan.tail_split,
+    )
+
+
+def _simulate_groups(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    fwd_groups: Sequence[range],
+    tail_cost: float,
+    bwd_groups: Iterable[range],
+    *,
+    num_devices: int,
+    num_microbatch: int,
+    handoff: float,
+    tail_split: int,
+) -> float:
+    """`pipeline_makespan` of forward groups, the fused tail (`tail_cost`, split over
+    `tail_split` jobs) and backward groups in launch order; costs over all micro-batches."""
+    jobs = [sum(fwd[i] for i in g) for g in fwd_groups]
+    jobs.append(tail_cost)
+    jobs += [sum(bwd[i] for i in g) for g in bwd_groups]
     return pipeline_makespan(
         [j / num_microbatch for j in jobs],
         num_devices,
         num_microbatch,
         handoff,
-        split_job=len(plan.fwd_plan) - 1,
-        split=plan.tail_split,
+        split_job=len(fwd_groups),
+        split=tail_split,
         job_overhead=handoff,
+    )
+
+
+def _groups_fit(
+    groups: Sequence[range],
+    cost: Sequence[float],
+    mem: Sequence[float],
+    *,
+    min_groups: int,
+    cap: float,
+    mem_cap: float,
+) -> bool:
+    """At least `min_groups` groups, each a single layer or within `cap` cost and `mem_cap`
+    memory: the groups a search may propose."""
+    return len(groups) >= min_groups and all(
+        len(g) == 1 or (sum(cost[i] for i in g) <= cap and sum(mem[i] for i in g) <= mem_cap)
+        for g in groups
     )
 
 
@@ -525,25 +574,19 @@ def _pipeline_search(
     handoff = sorted(fwd)[n // 2] / num_microbatch  # see simulate_plan
 
     def ok(groups: list[range], cost: list[float]) -> bool:
-        return len(groups) >= min_groups and all(
-            len(g) == 1 or (sum(cost[i] for i in g) <= cap and sum(mem[i] for i in g) <= mem_cap)
-            for g in groups
-        )
+        return _groups_fit(groups, cost, mem, min_groups=min_groups, cap=cap, mem_cap=mem_cap)
 
     def makespan(fcuts: frozenset[int], bcuts: frozenset[int]) -> float:
-        f_groups = _cuts_to_groups(fcuts, n)
-        b_groups = _cuts_to_groups(bcuts, n)
-        jobs = [sum(fwd[i] for i in g) for g in f_groups]
-        jobs.append(tail_cost)
-        jobs += [sum(bwd[i] for i in g) for g in reversed(b_groups)]
-        return pipeline_makespan(
-            [j / num_microbatch for j in jobs],
-            num_devices,
-            num_microbatch,
-            handoff,
-            split_job=len(f_groups),
-            split=tail_split,
-            job_overhead=handoff,
+        return _simulate_groups(
+            fwd,
+            bwd,
+            _cuts_to_groups(fcuts, n),
+            tail_cost,
+            reversed(_cuts_to_groups(bcuts, n)),
+            num_devices=num_devices,
+            num_microbatch=num_microbatch,
+            handoff=handoff,
+            tail_split=tail_split,
         )
 
     def neighbours(cuts: frozenset[int]) -> list[frozenset[int]]:
