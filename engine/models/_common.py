@@ -20,9 +20,10 @@ flows one tuple (the "carry"):
 0..seq-1 per sequence); `labels` the caller's (mb, seq) labels or None; `router_stats` the
 running sums of HF's load-balancing loss over the MoE layers so far, or None (see `_moe`);
 `options` the caller's output switches (`HeadOptions`). Only these small inputs travel:
-every decoder layer rebuilds its rotary cos/sin and its causal mask on its own device,
+every decoder layer builds its rotary cos/sin and its causal mask on its own device,
 because a (mb, 1, seq, seq) mask or the (mb, seq, head_dim) cos/sin pair would cost
-transfer bandwidth at every stage boundary.
+transfer bandwidth at every stage boundary (for the default positions the cos/sin are
+computed once per device and length, see `_rotary`).
 
 The loss is taken from the final hidden states chunk by chunk, so the (tokens, vocab)
 logits never exist in full for it (see ChunkedCrossEntropy); the logits themselves are
@@ -50,6 +51,7 @@ from ..context import (
 )
 from ..errors import ConfigError
 from ._attention import SLOT_KWARG, kernels_work, route_attention
+from ._rotary import default_rotary, rotary_fingerprint
 
 __all__ = [
     "DEFAULT_LOSS_CHUNK_TOKENS",
@@ -259,6 +261,8 @@ class DecoderLayer(nn.Module):
         # A private copy (a few hundred bytes of inv_freq) keeps the buffer standalone, so no
         # two layers share a buffer that the engine uploads.
         self.rotary_emb = copy.deepcopy(rotary_emb)
+        # What the default positions' cos/sin depend on (None: recompute them every call).
+        self.rotary_key = rotary_fingerprint(rotary_emb)
         self.config = config
         self.sliding = layer_is_sliding(config, layer_idx)
         # Set by the preset (engine.models.DISABLE_TORCH_COMPILE); read-only in forward.
@@ -300,10 +304,13 @@ class DecoderLayer(nn.Module):
         self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
     ) -> Tensor:
         """The HF decoder layer on (mb, seq, hidden) states, with its mask and rotary."""
-        positions = position_ids
-        if positions is None:
-            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        position_embeddings = self.rotary_emb(hidden, positions)
+        if position_ids is None:
+            positions, position_embeddings = default_rotary(
+                self.rotary_key, self.rotary_emb, hidden
+            )
+        else:
+            positions = position_ids
+            position_embeddings = tuple(self.rotary_emb(hidden, positions))
         # The caller's position_ids (not the default arange) go to the mask builder: only
         # they can describe packing, and HF's packing check costs a host sync.
         # A window that covers the whole sequence (every causal key is within it) is plain
