@@ -63,3 +63,53 @@ def make_batch(batch: int = 20, seq: int = 5, seed: int = 1) -> tuple[torch.Tens
     return torch.randn(batch, seq, IN_DIM, generator=g), torch.randn(
         batch, seq, OUT_DIM, generator=g
     )
+
+
+def tiny_hf_model(
+    kind: str, *, vocab: int, window: int, intermediate_size: int = 64, **overrides: object
+) -> nn.Module:
+    """A random 2-layer fp32 `*ForCausalLM` of `kind` (hidden 32, 4 heads of 8, 2 kv heads).
+
+    `window` is the sliding window where the family has one (short, so the sliding masks
+    matter at the tests' lengths); MoE families get 4 experts, 2 per token.
+    """
+    import transformers
+
+    common: dict[str, object] = {
+        "vocab_size": vocab,
+        "hidden_size": 32,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 64,
+        "use_cache": False,
+        **overrides,
+    }
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    elif kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(
+            use_sliding_window=True, sliding_window=window, max_window_layers=1, **common
+        )
+        model = transformers.Qwen2ForCausalLM(config)
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**{"sliding_window": window, **common})
+        model = transformers.MistralForCausalLM(config)
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, **common
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
+    elif kind == "gpt_oss":
+        config = transformers.GptOssConfig(
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=window, **common
+        )
+        model = transformers.GptOssForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    return model.float().train()

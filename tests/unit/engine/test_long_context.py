@@ -22,6 +22,7 @@ from engine import RoundPipeRunConfig
 from engine.models import _common, count_loss_tokens, to_sequential
 from engine.models._common import DecoderLayer, HeadOptions
 from engine.wrapper import wrap_model_to_roundpipe
+from tests.unit.engine._models import tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,43 +34,9 @@ DENSE = ["qwen3", "llama", "mistral", "qwen2"]
 
 
 def tiny_model(kind: str, **overrides: Any) -> nn.Module:
-    """A random 2-layer fp32 `*ForCausalLM` (hidden 32, intermediate 96 = 3 x hidden).
-
-    Windows are 6 tokens where the family has them, so sliding masks matter at SEQ tokens.
-    """
-    common: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 32,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "max_position_embeddings": 64,
-        "use_cache": False,
-    }
-    common.update(overrides)
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    elif kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    elif kind == "mistral":
-        config = transformers.MistralConfig(**{"sliding_window": 6, **common})
-        model = transformers.MistralForCausalLM(config)
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(
-            use_sliding_window=True, sliding_window=6, max_window_layers=1, **common
-        )
-        model = transformers.Qwen2ForCausalLM(config)
-    elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, **common
-        )
-        model = transformers.Qwen3MoeForCausalLM(config)
-    else:
-        raise ValueError(kind)
-    return model.float().train()
+    """A random 2-layer fp32 `*ForCausalLM` (intermediate 96 = 3 x hidden), with 6-token
+    windows where the family has them, so sliding masks matter at SEQ tokens."""
+    return tiny_hf_model(kind, vocab=VOCAB, window=6, intermediate_size=96, **overrides)
 
 
 def padding_mask() -> Tensor:

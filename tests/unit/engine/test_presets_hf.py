@@ -21,6 +21,7 @@ from torch import nn
 from engine import RoundPipeRunConfig
 from engine.models import count_loss_tokens
 from engine.wrapper import wrap_model_to_roundpipe
+from tests.unit.engine._models import tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,48 +31,9 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def tiny_model(kind: str, **overrides: Any) -> nn.Module:
-    """A random 2-layer `*ForCausalLM` of `kind` (hidden 32, 4 heads, 2 kv heads), fp32.
-
-    Windows are short (4 tokens) where the family has one, so the sliding-window masks
-    matter at SEQ tokens; MoE families get 4 experts, 2 per token.
-    """
-    common: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "max_position_embeddings": 64,
-        "use_cache": False,
-    }
-    common.update(overrides)
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(
-            use_sliding_window=True, sliding_window=4, max_window_layers=1, **common
-        )
-        model = transformers.Qwen2ForCausalLM(config)
-    elif kind == "mistral":
-        model = transformers.MistralForCausalLM(
-            transformers.MistralConfig(**{"sliding_window": 4, **common})
-        )
-    elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, **common
-        )
-        model = transformers.Qwen3MoeForCausalLM(config)
-    elif kind == "gpt_oss":
-        config = transformers.GptOssConfig(
-            num_local_experts=4, num_experts_per_tok=2, sliding_window=4, **common
-        )
-        model = transformers.GptOssForCausalLM(config)
-    else:
-        raise ValueError(kind)
-    return model.float().train()
+    """A random 2-layer `*ForCausalLM` of `kind`, fp32, with 4-token windows where the
+    family has them, so the sliding-window masks matter at SEQ tokens."""
+    return tiny_hf_model(kind, vocab=VOCAB, window=4, **overrides)
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,9 +11,11 @@ import transformers
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from engine import RoundPipeRunConfig
 from engine.models import _rotary
 from engine.models._rotary import DefaultRotaryCache, default_rotary, rotary_fingerprint
-from tests.unit.engine.test_presets_hf import tiny_model, wrap
+from engine.wrapper import wrap_model_to_roundpipe
+from tests.unit.engine._models import tiny_hf_model
 
 
 def _rotary_module(**overrides: Any) -> nn.Module:
@@ -124,14 +126,18 @@ def test_inference_mode_neither_reads_nor_fills_the_cache() -> None:
 def test_a_wrapped_model_builds_each_length_once_and_matches_hf(cpu3: int) -> None:
     """Every decoder layer of every micro-batch reads the same tables, and the outputs are
     HF's; caller-given positions still go through the rotary module each call."""
-    model = tiny_model("qwen3")
-    reference = tiny_model("qwen3")
+    model = tiny_hf_model("qwen3", vocab=64, window=4)
+    reference = tiny_hf_model("qwen3", vocab=64, window=4)
     calls = [0]
 
     def hook(*_: Any) -> None:
         calls[0] += 1
 
-    rp = wrap(model, num_microbatch=2)
+    rp = wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=True,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     for layer in rp.model[1:-1]:
         layer.rotary_emb.register_forward_hook(hook)
     ids = torch.randint(0, 64, (4, 16))
