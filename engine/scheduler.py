@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -431,7 +431,7 @@ def pipeline_makespan(
     num_microbatch: int,
     handoff: float = 0.0,
     *,
-    split_job: int | None = None,
+    split_job: int | Collection[int] | None = None,
     split: int = 1,
     job_overhead: float = 0.0,
 ) -> float:
@@ -440,16 +440,18 @@ def pipeline_makespan(
     Job k (in launch order: forward groups, the fused tail, backward groups) runs on the
     next device in rotation after that device's previous job, and its micro-batch i
     `handoff` after micro-batch i of the job before finished (the download and upload of
-    the activations in between); `job_costs` are per micro-batch. With `split_job`, that
-    job is `split` jobs on consecutive devices, job s taking micro-batches s, s + split, ...
-    (ModelExecutePlan.tail_split). Every job also costs its device `job_overhead` before
-    its first micro-batch (its setup and the part of its upload that is not hidden).
+    the activations in between); `job_costs` are per micro-batch. With `split_job` (one
+    job index or several), that job is `split` jobs on consecutive devices, job s taking
+    micro-batches s, s + split, ... (ModelExecutePlan.tail_split). Every job also costs its
+    device `job_overhead` before its first micro-batch (its setup and the part of its
+    upload that is not hidden).
     """
+    split_jobs = {split_job} if isinstance(split_job, int) else set(split_job or ())
     free = [0.0] * num_devices
     prev: list[float] | None = None
     device = 0
     for k, cost in enumerate(job_costs):
-        parts = split if k == split_job else 1
+        parts = split if k in split_jobs else 1
         done = [0.0] * num_microbatch
         for part in range(parts):
             t = free[device] + job_overhead
@@ -471,6 +473,8 @@ def simulate_plan(
     num_devices: int,
     num_microbatch: int,
     handoff: float | None = None,
+    *,
+    calls: int = 1,
 ) -> float:
     """The simulated duration of one `forward_backward` call of a fused plan, from
     per-layer forward and backward costs over the call's micro-batches (`pipeline_makespan`).
@@ -480,6 +484,13 @@ def simulate_plan(
     the H100/H200 the device -> host -> device round trip of a Qwen3-1.7B micro-batch, 5
     ms, is about one decoder layer's forward, 6 ms). Each job also costs its device one
     handoff (`pipeline_makespan`'s job_overhead), so plans of many tiny jobs pay for them.
+
+    `calls` > 1: the duration of that many calls back to back, each call's first job
+    starting micro-batch i once the previous call's last job finished it and the device
+    is free. A what-if: the engine does not overlap calls (a call returns when all of its
+    jobs are done, and the step publishes new weights over the ones its backward reads),
+    so this measures what one call's drain overlapping the next call's fill would give
+    (bench/simulate.py --overlap).
     """
     if handoff is None:
         handoff = sorted(fwd)[len(fwd) // 2] / num_microbatch
@@ -494,6 +505,7 @@ def simulate_plan(
         num_microbatch=num_microbatch,
         handoff=handoff,
         tail_split=plan.tail_split,
+        calls=calls,
     )
 
 
@@ -508,18 +520,20 @@ def _simulate_groups(
     num_microbatch: int,
     handoff: float,
     tail_split: int,
+    calls: int = 1,
 ) -> float:
     """`pipeline_makespan` of forward groups, the fused tail (`tail_cost`, split over
-    `tail_split` jobs) and backward groups in launch order; costs over all micro-batches."""
+    `tail_split` jobs) and backward groups in launch order, `calls` times back to back;
+    costs over all micro-batches."""
     jobs = [sum(fwd[i] for i in g) for g in fwd_groups]
     jobs.append(tail_cost)
     jobs += [sum(bwd[i] for i in g) for g in bwd_groups]
     return pipeline_makespan(
-        [j / num_microbatch for j in jobs],
+        [j / num_microbatch for j in jobs] * calls,
         num_devices,
         num_microbatch,
         handoff,
-        split_job=len(fwd_groups),
+        split_job=[c * len(jobs) + len(fwd_groups) for c in range(calls)],
         split=tail_split,
         job_overhead=handoff,
     )
