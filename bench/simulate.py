@@ -34,12 +34,13 @@ summary per GPU count of the best micro-batch count (`kind: best`).
 `--overlap` adds a what-if to each prediction (`overlap_*` fields, and `kind:
 best_overlap`): the step if consecutive calls overlapped, the next call's first jobs
 filling the pipeline while this call's last jobs drain it, same plan, same overhead and
-issue-time floor. Two bounds: `overlap_*` (`simulate_plan(calls=...)`, the period between
-calls in steady state when the next call's micro-batch i waits for this call's last job
-to finish it: pessimistic, the weights of layer 0 are there once that job has started)
-and `busy_*` (the busiest device's work with no waiting at all: optimistic). The engine
-does not overlap calls: a call returns when its jobs are done, and the step publishes new
-weights into the host copy the backward still recomputes from.
+issue-time floor. Two figures: `overlap_*` (`simulate_plan(calls=...)`, the period between
+calls in steady state when the next call's first job starts once this call's last job has
+started, and every device still runs its jobs in launch order) and `busy_*` (the busiest
+device's work with no waiting at all: the bound that a device picking whichever job is
+ready could approach). The engine does not overlap calls: a call returns when its jobs are
+done, and the step publishes new weights into the host copy the backward still recomputes
+from.
 """
 
 from __future__ import annotations

@@ -434,6 +434,7 @@ def pipeline_makespan(
     split_job: int | Collection[int] | None = None,
     split: int = 1,
     job_overhead: float = 0.0,
+    call_jobs: int | None = None,
 ) -> float:
     """When the last of a call's jobs finishes, in the engine's round-robin pipeline.
 
@@ -445,24 +446,36 @@ def pipeline_makespan(
     micro-batches s, s + split, ... (ModelExecutePlan.tail_split). Every job also costs its
     device `job_overhead` before its first micro-batch (its setup and the part of its
     upload that is not hidden).
+
+    `call_jobs`: `job_costs` are several calls of that many jobs back to back, and a
+    call's first job depends on the call before only through the weights: it starts
+    `handoff` after the previous call's last job started (that job has taken its copy of
+    the first layers' weights, so the next ones may be published), not micro-batch by
+    micro-batch. A what-if (see `simulate_plan`'s `calls`).
     """
     split_jobs = {split_job} if isinstance(split_job, int) else set(split_job or ())
     free = [0.0] * num_devices
     prev: list[float] | None = None
+    prev_start = 0.0
     device = 0
     for k, cost in enumerate(job_costs):
         parts = split if k in split_jobs else 1
+        new_call = call_jobs is not None and k > 0 and k % call_jobs == 0
         done = [0.0] * num_microbatch
+        start = float("inf")
         for part in range(parts):
             t = free[device] + job_overhead
+            if new_call:
+                t = max(t, prev_start + handoff)
             for i in range(part, num_microbatch, parts):
-                if prev is not None and prev[i] + handoff > t:
+                if not new_call and prev is not None and prev[i] + handoff > t:
                     t = prev[i] + handoff
+                start = min(start, t)
                 t += cost
                 done[i] = t
             free[device] = t
             device = (device + 1) % num_devices
-        prev = done
+        prev, prev_start = done, start
     return max(free)
 
 
@@ -486,11 +499,12 @@ def simulate_plan(
     handoff (`pipeline_makespan`'s job_overhead), so plans of many tiny jobs pay for them.
 
     `calls` > 1: the duration of that many calls back to back, each call's first job
-    starting micro-batch i once the previous call's last job finished it and the device
-    is free. A what-if: the engine does not overlap calls (a call returns when all of its
-    jobs are done, and the step publishes new weights over the ones its backward reads),
-    so this measures what one call's drain overlapping the next call's fill would give
-    (bench/simulate.py --overlap).
+    starting once the previous call's last job has started and the device is free
+    (`pipeline_makespan`'s `call_jobs`; the device rotation runs on from call to call, as
+    the engine's does). A what-if: the engine does not overlap calls (a call returns when
+    all of its jobs are done, and the step publishes new weights over the ones its
+    backward reads), so this measures what one call's drain overlapping the next call's
+    fill would give (bench/simulate.py --overlap).
     """
     if handoff is None:
         handoff = sorted(fwd)[len(fwd) // 2] / num_microbatch
@@ -536,6 +550,7 @@ def _simulate_groups(
         split_job=[c * len(jobs) + len(fwd_groups) for c in range(calls)],
         split=tail_split,
         job_overhead=handoff,
+        call_jobs=len(jobs) if calls > 1 else None,
     )
 
 

@@ -17,12 +17,15 @@ BWD = [59.5] + [77.0] * 28 + [453.5]
 
 
 def test_two_calls_back_to_back_by_hand() -> None:
-    # Two jobs of 1 per micro-batch on 2 devices, 2 micro-batches: one call ends at 3.
-    assert pipeline_makespan([1.0, 1.0], 2, 2) == 3.0
-    # The second call's first job (device 0, free at 2) takes micro-batch 0 once the first
-    # call's last job finished it (2) and micro-batch 1 at 3; its second job on device 1
-    # runs 3..5. Five, not six: one call's drain overlaps the next call's fill.
-    assert pipeline_makespan([1.0, 1.0] * 2, 2, 2) == 5.0
+    # Jobs of 1 and 3 per micro-batch, 2 micro-batches, 3 devices: one call ends at 7
+    # (job 0 on device 0: 0..2; job 1 on device 1: 1..4, 4..7).
+    assert pipeline_makespan([1.0, 3.0], 3, 2) == 7.0
+    # As one chain of four jobs, the second call's first job (device 2) would wait for
+    # each micro-batch of job 1: 4..5, 7..8, and its second job (device 0) 5..8, 8..11.
+    assert pipeline_makespan([1.0, 3.0] * 2, 3, 2) == 11.0
+    # As two calls, the second call's first job needs only job 1 to have started (at 1):
+    # 1..3 on device 2, then its second job on device 0 2..5, 5..8.
+    assert pipeline_makespan([1.0, 3.0] * 2, 3, 2, call_jobs=2) == 8.0
 
 
 def test_split_jobs_may_be_several() -> None:
