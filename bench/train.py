@@ -129,19 +129,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     # is ~73 GiB of host memory.
     "qwen3-30b-a3b-6l": {**_QWEN3_30B_A3B, "num_hidden_layers": 6},
     "tiny-moe": {
+        **_TINY,
         "family": "qwen3_moe",
-        "hidden_size": 64,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 128,
         "moe_intermediate_size": 32,
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "norm_topk_prob": True,
-        "vocab_size": 256,
-        "tie_word_embeddings": True,
     },
     # hidden 5120, 64 layers, 64 query / 8 kv heads of 128, intermediate 25600: ~33 B
     # parameters, 66 GB in fp16 (LoRA only: the fp32 optimizer would need ~530 GB)

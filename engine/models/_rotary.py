@@ -49,6 +49,12 @@ def rotary_fingerprint(rotary_emb: nn.Module) -> tuple[Any, ...] | None:
     )
 
 
+def _default_tables(rotary_emb: nn.Module, hidden: Tensor) -> RotaryEntry:
+    """Positions 0..seq-1 as (1, seq) and the rotary module's (cos, sin) for them."""
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    return positions, tuple(rotary_emb(hidden, positions))
+
+
 class DefaultRotaryCache:
     """A small least-recently-used map from (fingerprint, device, dtype, length) to the
     positions and the rotary module's output for them; safe to share between threads."""
@@ -75,8 +81,7 @@ class DefaultRotaryCache:
                 self._tables.move_to_end(key)
                 return hit
         # Two threads may both miss and compute: the same values, one of them is kept.
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        entry = (positions, tuple(rotary_emb(hidden, positions)))
+        entry = _default_tables(rotary_emb, hidden)
         with self._lock:
             self._tables[key] = entry
             while len(self._tables) > self.entries:
@@ -92,6 +97,5 @@ def default_rotary(
 ) -> RotaryEntry:
     """Positions 0..seq-1 as (1, seq) and the rotary module's (cos, sin) for them."""
     if fingerprint is None or torch.is_inference_mode_enabled():
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        return positions, tuple(rotary_emb(hidden, positions))
+        return _default_tables(rotary_emb, hidden)
     return _CACHE.get(fingerprint, rotary_emb, hidden)

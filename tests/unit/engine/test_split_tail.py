@@ -21,6 +21,7 @@ from engine.models import count_loss_tokens
 from engine.scheduler import pipeline_makespan, plan_from_times, simulate_plan
 from engine.wrapper import wrap_model_to_roundpipe
 
+from ._models import tiny_hf_model
 from .conftest import use_devices
 
 transformers = pytest.importorskip("transformers")
@@ -36,20 +37,9 @@ def cpu8() -> Iterator[int]:
 
 def tiny_qwen3() -> torch.nn.Module:
     """A 2-decoder-layer Qwen3 with tied embeddings, fp32."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        use_cache=False,
+    return tiny_hf_model(
+        "qwen3", vocab=VOCAB, window=4, max_position_embeddings=32, tie_word_embeddings=True
     )
-    return transformers.Qwen3ForCausalLM(config).float().train()
 
 
 def batch(seed: int) -> dict[str, torch.Tensor]:
