@@ -267,7 +267,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--seqs-per-step must be a multiple of --num-microbatch")
     if (args.baseline or args.baseline_only) and args.seqs_per_step % args.baseline_microbatch:
         p.error("--seqs-per-step must be a multiple of --baseline-microbatch")
+    if args.memory_breakdown and _history_breaks_chunked_mlp(args):
+        p.error(
+            "--memory-breakdown records CUDA memory history, and with torch >= 2.11 that "
+            "breaks torch.utils.checkpoint around compiled functions (SystemError: ... "
+            "returned NULL without setting an exception; pytorch/pytorch#179536). This run "
+            "chunks the MLP under checkpoint: pass --mlp-chunk-tokens 0 with "
+            "--memory-breakdown, or drop --memory-breakdown"
+        )
     return args
+
+
+def _history_breaks_chunked_mlp(args: argparse.Namespace) -> bool:
+    """Whether this run would chunk a dense MLP (under torch.utils.checkpoint, around the
+    compiled chunk) on a torch whose CUDA memory history breaks that: 2.11 raised a
+    SystemError in the backward of such chunks on the H100 only while history was on."""
+    from torch.torch_version import TorchVersion
+
+    from engine.models._common import DEFAULT_MLP_CHUNK_TOKENS
+
+    if not torch.cuda.is_available() or TorchVersion(torch.__version__) < (2, 11):
+        return False
+    if "family" in SHAPES[args.model]:  # mixture-of-experts shapes never chunk their MLP
+        return False
+    limit = DEFAULT_MLP_CHUNK_TOKENS if args.mlp_chunk_tokens is None else args.mlp_chunk_tokens
+    micro_batch_tokens = args.seqs_per_step // args.num_microbatch * args.seq_len
+    return bool(limit) and micro_batch_tokens > limit
 
 
 @contextlib.contextmanager

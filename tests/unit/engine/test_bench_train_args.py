@@ -1,0 +1,61 @@
+"""bench/train.py's argument checks: runs that could not work are refused before any model
+is built, with the flag to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import train
+
+LONG_8B = "--model qwen3-8b --seq-len 262144 --seqs-per-step 1 --num-microbatch 1"
+
+
+def _parse(argv: str) -> object:
+    return train.parse_args(argv.split())
+
+
+@pytest.fixture
+def cuda_torch_2_11(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA machine with the torch of the H100 where the SystemError was seen."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+
+
+@pytest.mark.usefixtures("cuda_torch_2_11")
+def test_memory_breakdown_with_a_chunked_mlp_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _parse(f"{LONG_8B} --memory-breakdown")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "pytorch/pytorch#179536" in err
+    assert "--mlp-chunk-tokens 0" in err
+
+
+@pytest.mark.usefixtures("cuda_torch_2_11")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        f"{LONG_8B} --memory-breakdown --mlp-chunk-tokens 0",  # the MLP runs whole
+        f"{LONG_8B}",  # no memory history
+        "--memory-breakdown",  # 2048 x 16 tokens a micro-batch: under the threshold
+        "--seq-len 131072 --seqs-per-step 1 --num-microbatch 1 --memory-breakdown",  # at it
+        "--model qwen3-30b-a3b --seq-len 262144 --seqs-per-step 1 --num-microbatch 1 "
+        "--memory-breakdown",  # experts never chunk
+    ],
+)
+def test_memory_breakdown_is_kept_where_no_mlp_is_chunked(argv: str) -> None:
+    assert _parse(argv) is not None
+
+
+def test_memory_breakdown_is_kept_on_older_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
+    assert _parse(f"{LONG_8B} --memory-breakdown").memory_breakdown
+
+
+def test_one_sequence_a_step_needs_no_baseline_divisor() -> None:
+    args = _parse("--seq-len 4096 --seqs-per-step 1 --num-microbatch 1")
+    assert (args.seqs_per_step, args.num_microbatch) == (1, 1)
