@@ -82,7 +82,8 @@ RECOMPUTE_ATTENTION: bool = False
 # micro-batch: they are ~62% of a Qwen3-1.7B layer's saved activations. Same math; it costs
 # one more MLP forward per layer and step. None: never chunk. Read when the preset is built
 # (set it before wrapping); each layer keeps its own copy in `mlp_chunk_tokens` (and the
-# chunk size in `mlp_chunk_size`).
+# chunk size in `mlp_chunk_size`). torch 2.11 fails such checkpoints around compiled code while
+# CUDA memory history is recorded (pytorch/pytorch#179536): set None for those runs.
 MLP_CHUNK_TOKENS: int | None = DEFAULT_MLP_CHUNK_TOKENS
 
 SUPPORTED_MODELS: dict[str, str] = {
