@@ -57,7 +57,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.scheduler import ModelExecutePlan, plan_from_times, simulate_plan
+from engine.scheduler import (
+    ModelExecutePlan,
+    default_handoff,
+    plan_from_times,
+    plan_job_costs,
+    simulate_plan,
+)
 
 
 @dataclass
@@ -156,10 +162,8 @@ def busy_bound_s(
     plus one handoff per job, as `simulate_plan` costs them, with no waiting. The device
     rotation runs on from call to call as the engine's does, so a call's jobs land on other
     devices the next time. No overlap of calls can make a call's share shorter."""
-    handoff = sorted(fwd)[len(fwd) // 2] / m
-    jobs = [sum(fwd[i] for i in g) for g in plan.fwd_plan[:-1]]
-    jobs.append(sum(fwd[i] + bwd[i] for i in plan.fwd_plan[-1]))
-    jobs += [sum(bwd[i] for i in g) for g in plan.bwd_plan]
+    handoff = default_handoff(fwd, m)
+    jobs = plan_job_costs(plan, fwd, bwd)
     tail = len(plan.fwd_plan) - 1
     busy = [0.0] * devices
     device = 0

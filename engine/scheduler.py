@@ -21,8 +21,10 @@ __all__ = [
     "ModelTracker",
     "RunType",
     "chunk_layer_params",
+    "default_handoff",
     "pipeline_makespan",
     "plan_from_times",
+    "plan_job_costs",
     "simulate_plan",
 ]
 
@@ -507,20 +509,44 @@ def simulate_plan(
     fill would give (bench/simulate.py --overlap).
     """
     if handoff is None:
-        handoff = sorted(fwd)[len(fwd) // 2] / num_microbatch
-    tail_cost = sum(fwd[i] + bwd[i] for i in plan.fwd_plan[-1])
-    return _simulate_groups(
-        fwd,
-        bwd,
-        plan.fwd_plan[:-1],
-        tail_cost,
-        plan.bwd_plan,
+        handoff = default_handoff(fwd, num_microbatch)
+    return _simulate_jobs(
+        plan_job_costs(plan, fwd, bwd),
+        len(plan.fwd_plan) - 1,
         num_devices=num_devices,
         num_microbatch=num_microbatch,
         handoff=handoff,
         tail_split=plan.tail_split,
         calls=calls,
     )
+
+
+def default_handoff(fwd: Sequence[float], num_microbatch: int) -> float:
+    """`simulate_plan`'s default handoff: the median layer's forward for one micro-batch."""
+    return sorted(fwd)[len(fwd) // 2] / num_microbatch
+
+
+def plan_job_costs(
+    plan: ModelExecutePlan, fwd: Sequence[float], bwd: Sequence[float]
+) -> list[float]:
+    """A fused plan's jobs in launch order (forward groups, the fused tail as one job before
+    its split, backward groups), each its cost over all micro-batches: what `simulate_plan`
+    runs."""
+    tail_cost = sum(fwd[i] + bwd[i] for i in plan.fwd_plan[-1])
+    return _job_costs(fwd, bwd, plan.fwd_plan[:-1], tail_cost, plan.bwd_plan)
+
+
+def _job_costs(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    fwd_groups: Sequence[range],
+    tail_cost: float,
+    bwd_groups: Iterable[range],
+) -> list[float]:
+    jobs = [sum(fwd[i] for i in g) for g in fwd_groups]
+    jobs.append(tail_cost)
+    jobs += [sum(bwd[i] for i in g) for g in bwd_groups]
+    return jobs
 
 
 def _simulate_groups(
@@ -534,20 +560,36 @@ def _simulate_groups(
     num_microbatch: int,
     handoff: float,
     tail_split: int,
+) -> float:
+    """`_simulate_jobs` of forward groups, the fused tail (`tail_cost`) and backward groups."""
+    return _simulate_jobs(
+        _job_costs(fwd, bwd, fwd_groups, tail_cost, bwd_groups),
+        len(fwd_groups),
+        num_devices=num_devices,
+        num_microbatch=num_microbatch,
+        handoff=handoff,
+        tail_split=tail_split,
+    )
+
+
+def _simulate_jobs(
+    jobs: list[float],
+    tail_index: int,
+    *,
+    num_devices: int,
+    num_microbatch: int,
+    handoff: float,
+    tail_split: int,
     calls: int = 1,
 ) -> float:
-    """`pipeline_makespan` of forward groups, the fused tail (`tail_cost`, split over
-    `tail_split` jobs) and backward groups in launch order, `calls` times back to back;
-    costs over all micro-batches."""
-    jobs = [sum(fwd[i] for i in g) for g in fwd_groups]
-    jobs.append(tail_cost)
-    jobs += [sum(bwd[i] for i in g) for g in bwd_groups]
+    """`pipeline_makespan` of one call's jobs (costs over all micro-batches, in launch order;
+    job `tail_index` split over `tail_split` jobs), `calls` times back to back."""
     return pipeline_makespan(
         [j / num_microbatch for j in jobs] * calls,
         num_devices,
         num_microbatch,
         handoff,
-        split_job=[c * len(jobs) + len(fwd_groups) for c in range(calls)],
+        split_job=[c * len(jobs) + tail_index for c in range(calls)],
         split=tail_split,
         job_overhead=handoff,
         call_jobs=len(jobs) if calls > 1 else None,
@@ -600,7 +642,7 @@ def _pipeline_search(
     """
     n = len(fwd)
     min_groups = min(max(num_devices - 1, 1), n)
-    handoff = sorted(fwd)[n // 2] / num_microbatch  # see simulate_plan
+    handoff = default_handoff(fwd, num_microbatch)
 
     def ok(groups: list[range], cost: list[float]) -> bool:
         return _groups_fit(groups, cost, mem, min_groups=min_groups, cap=cap, mem_cap=mem_cap)
