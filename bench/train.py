@@ -246,6 +246,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="record CUDA allocations and report the largest ones alive at the peak",
     )
+    p.add_argument(
+        "--replay-max-tokens",
+        type=int,
+        default=None,
+        help="CUDA graph replay of decoder layers for micro-batches of up to this many "
+        "tokens (engine.graphs.REPLAY_MAX_TOKENS; default the engine's; 0: off)",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -570,6 +577,7 @@ def host_plan(args: argparse.Namespace) -> Any:
 
 
 def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
+    import engine.graphs
     import engine.models
     from engine.device import get_num_devices
     from engine.models import causal_lm_loss_fn
@@ -596,6 +604,9 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     initial = {n: p.detach().clone() for n, p in model.named_parameters()} if args.check else {}
 
     engine.models.RECOMPUTE_ATTENTION = args.recompute_attention
+    if args.replay_max_tokens is not None:
+        engine.graphs.ENABLED = args.replay_max_tokens > 0
+        engine.graphs.REPLAY_MAX_TOKENS = args.replay_max_tokens or None
     if args.mlp_chunk_tokens is not None:
         engine.models.MLP_CHUNK_TOKENS = args.mlp_chunk_tokens or None
     t0 = time.perf_counter()
@@ -686,6 +697,11 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         wrap_s=round(wrap_s, 2),
         plan=_last_plan(rp),
         layer_times_ms=_layer_times(rp),
+        replay={
+            "enabled": engine.graphs.ENABLED,
+            "max_tokens": engine.graphs.REPLAY_MAX_TOKENS,
+            **engine.graphs.stats(),
+        },
         gpu_peak_breakdown=breakdown,
         steps_with_compile=compiled,
         tokens_per_s_steps_without_compile=(

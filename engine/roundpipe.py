@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import graphs
 from .attribute import LayerAttribute, ParamAttribute
 from .batch import (
     RoundPipePackedData,
@@ -275,6 +276,21 @@ class RoundPipeBase(nn.Module):
             p.grad = None
 
 
+def _replayable_layers(
+    layers: list[nn.Module], layer_params: list[list[tuple[nn.Parameter, ParamAttribute]]]
+) -> list[bool]:
+    """Per layer, whether it may replay (engine.graphs): it opts in and shares no parameter
+    with another layer (a slot holds one layer's own tensors)."""
+    uses: dict[int, int] = {}
+    for params in layer_params:
+        for p, _ in params:
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    return [
+        graphs.layer_may_replay(layer) and all(uses[id(p)] == 1 for p, _ in params)
+        for layer, params in zip(layers, layer_params, strict=True)
+    ]
+
+
 def _publish_weights_take_grads(
     owner: RoundPipeBase, groups: list[list[tuple[nn.Parameter, ParamAttribute]]]
 ) -> None:
@@ -391,6 +407,8 @@ class RoundPipe(RoundPipeBase):
                     lp.append((p, ParamAttribute.get(p)))
             layer_params.append(lp)
         object.__setattr__(self, "layer_params", layer_params)
+        object.__setattr__(self, "_may_replay", _replayable_layers(layers, layer_params))
+        object.__setattr__(self, "_replay_wanted", True)
         object.__setattr__(self, "_replicas", {})
         object.__setattr__(self, "_replica_lock", threading.Lock())
         object.__setattr__(self, "_plans", {})
@@ -416,13 +434,43 @@ class RoundPipe(RoundPipeBase):
         layer_ids: range,
         run: RunState,
         saved_buffers: dict[int, torch.Tensor] | None = None,
+        *,
+        slots: bool = False,
+        slot_grads: bool = False,
     ) -> UploadedGroup:
-        """Upload a layer group to `dev` once the optimizer has published its weights."""
+        """Upload a layer group to `dev` once the optimizer has published its weights.
+
+        With `slots`, layers that may replay (engine.graphs) go into the device's slots;
+        `slot_grads`: their .grad are the slots' zeroed gradient buffers (backward jobs).
+        """
         owners = sorted({pa.owner_layer for j in layer_ids for _, pa in self.layer_params[j]})
         for o in owners:
             run.wait(self.layer_attrs[o].param_copied)
         replicas = [self._replica(dev, j) for j in layer_ids]
-        return upload_layers(dev, replicas, layer_ids, saved_buffers=saved_buffers)
+        replayer = graphs.replayer(dev) if slots and self._replay_wanted else None
+        slot_list = (
+            replayer.acquire(replicas, [self._may_replay[j] for j in layer_ids])
+            if replayer is not None
+            else None
+        )
+        return upload_layers(
+            dev,
+            replicas,
+            layer_ids,
+            saved_buffers=saved_buffers,
+            slots=slot_list,
+            slot_grads=slot_grads,
+        )
+
+    def stop_replay(self) -> None:
+        """Run this model's layers as they are from now on (a state over
+        engine.graphs.REPLAY_MAX_TOKENS was seen), and give the slots' memory back."""
+        if self._replay_wanted:
+            object.__setattr__(self, "_replay_wanted", False)
+            log.info(
+                "%s: micro-batches over the replay limit; layers run without replay", self.name
+            )
+            graphs.drop_all_slots()
 
     # ---- planning ---------------------------------------------------------------------------
     def _plan(self, run_type: RunType, cfg: FullRoundPipeRunConfig) -> ModelExecutePlan:

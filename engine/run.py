@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
+from . import graphs
 from .attribute import ParamAttribute
 from .context import ForwardCtx, RecomputeCtx
 from .device import DeviceManager, Job
@@ -276,12 +277,32 @@ def _make_save_fn(run: RunState, dev: DeviceManager, layer_id: int, mb: int) -> 
     return save
 
 
-def _recompute_ctx(run: RunState, dev: DeviceManager, layer_id: int, mb: int) -> RecomputeCtx:
+def _recompute_data(
+    run: RunState, dev: DeviceManager, layer_id: int, mb: int
+) -> tuple[Any, ...] | None:
+    """What layer `layer_id` saved in micro-batch `mb`'s forward, uploaded (or None)."""
     saved = run.recompute_data.get((layer_id, mb))
     if saved is None:
-        return RecomputeCtx(None)
+        return None
     leaves = async_h2d(dev, [saved.event], saved.leaves)
-    return RecomputeCtx(tuple(saved.rebuild(leaves)))
+    return tuple(saved.rebuild(leaves))
+
+
+def _replay(dev: DeviceManager, run: RunState, group: UploadedGroup) -> graphs.Replayer | None:
+    """The device's Replayer where this job's layers may replay (they have slots)."""
+    if not any(s is not None for s in group.slots):
+        return None
+    return graphs.replayer(dev)
+
+
+def _state_too_large(run: RunState, carry: Any) -> bool:
+    """Whether the carry's state is over the replay limit; then this model stops using
+    slots (engine.graphs.REPLAY_MAX_TOKENS: long sequences gain nothing from replay)."""
+    state = graphs.state_of(carry)
+    if state is None or not graphs.too_many_tokens(state):
+        return False
+    run.model.stop_replay()
+    return True
 
 
 def _run_forward_layers(
@@ -294,20 +315,57 @@ def _run_forward_layers(
     mb: int,
     *,
     keep_for_backward: bool,
+    group: UploadedGroup | None = None,
 ) -> Any:
-    """Run layers on the device; keep inputs/RNG/saved data that a later recompute needs."""
+    """Run layers on the device; keep inputs/RNG/saved data that a later recompute needs.
+
+    With the job's `group` (a no-grad forward), runs of layers that may replay go through
+    their captured graph (engine.graphs); a run ends where the backward needs a layer's
+    input, which is downloaded between layers.
+    """
     tracker = run.tracker
-    for k, j in enumerate(layer_ids):
-        needs_input = keep_for_backward and tracker.backward_need_input(j)
-        if needs_input and k > 0:
+    replayer = _replay(dev, run, group) if group is not None else None
+    slots = group.slots if group is not None else []
+
+    def needs_input(k: int) -> bool:
+        return keep_for_backward and tracker.backward_need_input(layer_ids[k])
+
+    k = 0
+    while k < len(layer_ids):
+        j = layer_ids[k]
+        if needs_input(k) and k > 0:
             leaves, tree = _flatten(cur)
             host, ev = async_d2h(dev, leaves, pieces=True)
             run.saved_inputs[(j, mb)] = Act(host, tree, ev, is_args=False)
-        if needs_input and run.cfg.preserve_rng_state:
+        if needs_input(k) and run.cfg.preserve_rng_state:
             run.rng_states[(j, mb)] = dev.get_rng_state()
+        if replayer is not None and not (is_args and k == 0) and not _state_too_large(run, cur):
+            keys = replayer.forward_span(
+                modules, slots, k, cur, saving=keep_for_backward, stop_before=needs_input
+            )
+            if keys:
+                stop = k + len(keys)
+                save_fns = (
+                    [_make_save_fn(run, dev, layer_ids[i], mb) for i in range(k, stop)]
+                    if keep_for_backward
+                    else None
+                )
+                with annotate(f"{run.model.name}.fwd{j}-{layer_ids[stop - 1]}.mb{mb}.replay"):
+                    out = replayer.run_forward(
+                        modules[k:stop],
+                        slots[k:stop],
+                        keys,
+                        cur,
+                        save_fns,  # type: ignore[arg-type]
+                    )
+                if out is not None:
+                    cur, k = out, stop
+                    continue
+                replayer = None  # not captured: the rest runs as it is
         save_fn = _make_save_fn(run, dev, j, mb) if keep_for_backward else None
         with ForwardCtx(save_fn), annotate(f"{run.model.name}.fwd{j}.mb{mb}"):
             cur = _call_layer(modules[k], cur, is_args and k == 0)
+        k += 1
     return cur
 
 
@@ -315,7 +373,7 @@ def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
     """Forward of one layer group over every micro-batch."""
     layer_ids = run.plan.fwd_plan[group_id]
     dev.throttle()
-    group = run.model.upload_group(dev, layer_ids, run)
+    group = run.model.upload_group(dev, layer_ids, run, slots=True)
     timer = IterTimer(run.model.model_timer, "fwd", dev.is_cuda)
     run.timers.append(timer)
     last = group_id == len(run.plan.fwd_plan) - 1
@@ -340,6 +398,7 @@ def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
                     act.is_args,
                     mb,
                     keep_for_backward=run.enable_grad,
+                    group=group,
                 )
             out_leaves, tree = _flatten(out)
             # The last group's outputs go to the caller: real tensors, not HostPieces.
@@ -354,7 +413,7 @@ def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
         download_buffers(dev, group, run.saved_buffers if run.enable_grad else None)
     finally:
         dev.job_issued()
-        release_group(group)
+        release_group(group, dev)
 
 
 def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
@@ -426,7 +485,7 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
         download_buffers(dev, group, None)
     finally:
         dev.job_issued()
-        release_group(group)
+        release_group(group, dev)
 
 
 def _hand_back_input_grads(
@@ -446,7 +505,9 @@ def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
     """Recompute and backward of one backward group over every micro-batch."""
     layer_ids = run.plan.bwd_plan[bwd_id]
     dev.throttle()
-    group = run.model.upload_group(dev, layer_ids, run, saved_buffers=run.saved_buffers)
+    group = run.model.upload_group(
+        dev, layer_ids, run, saved_buffers=run.saved_buffers, slots=True, slot_grads=True
+    )
     timer = IterTimer(run.model.model_timer, "bwd", dev.is_cuda)
     run.timers.append(timer)
     upstream_done: threading.Semaphore | None = None
@@ -475,43 +536,95 @@ def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
                 else:
                     steps = [range(j, j + 1) for j in reversed(layer_ids)]
                 for sub in steps:
-                    inp = run.saved_inputs[(sub.start, mb)]
-                    leaves = async_h2d(dev, [inp.event], inp.leaves)
-                    is_first = sub.start == 0
-                    flags = _requires_grad_leaves(
-                        leaves, run.input_requires_grad if is_first else None
-                    )
-                    cur = inp.rebuild(leaves)
-                    modules = group.modules[
-                        sub.start - layer_ids.start : sub.stop - layer_ids.start
-                    ]
-                    with dev.rng_restored(run.rng_states.get((sub.start, mb))):
-                        for k, j in enumerate(sub):
-                            with (
-                                _recompute_ctx(run, dev, j, mb),
-                                annotate(f"{run.model.name}.re{j}.mb{mb}"),
-                            ):
-                                cur = _call_layer(modules[k], cur, inp.is_args and k == 0)
-                    outs, _ = _flatten(cur)
-                    pairs = [
-                        (o, g)
-                        for o, g in zip(outs, cur_grads, strict=False)
-                        if isinstance(o, torch.Tensor)
-                        and o.requires_grad
-                        and isinstance(g, torch.Tensor)
-                    ]
-                    if pairs:
-                        torch.autograd.backward(
-                            [o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs]
-                        )
-                    cur_grads = [t.grad if f else None for t, f in zip(leaves, flags, strict=True)]
-                    del cur, outs, pairs, leaves
+                    cur_grads = _recompute_backward(run, dev, group, layer_ids, sub, mb, cur_grads)
             _hand_back_input_grads(run, dev, cur_grads, mb, to_user=first_group)
             run.tracker.backward_notify(bwd_id)
         download_param_grads(dev, run, group, job_index=run.backward_job_index(bwd_id))
     finally:
         dev.job_issued()
-        release_group(group)
+        release_group(group, dev)
+
+
+def _recompute_backward(
+    run: RunState,
+    dev: DeviceManager,
+    group: UploadedGroup,
+    job_layers: range,
+    sub: range,
+    mb: int,
+    grads_out: list[Any],
+) -> list[Any]:
+    """Recompute layers `sub` of micro-batch `mb` from their saved input and backpropagate
+    `grads_out` (the gradients of their output leaves); returns the input leaves' gradients.
+
+    Where the top of `sub` may replay (engine.graphs), the layers below it recompute as
+    before, the top recomputes and backpropagates in its graph, and autograd carries the
+    graph's input gradient down through the layers below.
+    """
+    inp = run.saved_inputs[(sub.start, mb)]
+    leaves = async_h2d(dev, [inp.event], inp.leaves)
+    flags = _requires_grad_leaves(leaves, run.input_requires_grad if sub.start == 0 else None)
+    cur = inp.rebuild(leaves)
+    offset = sub.start - job_layers.start
+    modules = group.modules[offset : offset + len(sub)]
+    slots = group.slots[offset : offset + len(sub)]
+    data = [_recompute_data(run, dev, j, mb) for j in sub]
+    replayer = _replay(dev, run, group)
+    grad_state = grads_out[0] if grads_out and isinstance(grads_out[0], torch.Tensor) else None
+    replayed = False
+    with dev.rng_restored(run.rng_states.get((sub.start, mb))):
+        for k, j in enumerate(sub):
+            if (
+                replayer is not None
+                and grad_state is not None
+                and not (inp.is_args and k == 0)
+                and not _state_too_large(run, cur)
+            ):
+                keys = replayer.backward_span(modules, slots, k, cur, data)
+                if keys:
+                    with annotate(f"{run.model.name}.re{j}-{sub.stop - 1}.mb{mb}.replay"):
+                        replayed = _replay_backward(
+                            replayer, modules[k:], slots[k:], keys, cur, grad_state, data[k:]
+                        )
+                    if replayed:
+                        break
+                    replayer = None  # not captured: the rest runs as it is
+            with RecomputeCtx(data[k]), annotate(f"{run.model.name}.re{j}.mb{mb}"):
+                cur = _call_layer(modules[k], cur, inp.is_args and k == 0)
+    if not replayed:
+        outs, _ = _flatten(cur)
+        pairs = [
+            (o, g)
+            for o, g in zip(outs, grads_out, strict=False)
+            if isinstance(o, torch.Tensor) and o.requires_grad and isinstance(g, torch.Tensor)
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+    return [t.grad if f else None for t, f in zip(leaves, flags, strict=True)]
+
+
+def _replay_backward(
+    replayer: graphs.Replayer,
+    modules: list[torch.nn.Module],
+    slots: list[Any],
+    keys: list[Any],
+    carry: Any,
+    grad_state: torch.Tensor,
+    data: list[tuple[Any, ...] | None],
+) -> bool:
+    """Backpropagate `grad_state` through `modules` by replay, then on through autograd to
+    whatever produced the carry's state; False where the graph could not be captured."""
+    grad_in = replayer.run_backward(modules, slots, keys, carry, grad_state, data)
+    if grad_in is None:
+        return False
+    state = graphs.state_of(carry)
+    assert state is not None
+    if state.requires_grad:
+        if state.is_leaf:  # the job's saved input: its gradient goes to the group before
+            state.grad = grad_in
+        else:  # the output of layers recomputed below the replayed ones
+            torch.autograd.backward(state, grad_in)
+    return True
 
 
 def download_param_grads(

@@ -128,11 +128,13 @@ class ModelTimer:
 
 
 def _compiled_graphs() -> int:
-    """How many graphs torch.compile has built in this process so far."""
+    """How many graphs torch.compile has built and engine.graphs has captured in this
+    process so far (either makes an iteration's timings a measure of the building)."""
+    from . import graphs
+
     dynamo_utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled
-    if dynamo_utils is None:
-        return 0
-    return int(dynamo_utils.counters["stats"]["unique_graphs"])
+    compiled = 0 if dynamo_utils is None else int(dynamo_utils.counters["stats"]["unique_graphs"])
+    return compiled + graphs.stats()["captures"]
 
 
 class IterTimer:

@@ -18,12 +18,15 @@ import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .device import DeviceManager
+
+if TYPE_CHECKING:
+    from .graphs import Slot
 
 __all__ = [
     "PIECES_MIN_BYTES",
@@ -98,6 +101,7 @@ class UploadedGroup:
     replicas: list[LayerReplica]
     device_tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # id(host) -> device
     buffer_versions: dict[int, int] = field(default_factory=dict)  # id(host buffer) -> _version
+    slots: list[Slot | None] = field(default_factory=list)  # per replica (engine.graphs)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -130,16 +134,25 @@ def upload_layers(
     layer_ids: Sequence[int],
     *,
     saved_buffers: dict[int, torch.Tensor] | None = None,
+    slots: Sequence[Slot | None] | None = None,
+    slot_grads: bool = False,
 ) -> UploadedGroup:
     """Upload a layer group's parameters and buffers into `replicas` on `dev`.
 
     The compute stream waits for the upload; the host does not. `saved_buffers` maps a host
     buffer to the value it had before the forward, for a recompute that must see the same
-    buffers as the forward did.
+    buffers as the forward did. A replica with a slot (engine.graphs) is uploaded into the
+    slot's tensors, once the last job using the slot no longer reads them; with
+    `slot_grads` its parameters' .grad are the slot's gradient buffers, zeroed (a backward
+    job: autograd and the replayed graphs add into them).
     """
-    group = UploadedGroup(list(layer_ids), list(replicas))
+    slot_list = list(slots) if slots is not None else [None] * len(replicas)
+    group = UploadedGroup(list(layer_ids), list(replicas), slots=slot_list)
     with dev.on(dev.param_upstream):
-        for rep in replicas:
+        for rep, slot in zip(replicas, slot_list, strict=True):
+            if slot is not None:
+                _upload_into_slot(dev, rep, slot, group, saved_buffers)
+                continue
             for host, ph in rep.params:
                 d = group.device_tensors.get(id(host))
                 if d is None:
@@ -160,12 +173,54 @@ def upload_layers(
         dev.wait_event(dev.compute_stream, uploaded)
         for d in group.device_tensors.values():
             dev.mark_used(d, dev.compute_stream)
+    if slot_grads:
+        _bind_slot_grads(dev, replicas, slot_list)
     hooks = [hook for rep in replicas for hook in rep.after_upload]
     if hooks:
         with dev.compute(), torch.no_grad():
             for hook in hooks:
                 hook()
     return group
+
+
+def _upload_into_slot(
+    dev: DeviceManager,
+    rep: LayerReplica,
+    slot: Slot,
+    group: UploadedGroup,
+    saved_buffers: dict[int, torch.Tensor] | None,
+) -> None:
+    """Copy one layer's tensors into its slot and bind the replica to them (on the
+    parameter upload stream, which waits until the slot's last job no longer reads it)."""
+    dev.wait_event(dev.param_upstream, slot.weights_free)
+    for (host, ph), d in zip(rep.params, slot.params, strict=True):
+        d.copy_(host.detach(), non_blocking=dev.is_cuda)
+        ph.data = d
+        ph.grad = None
+    for (host, bh), d in zip(rep.buffers, slot.buffers, strict=True):
+        src = saved_buffers.get(id(host), host) if saved_buffers else host
+        d.copy_(src, non_blocking=dev.is_cuda)
+        bh.data = d
+        group.buffer_versions[id(host)] = bh._version
+
+
+def _bind_slot_grads(
+    dev: DeviceManager, replicas: Sequence[LayerReplica], slots: Sequence[Slot | None]
+) -> None:
+    """Zero the slots' gradient buffers (once their last downloads are done) and make them
+    the parameters' .grad."""
+    buffers: list[torch.Tensor] = []
+    with dev.compute():
+        for rep, slot in zip(replicas, slots, strict=True):
+            if slot is None:
+                continue
+            dev.wait_event(dev.compute_stream, slot.grads_free)
+            for (_, ph), g in zip(rep.params, slot.gradient_buffers(), strict=True):
+                if g is not None:
+                    ph.grad = g
+                    buffers.append(g)
+        if buffers:
+            torch._foreach_zero_(buffers)
 
 
 def download_buffers(
@@ -196,8 +251,15 @@ def download_buffers(
         ev.synchronize()
 
 
-def release_group(group: UploadedGroup) -> None:
-    """Drop the device tensors (the allocator reuses them once the streams are done)."""
+def release_group(group: UploadedGroup, dev: DeviceManager | None = None) -> None:
+    """Drop the device tensors (the allocator reuses them once the streams are done); the
+    group's slots are free for a later job once this job's compute and downloads are."""
+    if dev is not None and any(s is not None for s in group.slots):
+        weights_free = dev.record(dev.compute_stream)
+        grads_free = dev.record(dev.downstream)
+        for slot in group.slots:
+            if slot is not None:
+                slot.weights_free, slot.grads_free = weights_free, grads_free
     for rep in group.replicas:
         for _, ph in rep.params:
             ph.data = torch.empty(0, dtype=ph.dtype)

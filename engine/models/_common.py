@@ -228,6 +228,14 @@ class EmbeddingLayer(nn.Module):
         return (hidden, attention_mask, position_ids, labels, router_stats, options)
 
 
+def _config_digest(config: Any) -> str:
+    """A digest of a HF config's values (equal configs, equal digests)."""
+    import hashlib
+
+    values = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    return hashlib.sha1(repr(sorted(values.items(), key=str)).encode()).hexdigest()
+
+
 def zero_router_stats(num_experts: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Empty sums for HF's load-balancing loss: top-k counts and routing probabilities per
     expert, and the number of routed rows (int64 counts stay exact at any size)."""
@@ -279,6 +287,16 @@ class DecoderLayer(nn.Module):
         attention = getattr(layer, "self_attn", None)
         # Whether the attention can skip its recompute (see _attention): HF "sdpa" only.
         self.attention_routed = attention is not None and route_attention(attention)
+        # Memos of `_causal_mask` (plain calls whose mask is None) and `_draws_random`.
+        self._no_mask: dict[tuple[Any, ...], bool] = {}
+        self._random_in_mode: dict[bool, bool] = {}
+        # What makes two decoder layers compute the same function (engine.graphs shares a
+        # graph between layers with equal keys): the classes and the model's config.
+        self._replay_identity = (
+            type(self).__qualname__,
+            type(layer).__qualname__,
+            _config_digest(config),
+        )
         heads = config.num_attention_heads
         self.attention_shape = (
             heads,
@@ -311,20 +329,7 @@ class DecoderLayer(nn.Module):
         else:
             positions = position_ids
             position_embeddings = tuple(self.rotary_emb(hidden, positions))
-        # The caller's position_ids (not the default arange) go to the mask builder: only
-        # they can describe packing, and HF's packing check costs a host sync.
-        # A window that covers the whole sequence (every causal key is within it) is plain
-        # causal attention; HF still builds a sliding mask when the two are equal (its skip
-        # test is `length < window`), which would keep the layer off the cuDNN kernels.
-        window = getattr(self.config, "sliding_window", None)
-        covered = window is not None and hidden.shape[1] <= window
-        mask = build_causal_mask(
-            self.config,
-            hidden,
-            attention_mask,
-            position_ids if self.mask_uses_position_ids else None,
-            sliding=self.sliding and not covered,
-        )
+        mask = self._causal_mask(hidden, attention_mask, position_ids)
         # Compiled only for half precision on CUDA: fp32 models keep plain PyTorch's exact
         # numerics (inductor's fused kernels differed by ~4e-4 relative in an fp32 test on
         # the H100, unexplained yet), far below fp16/bf16 resolution.
@@ -341,6 +346,82 @@ class DecoderLayer(nn.Module):
             call = _compiled_decoder_call() if compiled else _decoder_call
             out = call(*args, recompute_data_or_none() if mode == "replay" else None)
         return out
+
+    def _causal_mask(
+        self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
+    ) -> Any:
+        """The mask HF's attention gets for this call (None: plain causal attention).
+
+        The caller's position_ids (not the default arange) go to the mask builder: only they
+        can describe packing, and HF's packing check costs a host sync. A window that covers
+        the whole sequence (every causal key is within it) is plain causal attention; HF
+        still builds a sliding mask when the two are equal (its skip test is
+        `length < window`), which would keep the layer off the cuDNN kernels. Without a
+        padding mask or positions the answer depends only on the length and the dtype: it
+        is asked of transformers once, so neither every call nor a CUDA graph capture (where
+        transformers builds masks it would skip otherwise) runs the mask builder.
+        """
+        window = getattr(self.config, "sliding_window", None)
+        covered = window is not None and hidden.shape[1] <= window
+        sliding = self.sliding and not covered
+        plain = attention_mask is None and (position_ids is None or not self.mask_uses_position_ids)
+        key = (hidden.shape[1], hidden.dtype, hidden.device.type, sliding)
+        if plain and self._no_mask.get(key):
+            return None
+        mask = build_causal_mask(
+            self.config,
+            hidden,
+            attention_mask,
+            position_ids if self.mask_uses_position_ids else None,
+            sliding=sliding,
+        )
+        if plain and mask is None:
+            self._no_mask[key] = True
+        return mask
+
+    def _draws_random(self) -> bool:
+        """Whether the layer's training-mode dropout draws random numbers."""
+        training = self.layer.training
+        known = self._random_in_mode.get(training)
+        if known is None:
+            known = any(
+                m.training
+                and (
+                    (isinstance(m, nn.Dropout) and m.p > 0)
+                    or float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0
+                )
+                for m in self.layer.modules()
+            )
+            self._random_in_mode[training] = known
+        return known
+
+    def rp_replay_key(self, carry: Carry) -> tuple[Any, ...] | None:
+        """What this call depends on besides its tensors' values, where it may be replayed
+        as a CUDA graph (engine.graphs); None where it runs as it is.
+
+        Replayed: the compiled half-precision CUDA path on plain causal attention (no
+        padding mask, no positions, no sliding window shorter than the sequence), without
+        dropout, MLP chunking or router statistics; the attention saved or replayed as in
+        any call.
+        """
+        hidden, attention_mask, position_ids, _, router_stats, _ = carry
+        if attention_mask is not None or position_ids is not None or router_stats is not None:
+            return None
+        if not (self.use_compile and self.compilable and hidden.is_cuda and hidden.dtype in _HALF):
+            return None
+        if self._chunks_mlp(hidden) or self._draws_random():
+            return None
+        if self._causal_mask(hidden, None, None) is not None:
+            return None
+        return (
+            self._replay_identity,
+            self.sliding,
+            self._attention_mode(hidden, None),
+            tuple(hidden.shape),
+            hidden.dtype,
+            hidden.device,
+            torch.is_grad_enabled(),
+        )
 
     def _chunks_mlp(self, hidden: Tensor) -> bool:
         """Whether this micro-batch runs the MLP half chunk by chunk."""
