@@ -33,6 +33,14 @@ class LayerAttribute:
         self.param_copied = AnnotatedEvent(f"layer{layer_id}.param_copied", set_=True)
         self.grad_copied = AnnotatedEvent(f"layer{layer_id}.grad_copied", set_=True)
 
+    def renew(self) -> None:
+        """New, unset events for the next step, leaving the current ones to whoever holds
+        them. With overlapped calls a call still running waits on the step before the one
+        being launched: clearing its events would make it wait on a step that waits on it.
+        """
+        self.param_copied = AnnotatedEvent(f"layer{self.layer_id}.param_copied")
+        self.grad_copied = AnnotatedEvent(f"layer{self.layer_id}.grad_copied")
+
 
 class ParamAttribute:
     """Host-side companions of one model parameter.

@@ -181,6 +181,9 @@ class RoundPipeBase(nn.Module):
         return out
 
     # ---- step ------------------------------------------------------------------------------
+    def finish_pending(self) -> None:
+        """Wait for the rest of an overlapped call (RoundPipe overlap_calls); none here."""
+
     def _params_by_owner(self) -> list[list[tuple[nn.Parameter, ParamAttribute]]]:
         owned: list[list[tuple[nn.Parameter, ParamAttribute]]] = [[] for _ in self.layer_attrs]
         for p, pa in self._all_params():
@@ -199,23 +202,41 @@ class RoundPipeBase(nn.Module):
         if not callable(step_fn):
             raise ConfigError(f"step_fn must be callable, got {type(step_fn).__name__}")
         check_optim_error()
+        pending = self.__dict__.get("_pending_run")
         for attr in self.layer_attrs:
-            attr.param_copied.clear()
-            attr.grad_copied.clear()
+            if self.__dict__.get("overlap_calls"):
+                attr.renew()  # the pending call keeps waiting on the step before
+            else:
+                attr.param_copied.clear()
+                attr.grad_copied.clear()
+        events = [(attr.param_copied, attr.grad_copied) for attr in self.layer_attrs]
         self.optim_updated.clear()
-        launch_optim_kernel(self._step_kernel, step_fn, args, kwargs, not is_async)
+        launch_optim_kernel(self._step_kernel, step_fn, args, kwargs, not is_async, pending, events)
         if not is_async:
             synchronize_optim()
 
     def _step_kernel(
-        self, step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], sync: bool
+        self,
+        step_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sync: bool,
+        pending: RunState | None = None,
+        events: list[tuple[Any, Any]] | None = None,
     ) -> None:
-        """On the optimizer thread: publish w[k], take the gradients, then update."""
+        """On the optimizer thread: publish w[k], take the gradients, then update.
+
+        `pending`: the call whose backward may still run (overlapped calls): each layer is
+        published once that call's uploads of it are done, each gradient taken once it is
+        downloaded. `events`: this step's (param_copied, grad_copied) per layer.
+        """
+        if events is None:
+            events = [(attr.param_copied, attr.grad_copied) for attr in self.layer_attrs]
         try:
             if self._dp is not None:
                 self._dp.publish_weights_take_grads(self)
             else:
-                _publish_weights_take_grads(self, self._params_by_owner())
+                _publish_weights_take_grads(self, self._params_by_owner(), pending, events)
             try:
                 with OptimizerCtx():
                     step_fn(*args, **kwargs)
@@ -226,9 +247,9 @@ class RoundPipeBase(nn.Module):
             if sync:
                 self.sync_optim_param()
         finally:
-            for attr in self.layer_attrs:
-                attr.param_copied.set()
-                attr.grad_copied.set()
+            for param_copied, grad_copied in events:
+                param_copied.set()
+                grad_copied.set()
             self.optim_updated.set()
 
     def sync_optim_param(self) -> None:
@@ -247,6 +268,7 @@ class RoundPipeBase(nn.Module):
         """Wait for every step; then the model's parameters hold the latest weights and
         `.grad` the gradients accumulated since the optimizer last zeroed them (under
         data parallel: summed over ranks; a collective, every rank calls it)."""
+        self.finish_pending()
         if self._dp is not None:
             self._dp.synchronize(self)
             return
@@ -268,12 +290,25 @@ class RoundPipeBase(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: pending host gradients, optimizer-side and model `.grad`."""
+        self.finish_pending()
         synchronize_optim()
         for p, pa in self._all_params():
             pa.grad_pending = False
             if pa.optim is not None:
                 pa.optim.grad = None
             p.grad = None
+
+
+def _owner_users(
+    layer_params: list[list[tuple[nn.Parameter, ParamAttribute]]],
+) -> list[set[int]]:
+    """Per owner layer, the layers that use a parameter it owns (tied weights: the
+    embedding's owner is used by the head too)."""
+    users: list[set[int]] = [set() for _ in layer_params]
+    for j, params in enumerate(layer_params):
+        for _, pa in params:
+            users[pa.owner_layer].add(j)
+    return users
 
 
 def _replayable_layers(
@@ -292,25 +327,44 @@ def _replayable_layers(
 
 
 def _publish_weights_take_grads(
-    owner: RoundPipeBase, groups: list[list[tuple[nn.Parameter, ParamAttribute]]]
+    owner: RoundPipeBase,
+    groups: list[list[tuple[nn.Parameter, ParamAttribute]]],
+    pending: RunState | None = None,
+    events: list[tuple[Any, Any]] | None = None,
 ) -> None:
     """On the optimizer thread, per layer and in layer order: publish the weights of the
     previous step into the model (if newer), then fold the new gradients into the
-    optimizer-side ones, setting each layer's event as soon as its part is done."""
-    for attr, params in zip(owner.layer_attrs, groups, strict=True):
+    optimizer-side ones, setting each layer's event as soon as its part is done.
+
+    With a `pending` call still running (overlapped calls), a layer is published once
+    that call's uploads of the layers using its parameters are done, and the gradients are
+    taken from the last layer down (the order the backward downloads them), each once it
+    is down.
+    """
+    users = owner.__dict__.get("_owner_users")
+    if events is None:
+        events = [(attr.param_copied, attr.grad_copied) for attr in owner.layer_attrs]
+    for j, ((param_copied, _), params) in enumerate(zip(events, groups, strict=True)):
         if owner._optim_ahead:
+            if pending is not None and users is not None:
+                pending.wait_uploads(users[j])
             for p, pa in params:
                 if pa.optim is not None:
                     p.data.copy_(pa.optim.data)
-        attr.param_copied.set()
+        param_copied.set()
     object.__setattr__(owner, "_optim_ahead", False)
-    for attr, params in zip(owner.layer_attrs, groups, strict=True):
-        for _, pa in params:
+    order = list(zip(events, groups, strict=True))
+    if pending is not None:
+        order.reverse()
+    for (_, grad_copied), params in order:
+        for p, pa in params:
+            if pending is not None and pa.optim is not None:
+                pending.wait_grads(p)
             pa.fold_grad()
         # A gradient read in place stays the optimizer's until step_fn returns (the
         # caller sets every event then).
         if not any(pa.grad_in_place for _, pa in params):
-            attr.grad_copied.set()
+            grad_copied.set()
 
 
 class RoundPipe(RoundPipeBase):
@@ -341,6 +395,14 @@ class RoundPipe(RoundPipeBase):
             gradient buffers, optimizer-side copies) may take; over it, construction
             raises HostMemoryError before allocating. Default: RP_HOST_MEMORY_BUDGET, or
             the machine's available memory less a margin (engine.memory_plan).
+        overlap_calls: `forward_backward` returns once its losses are on the host, and its
+            backward jobs finish while the next call's forward jobs start (one call's
+            drain overlaps the next call's fill: what several GPUs lose at every call's
+            ends). The step publishes a layer's new weights once the call's uploads of it
+            are done and takes each gradient once it is down, so results are those of the
+            calls one after the other. Until `synchronize()` (or the next call), `.grad`
+            and the call's backward errors are not there yet. Calls whose inputs need
+            gradients, and data parallel, run as without it.
     """
 
     def __init__(
@@ -355,6 +417,7 @@ class RoundPipe(RoundPipeBase):
         *,
         optim_grad_dtype: torch.dtype | None = None,
         host_memory_budget: int | None = None,
+        overlap_calls: bool = False,
     ) -> None:
         if pin_model not in ("alloc", "register", "arena", "off"):
             raise ConfigError(
@@ -408,6 +471,9 @@ class RoundPipe(RoundPipeBase):
             layer_params.append(lp)
         object.__setattr__(self, "layer_params", layer_params)
         object.__setattr__(self, "_may_replay", _replayable_layers(layers, layer_params))
+        object.__setattr__(self, "_owner_users", _owner_users(layer_params))
+        object.__setattr__(self, "overlap_calls", bool(overlap_calls))
+        object.__setattr__(self, "_pending_run", None)
         object.__setattr__(self, "_replay_wanted", True)
         object.__setattr__(self, "_replicas", {})
         object.__setattr__(self, "_replica_lock", threading.Lock())
@@ -445,7 +511,7 @@ class RoundPipe(RoundPipeBase):
         """
         owners = sorted({pa.owner_layer for j in layer_ids for _, pa in self.layer_params[j]})
         for o in owners:
-            run.wait(self.layer_attrs[o].param_copied)
+            run.wait(run.param_copied[o])
         replicas = [self._replica(dev, j) for j in layer_ids]
         replayer = graphs.replayer(dev) if slots and self._replay_wanted else None
         slot_list = (
@@ -453,7 +519,7 @@ class RoundPipe(RoundPipeBase):
             if replayer is not None
             else None
         )
-        return upload_layers(
+        group = upload_layers(
             dev,
             replicas,
             layer_ids,
@@ -461,6 +527,17 @@ class RoundPipe(RoundPipeBase):
             slots=slot_list,
             slot_grads=slot_grads,
         )
+        run.note_upload(layer_ids, group.uploaded)
+        return group
+
+    def finish_pending(self) -> None:
+        """Wait for the rest of an overlapped call (its backward jobs); raise its error."""
+        run = self.__dict__.get("_pending_run")
+        if run is None:
+            return
+        object.__setattr__(self, "_pending_run", None)
+        run.join()
+        self.model_timer.update_times()
 
     def stop_replay(self) -> None:
         """Run this model's layers as they are from now on (a state over
@@ -530,6 +607,7 @@ class RoundPipe(RoundPipeBase):
         Raises:
             RuntimeError: requires_grad=True was asked for while gradients are disabled.
         """
+        self.finish_pending()
         check_optim_error()
         if not isinstance(roundpipe_run_config, RoundPipeRunConfig):
             raise ConfigError("roundpipe_run_config must be a RoundPipeRunConfig")
@@ -628,17 +706,31 @@ class RoundPipe(RoundPipeBase):
             run.claim_grads(run.fused_job_index(part), plan.fwd_plan[-1])
         for b, layer_ids in enumerate(plan.bwd_plan):
             run.claim_grads(run.backward_job_index(b), layer_ids)
+        overlap = self.overlap_calls and self._dp is None and not any(flags)
+        if not overlap:
+            self.finish_pending()
+        run.previous = self.__dict__.get("_pending_run")
         for g in range(n_fwd - 1):
             run.launch(get_next_device(), forward_job, g, name=f"fwd{g}")
         for part in range(run.tail_split):
             run.launch(get_next_device(), fused_job, part, name=f"fused{part}")
         for b in range(len(plan.bwd_plan)):
             run.launch(get_next_device(), backward_job, b, name=f"bwd{b}")
-        run.join()
-        self.model_timer.update_times()
-        # The step before this iteration must end before the next step can start anyway;
-        # waiting here costs no overlap and surfaces a failed step_fn at this call.
-        synchronize_optim()
+        if overlap:
+            # Return with the losses; the backward jobs go on, overlapping the next call's
+            # forward jobs. The call before this one is done by now (its last jobs ran
+            # before this call's): finish it (its timings, an error it raised).
+            run.wait_losses()
+            self.finish_pending()
+            run.previous = None
+            object.__setattr__(self, "_pending_run", run)
+        else:
+            run.join()
+            self.model_timer.update_times()
+            # The step before this iteration must end before the next step can start
+            # anyway; waiting here costs no overlap and surfaces a failed step_fn at this
+            # call.
+            synchronize_optim()
         loss = _sum_losses(run)
         if self._dp is not None:
             loss = self._dp.reduce_loss(loss)

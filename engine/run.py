@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +143,26 @@ class RunState:
         self.jobs: list[Job] = []
         self._lock = threading.Lock()
         self.backward_done = False
+        # Overlapped calls (RoundPipe overlap_calls): the call before this one, whose
+        # gradient downloads this call's must follow, and per layer the uploads this call
+        # will make from the host copies (the step may publish new weights over a layer's
+        # host copy only once they are done).
+        self.previous: RunState | None = None
+        # The step events this call waits on, as they are at its launch (overlapped calls:
+        # a later step gets new ones, see LayerAttribute.renew).
+        attrs = getattr(model, "layer_attrs", [])
+        self.param_copied = [a.param_copied for a in attrs]
+        self.grad_copied = [a.grad_copied for a in attrs]
+        self._uploads_left: Counter[int] = Counter()
+        if run_type == "fused":
+            for r in plan.fwd_plan[:-1]:
+                self._uploads_left.update(r)
+            for _ in range(self.tail_split):
+                self._uploads_left.update(plan.fwd_plan[-1])
+            for r in plan.bwd_plan:
+                self._uploads_left.update(r)
+        self._upload_events: dict[int, list[Any]] = {j: [] for j in self._uploads_left}
+        self._uploads_done = {j: threading.Event() for j in self._uploads_left}
 
     # ---- waiting with abort -------------------------------------------------------------
     def wait(self, waitable: threading.Semaphore | threading.Event) -> None:
@@ -200,6 +221,55 @@ class RunState:
             ev.synchronize()
         for t in self.timers:
             t.flush()
+
+    # ---- overlapped calls --------------------------------------------------------------------
+    def note_upload(self, layer_ids: range, event: Any) -> None:
+        """A job uploaded these layers from the host copies (complete after `event`)."""
+        with self._lock:
+            for j in layer_ids:
+                if j not in self._uploads_left:
+                    continue
+                self._upload_events[j].append(event)
+                self._uploads_left[j] -= 1
+                if self._uploads_left[j] == 0:
+                    self._uploads_done[j].set()
+
+    def wait_uploads(self, layer_ids: Iterable[int]) -> None:
+        """Block until this call's uploads of these layers are done (the optimizer thread,
+        before publishing new weights into their host copies)."""
+        for j in layer_ids:
+            done = self._uploads_done.get(j)
+            if done is None:
+                continue
+            self.wait(done)
+            for ev in self._upload_events[j]:
+                if ev is not None:
+                    ev.synchronize()
+
+    def wait_grads(self, param: torch.nn.Parameter) -> None:
+        """Block until this call's gradient of `param` is in its host buffer (the optimizer
+        thread before folding it; the next call before adding to it)."""
+        claims = self.grad_claims.get(id(param))
+        if not claims:
+            return
+        self.wait(self.grad_issued[(id(param), claims[-1])])
+        ev = ParamAttribute.get(param).grad_event
+        if ev is not None:
+            ev.synchronize()
+
+    def wait_losses(self) -> None:
+        """Block until every micro-batch's loss (and output, if asked for) is on the host;
+        the backward jobs may still run. Raises the error of a job that failed."""
+        try:
+            for done in self.tail_done:
+                self.wait(done)
+        except RunAborted:
+            self.join()  # raises the failed job's own error
+            raise
+        acts = [*self.losses, *(self.outputs if self.return_outputs else [])]
+        for act in acts:
+            if act is not None and act.event is not None:
+                act.event.synchronize()
 
     # ---- micro-batch inputs ------------------------------------------------------------------
     def wait_forward_input(self, group: int, mb: int) -> Act:
@@ -637,7 +707,6 @@ def download_param_grads(
     device, and downloads the sum. Before overwriting a host buffer, the job waits until
     the optimizer has folded the previous iteration's gradients out of it (grad_copied).
     """
-    attrs = run.model.layer_attrs
     for host, holders in group.unique_params():
         if not host.requires_grad:
             continue
@@ -657,8 +726,12 @@ def download_param_grads(
         pos = claims.index(job_index)
         if pos > 0:
             run.wait(run.grad_issued[(id(host), claims[pos - 1])])
+        elif run.previous is not None:
+            # Calls overlap and no step came between: add to the previous call's gradient,
+            # once it is down.
+            run.previous.wait_grads(host)
         pa = ParamAttribute.get(host)
-        run.wait(attrs[pa.owner_layer].grad_copied)
+        run.wait(run.grad_copied[pa.owner_layer])
         with pa.lock:
             if pa.accumulates():
                 prev = async_h2d(dev, [pa.grad_event], [pa.grad_host])[0]

@@ -102,6 +102,7 @@ class UploadedGroup:
     device_tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # id(host) -> device
     buffer_versions: dict[int, int] = field(default_factory=dict)  # id(host buffer) -> _version
     slots: list[Slot | None] = field(default_factory=list)  # per replica (engine.graphs)
+    uploaded: Any = None  # event: the upload from the host copies is done (None on CPU)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -171,6 +172,7 @@ def upload_layers(
     if dev.is_cuda:
         uploaded = dev.record(dev.param_upstream)
         dev.wait_event(dev.compute_stream, uploaded)
+        group.uploaded = uploaded
         for d in group.device_tensors.values():
             dev.mark_used(d, dev.compute_stream)
     if slot_grads:
