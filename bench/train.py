@@ -253,6 +253,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CUDA graph replay of decoder layers for micro-batches of up to this many "
         "tokens (engine.graphs.REPLAY_MAX_TOKENS; default the engine's; 0: off)",
     )
+    p.add_argument(
+        "--overlap-calls",
+        action="store_true",
+        help="overlap each call's backward with the next call's forward (RoundPipe overlap_calls)",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -624,6 +629,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         lora_config=lora_config(args) if args.lora else None,
         pin_model=args.pin_model if torch.cuda.is_available() else "alloc",
         shard_optimizer=args.shard_optimizer,
+        overlap_calls=args.overlap_calls,
     )
     wrap_s = time.perf_counter() - t0
     dp = getattr(rp, "_dp", None)
@@ -697,6 +703,9 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         wrap_s=round(wrap_s, 2),
         plan=_last_plan(rp),
         layer_times_ms=_layer_times(rp),
+        overlap_calls=args.overlap_calls,
+        optimizer_thread_s=_step_phases(rp, args.warmup),
+        layer_gb=[round(g, 6) for g in rp.layer_size],
         replay={
             "enabled": engine.graphs.ENABLED,
             "max_tokens": engine.graphs.REPLAY_MAX_TOKENS,
@@ -710,6 +719,15 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         **checks,
     )
     return result
+
+
+def _step_phases(rp: Any, warmup: int) -> dict[str, float] | None:
+    """Medians over the measured steps of the optimizer thread's time per step, by phase
+    (RoundPipe.step_phases: publish, fold, waiting for an overlapped call, step_fn)."""
+    phases = list(getattr(rp, "step_phases", []))[warmup:]
+    if not phases:
+        return None
+    return {k: round(statistics.median(p[k] for p in phases), 4) for k in phases[0]}
 
 
 def grouped_plan(num_layers: int, size: int | None) -> Any:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import inspect
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -102,6 +105,9 @@ class RoundPipeBase(nn.Module):
         object.__setattr__(self, "optim_updated", AnnotatedEvent("optim_updated", set_=True))
         object.__setattr__(self, "_optim_ahead", False)  # optimizer copies newer than the model
         object.__setattr__(self, "_dp", None)  # DataParallel when a process group is in effect
+        # The optimizer thread's time per step, by phase (the last steps): publishing the
+        # weights, folding the gradients, waiting for an overlapped call, step_fn.
+        object.__setattr__(self, "step_phases", collections.deque(maxlen=64))
 
     # ---- attribute shim ----------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -232,14 +238,18 @@ class RoundPipeBase(nn.Module):
         """
         if events is None:
             events = [(attr.param_copied, attr.grad_copied) for attr in self.layer_attrs]
+        phases = {"publish_s": 0.0, "fold_s": 0.0, "wait_s": 0.0, "step_fn_s": 0.0}
+        start = time.perf_counter()
         try:
             if self._dp is not None:
                 self._dp.publish_weights_take_grads(self)
             else:
-                _publish_weights_take_grads(self, self._params_by_owner(), pending, events)
+                _publish_weights_take_grads(self, self._params_by_owner(), pending, events, phases)
             try:
+                t0 = time.perf_counter()
                 with OptimizerCtx():
                     step_fn(*args, **kwargs)
+                phases["step_fn_s"] = time.perf_counter() - t0
             finally:
                 # Also after a failed step_fn: it may have updated some master weights
                 # before raising, and the model must not drift from them.
@@ -251,6 +261,8 @@ class RoundPipeBase(nn.Module):
                 param_copied.set()
                 grad_copied.set()
             self.optim_updated.set()
+            phases["total_s"] = time.perf_counter() - start
+            self.step_phases.append(phases)
 
     def sync_optim_param(self) -> None:
         """Copy the optimizer-side weights into the model parameters (if newer)."""
@@ -299,6 +311,24 @@ class RoundPipeBase(nn.Module):
             p.grad = None
 
 
+class _PhaseClock:
+    """`with clock(name):` adds the block's seconds to `phases[name]` (no-op without)."""
+
+    def __init__(self, phases: dict[str, float] | None) -> None:
+        self.phases = phases
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if self.phases is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+
 def _owner_users(
     layer_params: list[list[tuple[nn.Parameter, ParamAttribute]]],
 ) -> list[set[int]]:
@@ -331,6 +361,7 @@ def _publish_weights_take_grads(
     groups: list[list[tuple[nn.Parameter, ParamAttribute]]],
     pending: RunState | None = None,
     events: list[tuple[Any, Any]] | None = None,
+    phases: dict[str, float] | None = None,
 ) -> None:
     """On the optimizer thread, per layer and in layer order: publish the weights of the
     previous step into the model (if newer), then fold the new gradients into the
@@ -339,18 +370,21 @@ def _publish_weights_take_grads(
     With a `pending` call still running (overlapped calls), a layer is published once
     that call's uploads of the layers using its parameters are done, and the gradients are
     taken from the last layer down (the order the backward downloads them), each once it
-    is down.
+    is down. `phases` gets the seconds spent publishing, folding and waiting.
     """
+    clock = _PhaseClock(phases)
     users = owner.__dict__.get("_owner_users")
     if events is None:
         events = [(attr.param_copied, attr.grad_copied) for attr in owner.layer_attrs]
     for j, ((param_copied, _), params) in enumerate(zip(events, groups, strict=True)):
         if owner._optim_ahead:
             if pending is not None and users is not None:
-                pending.wait_uploads(users[j])
-            for p, pa in params:
-                if pa.optim is not None:
-                    p.data.copy_(pa.optim.data)
+                with clock("wait_s"):
+                    pending.wait_uploads(users[j])
+            with clock("publish_s"):
+                for p, pa in params:
+                    if pa.optim is not None:
+                        p.data.copy_(pa.optim.data)
         param_copied.set()
     object.__setattr__(owner, "_optim_ahead", False)
     order = list(zip(events, groups, strict=True))
@@ -359,8 +393,10 @@ def _publish_weights_take_grads(
     for (_, grad_copied), params in order:
         for p, pa in params:
             if pending is not None and pa.optim is not None:
-                pending.wait_grads(p)
-            pa.fold_grad()
+                with clock("wait_s"):
+                    pending.wait_grads(p)
+            with clock("fold_s"):
+                pa.fold_grad()
         # A gradient read in place stays the optimizer's until step_fn returns (the
         # caller sets every event then).
         if not any(pa.grad_in_place for _, pa in params):
@@ -558,10 +594,13 @@ class RoundPipe(RoundPipeBase):
         # Re-planned after the 1st, 3rd and 10th timed iteration: by the 10th, the moving
         # average has forgotten the early iterations (host allocations, cold caches).
         maturity = bisect.bisect_right(_REPLAN_AFTER_UPDATES, updates)
-        key = (run_type, get_num_devices(), maturity, cfg.num_microbatch)
+        overlap = self.overlap_calls and run_type == "fused"
+        key = (run_type, get_num_devices(), maturity, cfg.num_microbatch, overlap)
         plan = self._plans.get(key)
         if plan is None:
-            plan = ModelExecutePlan.auto(run_type, self, num_microbatch=cfg.num_microbatch)
+            plan = ModelExecutePlan.auto(
+                run_type, self, num_microbatch=cfg.num_microbatch, overlap=overlap
+            )
             self._plans[key] = plan
             log.debug("%s: %s plan %s", self.name, run_type, plan)
         return plan

@@ -102,6 +102,7 @@ class ModelExecutePlan:
         upper_threshold: float = 1.1,
         model_memory_limit: float | None = None,
         num_microbatch: int | None = None,
+        overlap: bool = False,
     ) -> ModelExecutePlan:
         """A plan balanced on the models' measured (or size-estimated) layer times.
 
@@ -115,7 +116,8 @@ class ModelExecutePlan:
         a simulation of the round-robin pipeline finishes the call soonest (short groups
         first and last fill and drain the pipeline faster; see `_pipeline_search`), and
         the fused tail is split over the number of jobs (`tail_split`, at most one per
-        device) whose simulated call is shortest. See `plan_from_times`.
+        device) whose simulated call is shortest (with `overlap`, the shortest time between
+        overlapped calls: RoundPipe overlap_calls). See `plan_from_times`.
         """
         from .device import get_min_gpu_memory, get_num_devices
 
@@ -150,6 +152,7 @@ class ModelExecutePlan:
             num_microbatch=num_microbatch if measured else None,
             upper_threshold=upper_threshold,
             mem_cap=model_memory_limit / 2,
+            overlap=overlap,
         )
 
 
@@ -163,12 +166,13 @@ def plan_from_times(
     num_microbatch: int | None = None,
     upper_threshold: float = 1.1,
     mem_cap: float = float("inf"),
+    overlap: bool = False,
 ) -> ModelExecutePlan:
     """`ModelExecutePlan.auto` on given per-layer costs (forward, backward: ms over a call's
     micro-batches) and parameter sizes (GB, at most `mem_cap` per group), for `num_devices`
     devices; with `num_microbatch`, fused plans for several devices are searched on the
-    pipeline simulation (`simulate_plan`). bench/simulate.py plans hypothetical machines
-    with it."""
+    pipeline simulation (`simulate_plan`: one call, or with `overlap` the time between
+    overlapped calls). bench/simulate.py plans hypothetical machines with it."""
     n = len(fwd)
     fwd, bwd, mem = list(fwd), list(bwd), list(mem)
     min_stages = num_devices
@@ -191,7 +195,7 @@ def plan_from_times(
             acc, acc_mem, tail_start = acc + c, acc_mem + m, tail_start - 1
         if tail_start == 0 and min_stages > 1:
             tail_start = n - 1  # leave work for the other devices
-        best: tuple[float, list[range], list[range], int] | None = None
+        best: tuple[float, list[range], list[range], int, int] | None = None
         # One device runs everything in turn: the tail stays one job. With several, each
         # split of the tail over 1..devices jobs gets its groups and its simulated call.
         # A split sums the tail's parameter gradients in another order (part sums, then
@@ -201,62 +205,81 @@ def plan_from_times(
         # bit for bit whatever the timings.
         searched = bool(num_microbatch) and min_stages >= 3
         splits = range(1, min_stages + 1) if searched else (1,)
-        for split in splits:
-            if num_microbatch and split > num_microbatch:
-                break
-            head, back = _fused_groups(
-                fwd,
-                bwd,
-                mem,
-                tail_start,
-                acc / split,
-                min_stages,
-                fwd_cap,
-                bwd_cap,
-                upper_threshold,
-                mem_cap,
-            )
-            cap = max(bwd_cap, upper_threshold * acc / split, fwd_cap)
-            if num_microbatch and min_stages > 1 and head and back:
-                head, back = _best_seed(
+        # Overlapped calls on 3+ devices also try tails holding the last one or two layers
+        # before the head: a fused layer runs its forward once instead of a forward and a
+        # recompute, and with no fill or drain to keep short the longer tail job pays.
+        tails = [tail_start]
+        if overlap and searched:
+            tails += [t for t in (n - 2, n - 3) if 0 < t < tail_start]
+        for tail_start in tails:
+            acc = sum(fused_cost[tail_start:])
+            if sum(mem[tail_start:]) > mem_cap and tail_start != tails[0]:
+                continue
+            for split in splits:
+                if num_microbatch and split > num_microbatch:
+                    break
+                head, back = _fused_groups(
                     fwd,
                     bwd,
                     mem,
                     tail_start,
-                    head,
-                    back,
-                    split=split,
-                    num_devices=min_stages,
-                    num_microbatch=num_microbatch,
-                    cap=cap,
-                    mem_cap=mem_cap,
+                    acc / split,
+                    min_stages,
+                    fwd_cap,
+                    bwd_cap,
+                    upper_threshold,
+                    mem_cap,
                 )
-                head, back = _pipeline_search(
-                    fwd[:tail_start],
-                    bwd[:tail_start],
-                    mem[:tail_start],
-                    acc,
-                    head,
-                    back,
-                    num_devices=min_stages,
-                    num_microbatch=num_microbatch,
-                    cap=cap,
-                    mem_cap=mem_cap,
-                    tail_split=split,
+                cap = max(bwd_cap, upper_threshold * acc / split, fwd_cap)
+                if overlap:
+                    # The cap keeps a call's stages no longer than the tail so no device
+                    # waits on a slower one; overlapped calls fill such waits with the
+                    # other call's jobs, and the simulation judges the groups.
+                    cap = float("inf")
+                if num_microbatch and min_stages > 1 and head and back:
+                    head, back = _best_seed(
+                        fwd,
+                        bwd,
+                        mem,
+                        tail_start,
+                        head,
+                        back,
+                        split=split,
+                        num_devices=min_stages,
+                        num_microbatch=num_microbatch,
+                        cap=cap,
+                        mem_cap=mem_cap,
+                        overlap=overlap,
+                    )
+                    head, back = _pipeline_search(
+                        fwd[:tail_start],
+                        bwd[:tail_start],
+                        mem[:tail_start],
+                        acc,
+                        head,
+                        back,
+                        num_devices=min_stages,
+                        num_microbatch=num_microbatch,
+                        cap=cap,
+                        mem_cap=mem_cap,
+                        tail_split=split,
+                        overlap=overlap,
+                    )
+                if len(splits) == 1:
+                    best = (0.0, head, back, split, tail_start)
+                    break
+                trial = ModelExecutePlan.from_ranges(
+                    [*head, range(tail_start, n)], list(reversed(back)), split
                 )
-            if len(splits) == 1:
-                best = (0.0, head, back, split)
-                break
-            trial = ModelExecutePlan.from_ranges(
-                [*head, range(tail_start, n)], list(reversed(back)), split
-            )
-            span = simulate_plan(trial, fwd, bwd, min_stages, num_microbatch or 1)
-            if best is None:
-                best = (span * _CLEAR_GAIN, head, back, split)  # split 1: the bar to beat
-            elif span < best[0]:
-                best = (span, head, back, split)
+                span = simulate_plan(
+                    trial, fwd, bwd, min_stages, num_microbatch or 1, overlapped=overlap
+                )
+                if best is None:  # the first tail, unsplit: the bar to beat
+                    best = (span * _CLEAR_GAIN, head, back, split, tail_start)
+                elif span < best[0]:
+                    best = (span, head, back, split, tail_start)
         assert best is not None
-        _, head, back, plan.tail_split = best
+        _, head, back, plan.tail_split, tail_start = best
         plan.fwd_plan = [*head, range(tail_start, n)]
         plan.bwd_plan = list(reversed(back))
     else:
@@ -291,6 +314,7 @@ def _best_seed(
     num_microbatch: int,
     cap: float,
     mem_cap: float,
+    overlap: bool = False,
 ) -> tuple[list[range], list[range]]:
     """The balanced groups, or uniform groups of 1..6 layers per pass, whichever has the
     shortest simulated call: the start of `_pipeline_search`.
@@ -304,7 +328,9 @@ def _best_seed(
     candidates_f = [head] + [_uniform_groups(n, k) for k in range(1, 7) if k < n]
     candidates_b = [back] + [_uniform_groups(n, k) for k in range(1, 7) if k < n]
 
-    min_groups = min(max(num_devices - 1, 1), n)
+    # Overlapped calls need no group per device within a call: the next call's jobs fill
+    # the devices this call's do not reach.
+    min_groups = 1 if overlap else min(max(num_devices - 1, 1), n)
 
     def fits(groups: list[range], cost: list[float]) -> bool:
         return _groups_fit(groups, cost, mem, min_groups=min_groups, cap=cap, mem_cap=mem_cap)
@@ -317,7 +343,8 @@ def _best_seed(
     # taken only where they shorten the simulated call by 5% or more (many GPUs), so two
     # GPUs keep the measured coarse groups (1.92x on two H200s).
     best = (
-        simulate_plan(balanced, fwd, bwd, num_devices, num_microbatch) * _CLEAR_GAIN,
+        simulate_plan(balanced, fwd, bwd, num_devices, num_microbatch, overlapped=overlap)
+        * _CLEAR_GAIN,
         head,
         back,
     )
@@ -328,7 +355,7 @@ def _best_seed(
             if not fits(b_groups, bwd):
                 continue
             trial = ModelExecutePlan.from_ranges([*f_groups, tail], list(reversed(b_groups)), split)
-            span = simulate_plan(trial, fwd, bwd, num_devices, num_microbatch)
+            span = simulate_plan(trial, fwd, bwd, num_devices, num_microbatch, overlapped=overlap)
             if span < best[0]:
                 best = (span, f_groups, b_groups)
     return best[1], best[2]
@@ -490,6 +517,7 @@ def simulate_plan(
     handoff: float | None = None,
     *,
     calls: int = 1,
+    overlapped: bool = False,
 ) -> float:
     """The simulated duration of one `forward_backward` call of a fused plan, from
     per-layer forward and backward costs over the call's micro-batches (`pipeline_makespan`).
@@ -503,10 +531,10 @@ def simulate_plan(
     `calls` > 1: the duration of that many calls back to back, each call's first job
     starting once the previous call's last job has started and the device is free
     (`pipeline_makespan`'s `call_jobs`; the device rotation runs on from call to call, as
-    the engine's does). A what-if: the engine does not overlap calls (a call returns when
-    all of its jobs are done, and the step publishes new weights over the ones its
-    backward reads), so this measures what one call's drain overlapping the next call's
-    fill would give (bench/simulate.py --overlap).
+    the engine's does): how RoundPipe(overlap_calls=True) runs consecutive calls, one
+    call's drain overlapping the next call's fill. `overlapped`: the steady-state time
+    between two such calls instead (`OVERLAP_CALLS` calls less two, over the calls
+    between).
     """
     if handoff is None:
         handoff = default_handoff(fwd, num_microbatch)
@@ -518,6 +546,7 @@ def simulate_plan(
         handoff=handoff,
         tail_split=plan.tail_split,
         calls=calls,
+        overlapped=overlapped,
     )
 
 
@@ -560,6 +589,7 @@ def _simulate_groups(
     num_microbatch: int,
     handoff: float,
     tail_split: int,
+    overlapped: bool = False,
 ) -> float:
     """`_simulate_jobs` of forward groups, the fused tail (`tail_cost`) and backward groups."""
     return _simulate_jobs(
@@ -569,6 +599,7 @@ def _simulate_groups(
         num_microbatch=num_microbatch,
         handoff=handoff,
         tail_split=tail_split,
+        overlapped=overlapped,
     )
 
 
@@ -581,9 +612,25 @@ def _simulate_jobs(
     handoff: float,
     tail_split: int,
     calls: int = 1,
+    overlapped: bool = False,
 ) -> float:
     """`pipeline_makespan` of one call's jobs (costs over all micro-batches, in launch order;
-    job `tail_index` split over `tail_split` jobs), `calls` times back to back."""
+    job `tail_index` split over `tail_split` jobs), `calls` times back to back; with
+    `overlapped`, the steady-state period of overlapped calls instead."""
+    if overlapped:
+        spans = [
+            _simulate_jobs(
+                jobs,
+                tail_index,
+                num_devices=num_devices,
+                num_microbatch=num_microbatch,
+                handoff=handoff,
+                tail_split=tail_split,
+                calls=c,
+            )
+            for c in (2, OVERLAP_CALLS)
+        ]
+        return (spans[1] - spans[0]) / (OVERLAP_CALLS - 2)
     return pipeline_makespan(
         [j / num_microbatch for j in jobs] * calls,
         num_devices,
@@ -594,6 +641,11 @@ def _simulate_jobs(
         job_overhead=handoff,
         call_jobs=len(jobs) if calls > 1 else None,
     )
+
+
+# Calls simulated back to back for the overlapped period: past the first call's fill, the
+# device rotation (jobs a call modulo devices) comes round within a few calls.
+OVERLAP_CALLS = 6
 
 
 def _groups_fit(
@@ -631,8 +683,10 @@ def _pipeline_search(
     cap: float,
     mem_cap: float,
     tail_split: int = 1,
+    overlap: bool = False,
 ) -> tuple[list[range], list[range]]:
-    """Forward and backward groups (ascending) with the shortest simulated call.
+    """Forward and backward groups (ascending) with the shortest simulated call (with
+    `overlap`: the shortest time between overlapped calls).
 
     Hill-climbing from the balanced groups: add, remove or move one group boundary of
     either pass while `pipeline_makespan` improves, keeping every group within `cap` cost
@@ -641,7 +695,7 @@ def _pipeline_search(
     H200s, 84% of twice one GPU's tokens/s.
     """
     n = len(fwd)
-    min_groups = min(max(num_devices - 1, 1), n)
+    min_groups = 1 if overlap else min(max(num_devices - 1, 1), n)
     handoff = default_handoff(fwd, num_microbatch)
 
     def ok(groups: list[range], cost: list[float]) -> bool:
@@ -658,6 +712,7 @@ def _pipeline_search(
             num_microbatch=num_microbatch,
             handoff=handoff,
             tail_split=tail_split,
+            overlapped=overlap,
         )
 
     def neighbours(cuts: frozenset[int]) -> list[frozenset[int]]:

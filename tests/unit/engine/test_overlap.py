@@ -189,16 +189,20 @@ def test_a_call_returns_before_its_backward_and_the_step_waits_for_it(
 
     gate = threading.Event()
     real_backward_job = engine.roundpipe.backward_job
+    last_jobs = [0]  # last backward jobs started: the second call's is held up
 
     def gated_backward_job(dev: Any, run: Any, bwd_id: int) -> None:
         if bwd_id == len(run.plan.bwd_plan) - 1:
-            run.wait(gate)  # outside the device's compute: other devices go on
+            last_jobs[0] += 1
+            if last_jobs[0] == 2:
+                run.wait(gate)  # outside the device's compute: other devices go on
         real_backward_job(dev, run, bwd_id)
 
     monkeypatch.setattr(engine.roundpipe, "backward_job", gated_backward_job)
     x, y = make_batch(seed=5)
     results = []
     for overlap in (True, False):
+        last_jobs[0] = 0
         model = make_model(p_drop=0.0)
         rp = RoundPipe(
             model,
@@ -212,11 +216,9 @@ def test_a_call_returns_before_its_backward_and_the_step_waits_for_it(
             opt.step()
             opt.zero_grad()
 
-        gate.set()  # the first call runs through; its step makes new weights
-        rp.forward_backward((x,), label=y, loss_fn=mse)
+        gate.clear() if overlap else gate.set()
+        rp.forward_backward((x,), label=y, loss_fn=mse)  # runs through; its step makes w[1]
         rp.step(step_fn)
-        if overlap:
-            gate.clear()
         loss = rp.forward_backward((x,), label=y, loss_fn=mse)
         # With overlap this returned while the last backward job waits at the gate.
         rp.step(step_fn)
