@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import logging
 import os
+import statistics
 import threading
 import time
 import warnings
@@ -565,6 +566,16 @@ class RoundPipe(RoundPipeBase):
         )
         run.note_upload(layer_ids, group.uploaded)
         return group
+
+    def publish_ms_per_gb(self) -> float | None:
+        """Milliseconds the step took to publish a GB of weights (median of the last steps),
+        plus their upload at 50 GB/s: what an overlapped call's first job waits per GB of
+        its layers (ModelExecutePlan.auto). None before a step has published."""
+        times = [p["publish_s"] for p in self.step_phases if p.get("publish_s")]
+        total_gb = sum(self.layer_size)
+        if not times or total_gb <= 0:
+            return None
+        return statistics.median(times) * 1000 / total_gb + 20.0
 
     def finish_pending(self) -> None:
         """Wait for the rest of an overlapped call (its backward jobs); raise its error."""

@@ -143,6 +143,12 @@ class ModelExecutePlan:
                 fwd[i] += f[i]
                 bwd[i] += b[i]
                 mem[i] += m.layer_size[i]
+        publish = None
+        if overlap:
+            ms_per_gb = (
+                models[0].publish_ms_per_gb() if hasattr(models[0], "publish_ms_per_gb") else None
+            )
+            publish = [g * (ms_per_gb or DEFAULT_PUBLISH_MS_PER_GB) for g in mem]
         return plan_from_times(
             run_type,
             fwd,
@@ -153,6 +159,7 @@ class ModelExecutePlan:
             upper_threshold=upper_threshold,
             mem_cap=model_memory_limit / 2,
             overlap=overlap,
+            publish=publish,
         )
 
 
@@ -167,12 +174,16 @@ def plan_from_times(
     upper_threshold: float = 1.1,
     mem_cap: float = float("inf"),
     overlap: bool = False,
+    publish: Sequence[float] | None = None,
 ) -> ModelExecutePlan:
     """`ModelExecutePlan.auto` on given per-layer costs (forward, backward: ms over a call's
     micro-batches) and parameter sizes (GB, at most `mem_cap` per group), for `num_devices`
     devices; with `num_microbatch`, fused plans for several devices are searched on the
     pipeline simulation (`simulate_plan`: one call, or with `overlap` the time between
-    overlapped calls). bench/simulate.py plans hypothetical machines with it."""
+    overlapped calls, whose first job waits `publish` ms per layer of its group: see
+    `simulate_plan`). bench/simulate.py plans hypothetical machines with it."""
+    if not overlap:
+        publish = None
     n = len(fwd)
     fwd, bwd, mem = list(fwd), list(bwd), list(mem)
     min_stages = num_devices
@@ -250,6 +261,7 @@ def plan_from_times(
                         cap=cap,
                         mem_cap=mem_cap,
                         overlap=overlap,
+                        publish=publish,
                     )
                     head, back = _pipeline_search(
                         fwd[:tail_start],
@@ -264,6 +276,7 @@ def plan_from_times(
                         mem_cap=mem_cap,
                         tail_split=split,
                         overlap=overlap,
+                        publish=publish,
                     )
                 if len(splits) == 1:
                     best = (0.0, head, back, split, tail_start)
@@ -272,7 +285,13 @@ def plan_from_times(
                     [*head, range(tail_start, n)], list(reversed(back)), split
                 )
                 span = simulate_plan(
-                    trial, fwd, bwd, min_stages, num_microbatch or 1, overlapped=overlap
+                    trial,
+                    fwd,
+                    bwd,
+                    min_stages,
+                    num_microbatch or 1,
+                    overlapped=overlap,
+                    publish=publish,
                 )
                 if best is None:  # the first tail, unsplit: the bar to beat
                     best = (span * _CLEAR_GAIN, head, back, split, tail_start)
@@ -315,6 +334,7 @@ def _best_seed(
     cap: float,
     mem_cap: float,
     overlap: bool = False,
+    publish: Sequence[float] | None = None,
 ) -> tuple[list[range], list[range]]:
     """The balanced groups, or uniform groups of 1..6 layers per pass, whichever has the
     shortest simulated call: the start of `_pipeline_search`.
@@ -343,7 +363,9 @@ def _best_seed(
     # taken only where they shorten the simulated call by 5% or more (many GPUs), so two
     # GPUs keep the measured coarse groups (1.92x on two H200s).
     best = (
-        simulate_plan(balanced, fwd, bwd, num_devices, num_microbatch, overlapped=overlap)
+        simulate_plan(
+            balanced, fwd, bwd, num_devices, num_microbatch, overlapped=overlap, publish=publish
+        )
         * _CLEAR_GAIN,
         head,
         back,
@@ -464,6 +486,7 @@ def pipeline_makespan(
     split: int = 1,
     job_overhead: float = 0.0,
     call_jobs: int | None = None,
+    call_delay: float = 0.0,
 ) -> float:
     """When the last of a call's jobs finishes, in the engine's round-robin pipeline.
 
@@ -480,7 +503,9 @@ def pipeline_makespan(
     call's first job depends on the call before only through the weights: it starts
     `handoff` after the previous call's last job started (that job has taken its copy of
     the first layers' weights, so the next ones may be published), not micro-batch by
-    micro-batch. A what-if (see `simulate_plan`'s `calls`).
+    micro-batch (see `simulate_plan`'s `calls`). `call_delay`: what that first job waits
+    beyond the handoff (the step publishing its layers' weights, then their upload, which
+    cannot be prefetched before).
     """
     split_jobs = {split_job} if isinstance(split_job, int) else set(split_job or ())
     free = [0.0] * num_devices
@@ -495,7 +520,7 @@ def pipeline_makespan(
         for part in range(parts):
             t = free[device] + job_overhead
             if new_call:
-                t = max(t, prev_start + handoff)
+                t = max(t, prev_start + handoff + call_delay)
             for i in range(part, num_microbatch, parts):
                 if not new_call and prev is not None and prev[i] + handoff > t:
                     t = prev[i] + handoff
@@ -518,6 +543,7 @@ def simulate_plan(
     *,
     calls: int = 1,
     overlapped: bool = False,
+    publish: Sequence[float] | None = None,
 ) -> float:
     """The simulated duration of one `forward_backward` call of a fused plan, from
     per-layer forward and backward costs over the call's micro-batches (`pipeline_makespan`).
@@ -534,7 +560,9 @@ def simulate_plan(
     the engine's does): how RoundPipe(overlap_calls=True) runs consecutive calls, one
     call's drain overlapping the next call's fill. `overlapped`: the steady-state time
     between two such calls instead (`OVERLAP_CALLS` calls less two, over the calls
-    between).
+    between). `publish`: per layer, what the step takes to publish its new weights and a
+    device to upload them (ms): an overlapped call's first job waits for those of its
+    layers, since they come after the previous call's last job started.
     """
     if handoff is None:
         handoff = default_handoff(fwd, num_microbatch)
@@ -547,6 +575,7 @@ def simulate_plan(
         tail_split=plan.tail_split,
         calls=calls,
         overlapped=overlapped,
+        call_delay=_call_delay(publish, plan.fwd_plan[0]) if calls > 1 or overlapped else 0.0,
     )
 
 
@@ -590,8 +619,10 @@ def _simulate_groups(
     handoff: float,
     tail_split: int,
     overlapped: bool = False,
+    publish: Sequence[float] | None = None,
 ) -> float:
     """`_simulate_jobs` of forward groups, the fused tail (`tail_cost`) and backward groups."""
+    first = fwd_groups[0] if fwd_groups else range(len(fwd))
     return _simulate_jobs(
         _job_costs(fwd, bwd, fwd_groups, tail_cost, bwd_groups),
         len(fwd_groups),
@@ -600,7 +631,14 @@ def _simulate_groups(
         handoff=handoff,
         tail_split=tail_split,
         overlapped=overlapped,
+        call_delay=_call_delay(publish, first),
     )
+
+
+def _call_delay(publish: Sequence[float] | None, first_group: range) -> float:
+    """What an overlapped call's first job waits for its layers' weights (see
+    `simulate_plan`'s `publish`)."""
+    return 0.0 if publish is None else sum(publish[i] for i in first_group)
 
 
 def _simulate_jobs(
@@ -613,6 +651,7 @@ def _simulate_jobs(
     tail_split: int,
     calls: int = 1,
     overlapped: bool = False,
+    call_delay: float = 0.0,
 ) -> float:
     """`pipeline_makespan` of one call's jobs (costs over all micro-batches, in launch order;
     job `tail_index` split over `tail_split` jobs), `calls` times back to back; with
@@ -627,6 +666,7 @@ def _simulate_jobs(
                 handoff=handoff,
                 tail_split=tail_split,
                 calls=c,
+                call_delay=call_delay,
             )
             for c in (2, OVERLAP_CALLS)
         ]
@@ -640,8 +680,15 @@ def _simulate_jobs(
         split=tail_split,
         job_overhead=handoff,
         call_jobs=len(jobs) if calls > 1 else None,
+        call_delay=call_delay,
     )
 
+
+# What the step takes to publish a layer's new weights and a device to upload them, per GB
+# of the layer's parameters, before the engine has measured its own (RoundPipe
+# publish_ms_per_gb): on the H100 box the fp32 -> fp16 publish of Qwen3-1.7B took
+# 0.16-0.33 s for its 3.4 GB (50-100 ms/GB), the upload ~20 ms/GB at 50 GB/s.
+DEFAULT_PUBLISH_MS_PER_GB = 100.0
 
 # Calls simulated back to back for the overlapped period: past the first call's fill, the
 # device rotation (jobs a call modulo devices) comes round within a few calls.
@@ -684,6 +731,7 @@ def _pipeline_search(
     mem_cap: float,
     tail_split: int = 1,
     overlap: bool = False,
+    publish: Sequence[float] | None = None,
 ) -> tuple[list[range], list[range]]:
     """Forward and backward groups (ascending) with the shortest simulated call (with
     `overlap`: the shortest time between overlapped calls).
@@ -713,6 +761,7 @@ def _pipeline_search(
             handoff=handoff,
             tail_split=tail_split,
             overlapped=overlap,
+            publish=publish,
         )
 
     def neighbours(cuts: frozenset[int]) -> list[frozenset[int]]:
