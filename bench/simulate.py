@@ -19,7 +19,12 @@ For each GPU count it plans the step as the engine would (`engine.scheduler.plan
 which also picks how many jobs the head with its loss is split over), simulates the
 round-robin pipeline (`simulate_plan`), and predicts
 
-    step(D) = max(simulated call(D) + overhead, dispatch floor)
+    step(D) = max(simulated call(D) + overhead, dispatch floor, optimizer floor)
+
+The optimizer floor is the optimizer thread's work per step as the one-GPU run measured it
+(`optimizer_thread_s`: publishing the weights, folding the gradients, step_fn): the
+asynchronous step hides it behind the next call only while the call is longer.
+`--no-optimizer-floor` leaves it out (a host with more cores and memory bandwidth).
 
 Checks: every multi-GPU run in the input (with the plan it ran, from its `plan` field) is
 simulated with the one-GPU times of its own file and micro-batch count; the result lines
@@ -31,16 +36,14 @@ say how far the prediction is from the measurement.
 Prints one JSON line per prediction (`kind: prediction`), per check (`kind: check`) and a
 summary per GPU count of the best micro-batch count (`kind: best`).
 
-`--overlap` adds a what-if to each prediction (`overlap_*` fields, and `kind:
-best_overlap`): the step if consecutive calls overlapped, the next call's first jobs
-filling the pipeline while this call's last jobs drain it, same plan, same overhead and
-issue-time floor. Two figures: `overlap_*` (`simulate_plan(calls=...)`, the period between
-calls in steady state when the next call's first job starts once this call's last job has
-started, and every device still runs its jobs in launch order) and `busy_*` (the busiest
-device's work with no waiting at all: the bound that a device picking whichever job is
-ready could approach). The engine does not overlap calls: a call returns when its jobs are
-done, and the step publishes new weights into the host copy the backward still recomputes
-from.
+`--overlap` adds to each prediction the step with RoundPipe(overlap_calls=True)
+(`overlap_*` fields, and `kind: best_overlap`): the next call's first jobs fill the
+pipeline while this call's last jobs drain it. The plan is made for it
+(`plan_from_times(overlap=True)`), the period is the steady state of
+`simulate_plan(overlapped=True)`: the next call's first job starts once this call's last
+job has started and the step has published its layers' weights (the run's publish time per
+GB, plus their upload), every device running its jobs in launch order. `busy_*` is the
+busiest device's work with no waiting at all: a bound no order of jobs can beat.
 """
 
 from __future__ import annotations
@@ -76,15 +79,59 @@ class Measured:
     step_s: float
     tokens_per_step: int
     source: str
+    # The optimizer thread's work per step (publish + fold + step_fn, s) and the publish
+    # time per GB of weights plus their upload (ms), where the run reported them.
+    optimizer_s: float | None = None
+    publish: list[float] | None = None  # per layer, ms (simulate_plan's `publish`)
 
-    @functools.cached_property
-    def overhead_s(self) -> float:
-        """The measured step less the simulated one-GPU call: what a call costs besides its
-        jobs (the first upload, the last download, the Python around the jobs)."""
+    @classmethod
+    def of(cls, run: dict[str, Any], fwd: list[float], bwd: list[float]) -> Measured:
+        phases = run.get("optimizer_thread_s") or {}
+        work = [phases.get(k) for k in ("publish_s", "fold_s", "step_fn_s")]
+        optimizer_s = sum(work) if all(w is not None for w in work) else None  # type: ignore[misc]
+        publish = None
+        layer_gb = run.get("layer_gb")
+        if layer_gb and phases.get("publish_s") and len(layer_gb) == len(fwd):
+            # the step's publish per GB, and the upload at 50 GB/s (RoundPipe.publish_ms_per_gb)
+            ms_per_gb = phases["publish_s"] * 1000 / sum(layer_gb) + 20.0
+            publish = [g * ms_per_gb for g in layer_gb]
+        return cls(
+            int(run["num_microbatch"]),
+            fwd,
+            bwd,
+            float(run["step_s_median"]),
+            int(run["tokens_per_step"]),
+            run["_file"],
+            optimizer_s,
+            publish,
+        )
+
+    def one_gpu_call_s(self) -> float:
+        """The simulated one-GPU call (s) of these times."""
         m = self.num_microbatch
         mem = [0.0] * len(self.fwd)
         one = plan_from_times("fused", self.fwd, self.bwd, mem, num_devices=1, num_microbatch=m)
-        return self.step_s - simulate_plan(one, self.fwd, self.bwd, 1, m) / 1000
+        return simulate_plan(one, self.fwd, self.bwd, 1, m) / 1000
+
+    def calibrate(self) -> None:
+        """Where the simulated one-GPU call is longer than the measured step, scale the
+        layer times down to it. The engine's per-layer times are moving averages that
+        still carry the slower first iterations: added up they overshoot the step (by 4%
+        in the overlapped 2026-11-24 runs), and a negative per-call overhead subtracted
+        from every prediction would inflate the multi-GPU ones by as much per call."""
+        call_s = self.one_gpu_call_s()
+        if call_s > self.step_s:
+            scale = self.step_s / call_s
+            self.fwd = [t * scale for t in self.fwd]
+            self.bwd = [t * scale for t in self.bwd]
+        self.__dict__.pop("overhead_s", None)
+
+    @functools.cached_property
+    def overhead_s(self) -> float:
+        """The measured step less the simulated one-GPU call (0 once calibrated down):
+        what a call costs besides its jobs (the first upload, the last download, the
+        Python around the jobs)."""
+        return max(self.step_s - self.one_gpu_call_s(), 0.0)
 
 
 def uniform_layers(times: list[float]) -> list[float]:
@@ -117,10 +164,9 @@ def one_gpu_times(runs: list[dict[str, Any]], raw: bool) -> dict[tuple[str, int]
         fwd, bwd = times["fwd"], times["bwd"]
         if not raw:
             fwd, bwd = uniform_layers(fwd), uniform_layers(bwd)
-        m = int(r["num_microbatch"])
-        out[(r["_file"], m)] = Measured(
-            m, fwd, bwd, float(r["step_s_median"]), int(r["tokens_per_step"]), r["_file"]
-        )
+        meas = Measured.of(r, fwd, bwd)
+        meas.calibrate()
+        out[(r["_file"], int(r["num_microbatch"]))] = meas
     return out
 
 
@@ -176,12 +222,16 @@ def busy_bound_s(
     return max(busy) / calls / 1000
 
 
-def _bounded(call_s: float, overhead: float, floor: float | None) -> tuple[float, str]:
-    """The step from a simulated call, its overhead and the host's issue time."""
-    step = call_s + overhead
-    if floor is not None and floor > step:
-        return floor, "dispatch"
-    return step, "pipeline"
+def _bounded(
+    call_s: float, overhead: float, floor: float | None, optimizer_s: float | None = None
+) -> tuple[float, str]:
+    """The step from a simulated call, its overhead, the host's issue time and the
+    optimizer thread's work per step (the asynchronous step hides it only up to a step)."""
+    step, bound = call_s + overhead, "pipeline"
+    for limit, name in ((floor, "dispatch"), (optimizer_s, "optimizer")):
+        if limit is not None and limit > step:
+            step, bound = limit, name
+    return step, bound
 
 
 def predict(
@@ -191,18 +241,21 @@ def predict(
     plan: ModelExecutePlan | None = None,
     *,
     overlap: bool = False,
+    optimizer_floor: bool = True,
 ) -> dict[str, Any]:
     """The predicted step on `devices` GPUs from one GPU's measurement; with `overlap`,
-    also the step if one call's drain overlapped the next call's fill (what-if)."""
+    also the step with RoundPipe(overlap_calls=True): the plan made for overlapped calls,
+    their steady period, an overlapped call's first job waiting for its layers' publish."""
     m = meas.num_microbatch
     mem = [0.0] * len(meas.fwd)  # parameter memory does not bind for these shapes
     overhead = meas.overhead_s
+    opt = meas.optimizer_s if optimizer_floor else None
     if plan is None:
         plan = plan_from_times(
             "fused", meas.fwd, meas.bwd, mem, num_devices=devices, num_microbatch=m
         )
     call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m) / 1000
-    step, bound = _bounded(call_s, overhead, floor)
+    step, bound = _bounded(call_s, overhead, floor, opt)
     row = {
         "devices": devices,
         "num_microbatch": m,
@@ -211,19 +264,32 @@ def predict(
         "call_s": round(call_s, 4),
         "overhead_s": round(overhead, 4),
         "dispatch_floor_s": floor,
+        "optimizer_floor_s": None if opt is None else round(opt, 4),
         "bound": bound,
         "plan": repr(plan),
     }
     if overlap:
-        first, last = (
-            simulate_plan(plan, meas.fwd, meas.bwd, devices, m, calls=c) / 1000
-            for c in (2, _OVERLAP_CALLS)
+        o_plan = plan_from_times(
+            "fused",
+            meas.fwd,
+            meas.bwd,
+            mem,
+            num_devices=devices,
+            num_microbatch=m,
+            overlap=True,
+            publish=meas.publish,
         )
-        period = (last - first) / (_OVERLAP_CALLS - 2)
-        step, bound = _bounded(period, overhead, floor)
-        busy = busy_bound_s(plan, meas.fwd, meas.bwd, devices, m)
-        busy_step, busy_limit = _bounded(busy, overhead, floor)
+        period = (
+            simulate_plan(
+                o_plan, meas.fwd, meas.bwd, devices, m, overlapped=True, publish=meas.publish
+            )
+            / 1000
+        )
+        step, bound = _bounded(period, overhead, floor, opt)
+        busy = busy_bound_s(o_plan, meas.fwd, meas.bwd, devices, m)
+        busy_step, busy_limit = _bounded(busy, overhead, floor, opt)
         row.update(
+            overlap_plan=repr(o_plan),
             overlap_call_s=round(period, 4),
             overlap_step_s=round(step, 4),
             overlap_tokens_per_s=round(meas.tokens_per_step / step, 1),
@@ -246,8 +312,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--overlap",
         action="store_true",
-        help="also predict steps whose calls overlap (one call's drain with the next "
-        "call's fill; a what-if, the engine does not do this)",
+        help="also predict RoundPipe(overlap_calls=True): one call's drain overlapping the "
+        "next call's fill, with plans made for it",
+    )
+    p.add_argument(
+        "--no-optimizer-floor",
+        action="store_true",
+        help="leave out the optimizer thread's measured time per step (a host with more "
+        "cores and memory bandwidth than the one measured)",
     )
     args = p.parse_args(argv)
 
@@ -263,7 +335,13 @@ def main(argv: list[str] | None = None) -> None:
         base[meas.source] = max(base.get(meas.source, 0.0), rate)
     for (source, _), meas in sorted(measured.items()):
         for d in args.devices:
-            row = predict(meas, d, floors.get(meas.num_microbatch), overlap=args.overlap)
+            row = predict(
+                meas,
+                d,
+                floors.get(meas.num_microbatch),
+                overlap=args.overlap,
+                optimizer_floor=not args.no_optimizer_floor,
+            )
             row.update(kind="prediction", input=source)
             row["speedup_vs_1gpu"] = round(row["tokens_per_s"] / base[source], 3)
             row["efficiency"] = round(row["speedup_vs_1gpu"] / d, 3)
@@ -282,7 +360,13 @@ def main(argv: list[str] | None = None) -> None:
         meas = measured.get((r["_file"], int(r.get("num_microbatch") or 0)))
         if d < 2 or meas is None or not r.get("plan"):
             continue
-        row = predict(meas, d, floors.get(meas.num_microbatch), parse_plan(r["plan"]))
+        row = predict(
+            meas,
+            d,
+            floors.get(meas.num_microbatch),
+            parse_plan(r["plan"]),
+            optimizer_floor=not args.no_optimizer_floor,
+        )
         measured_rate = float(r["tokens_per_s"])
         row.update(
             kind="check",

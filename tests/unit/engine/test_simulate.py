@@ -71,7 +71,12 @@ def test_tool_checks_itself_against_the_two_gpu_run(capsys: pytest.CaptureFixtur
     assert checks and all(abs(float(r["error"])) < 0.05 for r in checks)  # type: ignore[arg-type]
 
 
-def test_overlap_what_if_is_bounded_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
+def test_overlap_predictions_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    """Overlapped calls (planned for overlap) never take less than a call's work spread
+    evenly over the devices (within 3%: the period is measured between the 2nd and the 6th
+    call's ends, and the 2nd call's end may still carry some of the first call's fill
+    that the later calls do not); on 4 GPUs at 4 micro-batches, with the host's issue time
+    (0.55 s) not binding, they beat one call after the other by planning for it."""
     rows = _rows(
         capsys,
         str(INPUTS / "h100-2026-11-23.jsonl"),
@@ -79,12 +84,16 @@ def test_overlap_what_if_is_bounded_both_ways(capsys: pytest.CaptureFixture[str]
         str(INPUTS / "h100-dispatch-2026-11-23.jsonl"),
         "--overlap",
     )
+    measured = simulate.one_gpu_times(
+        simulate.load_runs([INPUTS / "h100-2026-11-23.jsonl"]), raw=False
+    )
+    work_s = {m: (sum(meas.fwd) + sum(meas.bwd)) / 1000 for (_, m), meas in measured.items()}
     predictions = [r for r in rows if r["kind"] == "prediction"]
     assert len(predictions) == 12  # 3 micro-batch counts x 1, 2, 4, 8 GPUs
     for r in predictions:
-        call, period, busy = (float(r[k]) for k in ("call_s", "overlap_call_s", "busy_call_s"))  # type: ignore[arg-type]
-        assert busy <= period + 1e-6 and period <= call * 1.001
-        assert r["busy_tokens_per_s"] >= r["overlap_tokens_per_s"] >= r["tokens_per_s"]  # type: ignore[operator]
-    four = next(r for r in rows if r["kind"] == "best_overlap" and r["devices"] == 4)
-    # 4 GPUs at 4 micro-batches are not bound by the host's issue time (0.55 s)
-    assert four["busy_bound"] == "pipeline" and float(four["busy_efficiency"]) > 0.95  # type: ignore[arg-type]
+        even_s = work_s[int(r["num_microbatch"])] / int(r["devices"])  # type: ignore[arg-type]
+        assert float(r["overlap_call_s"]) >= even_s * 0.97  # type: ignore[arg-type]
+        assert float(r["busy_call_s"]) >= even_s * 0.999  # type: ignore[arg-type]
+    four = next(r for r in predictions if r["devices"] == 4 and r["num_microbatch"] == 4)
+    assert four["overlap_bound"] == "pipeline"
+    assert float(four["overlap_efficiency"]) > float(four["efficiency"]) + 0.05  # type: ignore[arg-type]
