@@ -473,17 +473,15 @@ class Replayer:
             seg.graph.capture(body, modules)
             return seg
 
-        seg = self._capture(key, make)
-        if seg is None:
+        replayed = self._replay(key, make, modules, lambda seg: seg.state_in.copy_(state))
+        if replayed is None:
             return None
-        with self.dev.compute():
-            seg.state_in.copy_(state)
-            out = seg.graph.replay(modules).clone()
-            if save_fns is not None:
+        out, seg = replayed
+        if save_fns is not None:
+            with self.dev.compute():
                 for fn, data in zip(save_fns, seg.saved_out, strict=True):
                     if data is not None:
                         fn(*(t.clone() for t in data))
-        _count("replays")
         return with_state(carry, out)
 
     def run_backward(
@@ -537,14 +535,29 @@ class Replayer:
             seg.graph.capture(body, modules)
             return seg
 
+        replayed = self._replay(
+            key, make, modules, lambda seg: self._fill(seg, state, grad_out, recompute_data)
+        )
+        return None if replayed is None else replayed[0]
+
+    def _replay(
+        self,
+        key: Hashable,
+        make: Callable[[], _Segment],
+        modules: Sequence[nn.Module],
+        fill: Callable[[_Segment], Any],
+    ) -> tuple[Tensor, _Segment] | None:
+        """Replay the segment of `key` (captured by `make` on first use) after `fill` has
+        copied the micro-batch's inputs into it; returns a clone of its output (the next
+        replay overwrites the static one) and the segment. None where it is not captured."""
         seg = self._capture(key, make)
         if seg is None:
             return None
         with self.dev.compute():
-            self._fill(seg, state, grad_out, recompute_data)
-            grad_in = seg.graph.replay(modules).clone()
+            fill(seg)
+            out = seg.graph.replay(modules).clone()
         _count("replays")
-        return grad_in
+        return out, seg
 
     @staticmethod
     def _fill(

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from engine import ModelExecutePlan, RoundPipeRunConfig, graphs, wrap_model_to_roundpipe
-from engine.models import causal_lm_loss_fn
-from tests.unit.engine._models import tiny_hf_model
+from tests.unit.engine._models import lm_steps, tiny_hf_model
 
 pytestmark = pytest.mark.gpu
 
@@ -103,16 +102,7 @@ def _train(
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 96, (7, 64), generator=g)  # 7 rows: micro-batches of unequal size
     before = graphs.stats()
-    losses = []
-    for _ in range(steps):
-        loss = rp.forward_backward(
-            input_kwargs={"input_ids": ids, "return_logits": False},
-            label=ids,
-            loss_fn=causal_lm_loss_fn(ids),
-        )
-        losses.append(float(loss))
-        rp.step(step_fn)
-    rp.synchronize()
+    losses = lm_steps(rp, [ids] * steps, step_fn)
     after = graphs.stats()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     counts = {k: after[k] - before[k] for k in after}

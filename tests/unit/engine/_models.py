@@ -113,3 +113,21 @@ def tiny_hf_model(
     else:
         raise ValueError(kind)
     return model.float().train()
+
+
+def lm_steps(rp: nn.Module, batches: list[torch.Tensor], step_fn: object) -> list[float]:
+    """Causal-LM training steps of a preset RoundPipe on token batches (the chunked loss,
+    asynchronous steps); returns the losses, with every step done."""
+    from engine.models import causal_lm_loss_fn
+
+    losses = []
+    for ids in batches:
+        loss = rp.forward_backward(
+            input_kwargs={"input_ids": ids, "return_logits": False},
+            label=ids,
+            loss_fn=causal_lm_loss_fn(ids),
+        )
+        losses.append(float(loss))
+        rp.step(step_fn)
+    rp.synchronize()
+    return losses

@@ -21,7 +21,8 @@ from torch import nn
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, graphs
 from engine.errors import RoundPipeError
 from tests.unit.engine import test_replay as replay_models
-from tests.unit.engine._models import make_batch, make_model
+from tests.unit.engine._models import lm_steps, make_batch, make_model
+from tests.unit.engine.test_replay import assert_same
 
 
 def mse(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -65,12 +66,6 @@ def run_steps(
     return losses, grads, weights
 
 
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
-
-
 def assert_runs_equal(got: Any, expected: Any) -> None:
     for a, b in zip(got[0], expected[0], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -112,7 +107,6 @@ def test_overlap_on_eight_virtual_devices_with_tied_weights(cpu8: int) -> None:
     devices, one-layer groups: the step publishes the tied weight only once the head's and
     the embedding's uploads are done."""
     from engine import wrap_model_to_roundpipe
-    from engine.models import causal_lm_loss_fn
     from tests.unit.engine._models import tiny_hf_model
 
     def train(overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -139,17 +133,8 @@ def test_overlap_on_eight_virtual_devices_with_tied_weights(cpu8: int) -> None:
             opt.zero_grad()
 
         g = torch.Generator().manual_seed(0)
-        losses = []
-        for _ in range(4):
-            ids = torch.randint(0, 64, (8, 16), generator=g)
-            loss = rp.forward_backward(
-                input_kwargs={"input_ids": ids, "return_logits": False},
-                label=ids,
-                loss_fn=causal_lm_loss_fn(ids),
-            )
-            losses.append(float(loss))
-            rp.step(step_fn)
-        rp.synchronize()
+        batches = [torch.randint(0, 64, (8, 16), generator=g) for _ in range(4)]
+        losses = lm_steps(rp, batches, step_fn)
         return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
     got_losses, got = train(True)
