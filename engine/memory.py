@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import mmap
+import weakref
 from typing import Literal
 
 import torch
@@ -14,6 +16,7 @@ __all__ = [
     "PinMode",
     "get_model_active_size",
     "get_model_size",
+    "host_block",
     "pin_module",
     "pin_module_alloc",
     "pin_module_arena",
@@ -86,6 +89,34 @@ def _register(t: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
 
 
+class _Mapping(mmap.mmap):
+    """An anonymous mapping; a subclass because mmap itself takes no weak references."""
+
+
+def _unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def host_block(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    """A uint8 host tensor of exactly `nbytes` (page-aligned), registered with
+    cudaHostRegister when `pinned` and CUDA is there.
+
+    A registration must end before its memory goes back to the system: a later mapping
+    at the same addresses would otherwise count as registered, and copies from it fail
+    ("invalid argument") or read stale pages. The block is an anonymous mapping that the
+    tensor's storage keeps alive, unregistered just before it is unmapped (once the last
+    tensor viewing it is gone).
+    """
+    if nbytes <= 0 or not (pinned and torch.cuda.is_available()):
+        return torch.empty(max(nbytes, 0), dtype=torch.uint8)
+    mapping = _Mapping(-1, nbytes)
+    block = torch.frombuffer(mapping, dtype=torch.uint8)
+    _register(block)
+    done = weakref.finalize(mapping, _unregister, block.data_ptr())
+    done.atexit = False  # at exit the process's mappings go with CUDA's context
+    return block
+
+
 def pin_module_arena(mod: nn.Module) -> dict[int, torch.Tensor]:
     """Move parameters and buffers into one host block, pinned once; add gradient buffers.
 
@@ -102,9 +133,7 @@ def pin_module_arena(mod: nn.Module) -> dict[int, torch.Tensor]:
     tensors = _module_tensors(mod)
     grad_of = [t for t in tensors if isinstance(t, nn.Parameter) and t.requires_grad]
     sizes = [arena_slot_bytes(t.numel() * t.element_size()) for t in [*tensors, *grad_of]]
-    arena = torch.empty(sum(sizes), dtype=torch.uint8)
-    if arena.numel() and torch.cuda.is_available():
-        _register(arena)
+    arena = host_block(sum(sizes), pinned=True)
 
     offset = 0
 
