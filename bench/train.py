@@ -258,6 +258,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="overlap each call's backward with the next call's forward (RoundPipe overlap_calls)",
     )
+    p.add_argument(
+        "--double-buffer-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a second host copy of the weights that the C Adam writes and the step swaps "
+        "in (RoundPipe double_buffer_weights; default: with --overlap-calls)",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -577,8 +584,16 @@ def host_plan(args: argparse.Namespace) -> Any:
         cuda=torch.cuda.is_available(),
         saved_attention=not args.recompute_attention,
         trainable_params=shape.lora_params(args.lora_rank) if args.lora else None,
+        double_buffer_weights=_double_buffer(args),
     )
     return plan_host_memory(shape, run)
+
+
+def _double_buffer(args: argparse.Namespace) -> bool:
+    """RoundPipe's double_buffer_weights for these arguments (its default: overlap_calls)."""
+    if args.double_buffer_weights is None:
+        return bool(args.overlap_calls)
+    return bool(args.double_buffer_weights)
 
 
 def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
@@ -630,6 +645,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         pin_model=args.pin_model if torch.cuda.is_available() else "alloc",
         shard_optimizer=args.shard_optimizer,
         overlap_calls=args.overlap_calls,
+        double_buffer_weights=_double_buffer(args),
     )
     wrap_s = time.perf_counter() - t0
     dp = getattr(rp, "_dp", None)
@@ -704,6 +720,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         plan=_last_plan(rp),
         layer_times_ms=_layer_times(rp),
         overlap_calls=args.overlap_calls,
+        double_buffer_weights=_double_buffer(args),
+        second_copy_gib=round(getattr(rp, "second_copy_bytes", 0) / 2**30, 2),
         optimizer_thread_s=_step_phases(rp, args.warmup),
         layer_gb=[round(g, 6) for g in rp.layer_size],
         replay={

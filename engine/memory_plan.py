@@ -14,6 +14,7 @@ What a full fine-tune holds on the host, per trainable parameter (fp16/bf16 mode
     Adam exp_avg + exp_avg_sq     8   fp32; 4 with optim_state_dtype = bfloat16
                                  --
                                  20   (12 in the low-precision modes)
+    second model copy             2   only with double_buffer_weights (engine.weight_buffers)
 
 plus torch's power-of-two rounding of every pinned tensor (pin_model='alloc'; 'arena'
 avoids it), the activations kept for the backward (each backward group's input, per
@@ -291,6 +292,7 @@ class RunShape:
     saved_attention: bool = True  # CUDA, half precision, attention not recomputed
     trainable_params: int | None = None  # None: all (full fine-tune); else e.g. LoRA's
     optimizer_state: bool = True  # count Adam's moments
+    double_buffer_weights: bool = False  # a second model copy per trainable parameter
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,6 +420,9 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
     parts["optim_gradients"] = (
         trainable * run.optim_dtype_bytes if run.optim_grad_dtype == "optim" else 0
     )
+    parts["model_second_copy"] = (
+        trainable * mbytes if run.double_buffer_weights and mbytes < run.optim_dtype_bytes else 0
+    )
     state_bytes = 4 if run.optim_state_dtype == "float32" else 2
     parts["optim_state"] = 2 * trainable * state_bytes if run.optimizer_state else 0
     mb_tokens = run.tokens_per_step // run.num_microbatch
@@ -443,11 +448,13 @@ def check_engine_allocation(
     optim_grad_dtype: Any,
     pin_model: str,
     budget_bytes: int | None,
+    double_buffer_weights: bool = False,
 ) -> HostMemoryPlan:
     """Before RoundPipe pins `model`: check what the engine itself will allocate.
 
     Counts the pinned model copy, the host gradient buffers, the optimizer-side copies and
-    their gradient buffers of `model`'s parameters (the optimizer's own state and the
+    their gradient buffers of `model`'s parameters (and the second model copy with
+    `double_buffer_weights`) (the optimizer's own state and the
     activations depend on the optimizer and the batch: see plan_host_memory). Raises
     HostMemoryError over the budget (`budget_bytes`, else RP_HOST_MEMORY_BUDGET, else the
     available memory less a margin).
@@ -458,7 +465,13 @@ def check_engine_allocation(
 
     cuda = torch.cuda.is_available()
     seen: set[int] = set()
-    parts = {"model": 0, "host_gradients": 0, "optim_master": 0, "optim_gradients": 0}
+    parts = {
+        "model": 0,
+        "host_gradients": 0,
+        "optim_master": 0,
+        "optim_gradients": 0,
+        "model_second_copy": 0,
+    }
     for p in _unique(model.parameters(), seen):
         nbytes = p.numel() * p.element_size()
         parts["model"] += _pinned_bytes(nbytes, pin_model, cuda)
@@ -473,6 +486,8 @@ def check_engine_allocation(
         parts["optim_master"] += p.numel() * opt_dtype.itemsize
         if (optim_grad_dtype or opt_dtype) == opt_dtype:
             parts["optim_gradients"] += p.numel() * opt_dtype.itemsize
+        if double_buffer_weights and p.element_size() == 2 and opt_dtype == torch.float32:
+            parts["model_second_copy"] += _pinned_bytes(nbytes, "arena", cuda)
     for b in _unique(model.buffers(), seen):
         parts["model"] += _pinned_bytes(b.numel() * b.element_size(), pin_model, cuda)
     plan = HostMemoryPlan(

@@ -43,6 +43,7 @@ from .scheduler import ModelExecutePlan, RunType
 from .threads import AnnotatedEvent
 from .timer import ModelTimer
 from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers
+from .weight_buffers import attach_second_copies, publish_param
 
 __all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase", "get_call_location"]
 
@@ -239,13 +240,23 @@ class RoundPipeBase(nn.Module):
         """
         if events is None:
             events = [(attr.param_copied, attr.grad_copied) for attr in self.layer_attrs]
-        phases = {"publish_s": 0.0, "fold_s": 0.0, "wait_s": 0.0, "step_fn_s": 0.0}
+        # "swapped": parameters published by swapping in the copy the optimizer wrote.
+        phases = {"publish_s": 0.0, "fold_s": 0.0, "wait_s": 0.0, "step_fn_s": 0.0, "swapped": 0.0}
         start = time.perf_counter()
         try:
             if self._dp is not None:
                 self._dp.publish_weights_take_grads(self)
             else:
+                published = self._optim_ahead
                 _publish_weights_take_grads(self, self._params_by_owner(), pending, events, phases)
+                if published and self.__dict__.get("second_copy_bytes") and not phases["swapped"]:
+                    _warn_once(
+                        f"second-copy:{id(self)}",
+                        f"{self.name}: double_buffer_weights is on but the step function's "
+                        "optimizer did not write the second weight copy (engine.optim.Adam "
+                        "does), so each step converts the weights as without it; pass "
+                        "double_buffer_weights=False to save its host memory",
+                    )
             try:
                 t0 = time.perf_counter()
                 with OptimizerCtx():
@@ -273,8 +284,7 @@ class RoundPipeBase(nn.Module):
         if not self._optim_ahead:
             return
         for p, pa in self._all_params():
-            if pa.optim is not None:
-                p.data.copy_(pa.optim.data)
+            publish_param(p, pa)
         object.__setattr__(self, "_optim_ahead", False)
 
     def synchronize(self) -> None:
@@ -383,9 +393,9 @@ def _publish_weights_take_grads(
                 with clock("wait_s"):
                     pending.wait_uploads(users[j])
             with clock("publish_s"):
-                for p, pa in params:
-                    if pa.optim is not None:
-                        p.data.copy_(pa.optim.data)
+                swapped = sum(publish_param(p, pa) for p, pa in params)
+            if phases is not None:
+                phases["swapped"] = phases.get("swapped", 0.0) + swapped
         param_copied.set()
     object.__setattr__(owner, "_optim_ahead", False)
     order = list(zip(events, groups, strict=True))
@@ -440,6 +450,13 @@ class RoundPipe(RoundPipeBase):
             calls one after the other. Until `synchronize()` (or the next call), `.grad`
             and the call's backward errors are not there yet. Calls whose inputs need
             gradients, and data parallel, run as without it.
+        double_buffer_weights: Keep a second host copy of the half-precision weights that
+            engine.optim.Adam writes in its update pass; the next step publishes by
+            swapping the two instead of converting the fp32 masters (engine.weight_buffers:
+            the optimizer thread's publish goes from a pass over the model to nothing).
+            Costs the model's trainable bytes again in host memory (2 per parameter).
+            Default: on with `overlap_calls`, whose steps publish while a call runs.
+            Other optimizers work as without it; data parallel ignores it.
     """
 
     def __init__(
@@ -455,6 +472,7 @@ class RoundPipe(RoundPipeBase):
         optim_grad_dtype: torch.dtype | None = None,
         host_memory_budget: int | None = None,
         overlap_calls: bool = False,
+        double_buffer_weights: bool | None = None,
     ) -> None:
         if pin_model not in ("alloc", "register", "arena", "off"):
             raise ConfigError(
@@ -479,12 +497,15 @@ class RoundPipe(RoundPipeBase):
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ConfigError("model is an empty nn.Sequential; give it at least one layer")
+        if double_buffer_weights is None:
+            double_buffer_weights = overlap_calls
         check_engine_allocation(
             model,
             optim_dtype=optim_dtype,
             optim_grad_dtype=optim_grad_dtype,
             pin_model=pin_model,
             budget_bytes=host_memory_budget,
+            double_buffer_weights=bool(double_buffer_weights),
         )
         arena_grads = pin_module(model, pin_model)
         object.__setattr__(self, "model_run_config", model_run_config)
@@ -517,6 +538,10 @@ class RoundPipe(RoundPipeBase):
         object.__setattr__(self, "_plans", {})
         dp = attach_data_parallel(self, process_group, shard_optimizer=shard_optimizer)
         object.__setattr__(self, "_dp", dp)
+        second = 0
+        if double_buffer_weights and dp is None:
+            second = attach_second_copies(self._all_params(), pinned=pin_model != "off")
+        object.__setattr__(self, "second_copy_bytes", second)
         object.__setattr__(self, "_rp_initialized", True)
 
     # ---- device-side copies --------------------------------------------------------------

@@ -39,6 +39,7 @@ __all__ = [
     "Adam",
     "NativeBuildError",
     "available_isas",
+    "current_model_copy",
     "get_isa",
     "get_model_copy",
     "get_num_threads",
@@ -53,6 +54,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _COPY_ATTR = "_rp_model_copy"
+# The master's version counter when Adam last wrote its model copy (current_model_copy).
+_WRITTEN_ATTR = "_rp_model_copy_written"
 _COPY_DTYPES = {torch.float16: 1, torch.bfloat16: 2}  # RP_COPY_FP16 / RP_COPY_BF16
 _GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # RP_DTYPE_*
 _STATE_DTYPES = {torch.float32: 0, torch.bfloat16: 2}
@@ -67,6 +70,8 @@ def set_model_copy(param: Tensor, copy: Tensor | None) -> None:
         copy: A contiguous fp16 or bf16 CPU tensor with param's numel (the half-precision
             model weights, e.g. in pinned memory), or None to stop writing one.
     """
+    if hasattr(param, _WRITTEN_ATTR):
+        delattr(param, _WRITTEN_ATTR)  # a new (or no) buffer holds nothing written yet
     if copy is None:
         if hasattr(param, _COPY_ATTR):
             delattr(param, _COPY_ATTR)
@@ -88,6 +93,20 @@ def set_model_copy(param: Tensor, copy: Tensor | None) -> None:
 def get_model_copy(param: Tensor) -> Tensor | None:
     """The half-precision copy set with `set_model_copy()`, or None."""
     return getattr(param, _COPY_ATTR, None)
+
+
+def current_model_copy(param: Tensor) -> Tensor | None:
+    """The model copy if it holds `param`'s present value, else None.
+
+    It does once `Adam.step()` has written it, until `param` changes in any other way: an
+    in-place torch op (a checkpoint load, a weight fix-up in the step function) bumps the
+    master's version counter, which the C kernel's writes do not. RoundPipe's double-buffered
+    weights publish such a copy by swapping it in instead of converting the master again.
+    """
+    copy = getattr(param, _COPY_ATTR, None)
+    if copy is None or getattr(param, _WRITTEN_ATTR, None) != param._version:
+        return None
+    return copy
 
 
 def _check_hyper(group: dict[str, Any], where: str) -> None:
@@ -223,6 +242,9 @@ class Adam(torch.optim.Optimizer):
                 _torch_update(p, grad, state, group, step)
         else:
             _native_update(entries, step_values, isa)
+        for p, _, _, _ in entries:
+            if hasattr(p, _COPY_ATTR):
+                setattr(p, _WRITTEN_ATTR, p._version)  # after the fallback's in-place ops
         return loss
 
     def _collect(self) -> list[tuple[Tensor, Tensor, dict[str, Any], dict[str, Any]]]:
