@@ -72,11 +72,10 @@ def test_tool_checks_itself_against_the_two_gpu_run(capsys: pytest.CaptureFixtur
 
 
 def test_overlap_predictions_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
-    """Overlapped calls (planned for overlap) never take less than a call's work spread
-    evenly over the devices (within 3%: the period is measured between the 2nd and the 6th
-    call's ends, and the 2nd call's end may still carry some of the first call's fill
-    that the later calls do not); on 4 GPUs at 4 micro-batches, with the host's issue time
-    (0.55 s) not binding, they beat one call after the other by planning for it."""
+    """Overlapped calls (planned for overlap) never take less than the busiest device's
+    work, nor that less than a call's work spread evenly over the devices (both taken over
+    whole rotations of the devices); on 4 GPUs at 4 micro-batches, with the host's issue
+    time (0.55 s) not binding, they beat one call after the other by planning for it."""
     rows = _rows(
         capsys,
         str(INPUTS / "h100-2026-11-23.jsonl"),
@@ -92,8 +91,39 @@ def test_overlap_predictions_are_bounded(capsys: pytest.CaptureFixture[str]) -> 
     assert len(predictions) == 12  # 3 micro-batch counts x 1, 2, 4, 8 GPUs
     for r in predictions:
         even_s = work_s[int(r["num_microbatch"])] / int(r["devices"])  # type: ignore[arg-type]
-        assert float(r["overlap_call_s"]) >= even_s * 0.97  # type: ignore[arg-type]
+        assert float(r["overlap_call_s"]) >= float(r["busy_call_s"]) * 0.9999  # type: ignore[arg-type]
         assert float(r["busy_call_s"]) >= even_s * 0.999  # type: ignore[arg-type]
     four = next(r for r in predictions if r["devices"] == 4 and r["num_microbatch"] == 4)
     assert four["overlap_bound"] == "pipeline"
     assert float(four["overlap_efficiency"]) > float(four["efficiency"]) + 0.05  # type: ignore[arg-type]
+
+
+def test_a_rotation_is_the_calls_until_the_jobs_land_on_the_same_devices() -> None:
+    five = ModelExecutePlan.from_ranges([range(0, 4), range(4, 6)], [range(2, 4), range(0, 2)])
+    assert simulate.rotation_calls(five, 8, 8) == 2  # 4 jobs a call
+    split = ModelExecutePlan.from_ranges(
+        [range(0, 4), range(4, 6)], [range(2, 4), range(0, 2)], tail_split=2
+    )
+    assert simulate.rotation_calls(split, 8, 8) == 8  # 5 jobs a call: 40 jobs
+    assert simulate.rotation_calls(split, 8, 1) == 2  # one micro-batch: the tail stays whole
+    assert simulate.rotation_calls(split, 5, 8) == 1
+
+
+def test_double_buffered_inputs_predict_four_and_eight_gpus(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The recorded H100 runs with overlapped calls and double-buffered weights (the
+    optimizer thread's publish a swap): the tool's predictions as recorded in
+    bench/RESULTS.md, the optimizer thread's floor (0.37 s) not binding."""
+    rows = _rows(
+        capsys,
+        str(INPUTS / "h100-2026-11-24-double-buffer.jsonl"),
+        "--dispatch",
+        str(INPUTS / "h100-dispatch-2026-11-24.jsonl"),
+        "--overlap",
+    )
+    best = {int(r["devices"]): r for r in rows if r["kind"] == "best_overlap"}  # type: ignore[arg-type]
+    assert float(best[4]["overlap_efficiency"]) >= 0.95  # type: ignore[arg-type]
+    assert float(best[8]["overlap_efficiency"]) >= 0.90  # type: ignore[arg-type]
+    assert best[8]["overlap_bound"] == "pipeline"
+    assert float(best[8]["optimizer_floor_s"]) < float(best[8]["overlap_step_s"])  # type: ignore[arg-type]
