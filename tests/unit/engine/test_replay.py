@@ -317,3 +317,34 @@ def test_slots_alternate_between_jobs(replay_on_cpu: None, cpu3: int) -> None:
     assert first[2] is None
     assert {id(s) for s in first[:2]}.isdisjoint({id(s) for s in second})
     assert third[0] is first[0]
+
+
+def test_a_recompute_reads_each_layers_saved_data_just_before_it(
+    cpu3: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without replay, a layer's saved data is uploaded right before its recompute, not the
+    whole group's up front: an upload makes the compute stream wait, and up front the
+    group's later layers' uploads could not run under the earlier layers' recompute."""
+    import engine.run
+
+    events: list[tuple[str, int]] = []
+    real = engine.run._recompute_data
+
+    def recompute_data(run: Any, dev: Any, layer_id: int, mb: int) -> Any:
+        events.append(("data", layer_id))
+        return real(run, dev, layer_id, mb)
+
+    monkeypatch.setattr(engine.run, "_recompute_data", recompute_data)
+    model = make_model()
+    for index, block in enumerate(model):
+        if isinstance(block, Block):
+            block.register_forward_pre_hook(
+                lambda _m, _a, index=index: (
+                    events.append(("recompute", index)) if doing_recompute() else None
+                )
+            )
+    train(model, replay=False, plan=GROUPED)
+    recomputes = [k for k, e in enumerate(events) if e[0] == "recompute"]
+    assert len(recomputes) == 4 * 3  # blocks 1-4 (block 5 is in the fused tail), 3 micro-batches
+    for k in recomputes:
+        assert events[k - 1] == ("data", events[k][1])
