@@ -115,6 +115,51 @@ def tiny_hf_model(
     return model.float().train()
 
 
+def tied_qwen3_roundpipe(
+    dtype: torch.dtype = torch.float32, **rp_kwargs: object
+) -> tuple[nn.Module, nn.Module]:
+    """A 4-layer tiny Qwen3 with a tied embedding (used by the first and the last layer) as
+    a preset RoundPipe of one-layer groups, the tail split in two, 4 micro-batches; returns
+    the HF model and the RoundPipe (`rp_kwargs` go to wrap_model_to_roundpipe)."""
+    from engine import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe
+
+    model = tiny_hf_model("qwen3", vocab=64, window=64, num_hidden_layers=4).to(dtype)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    n = 6  # embedding, 4 decoder layers, head
+    plan = ModelExecutePlan.from_ranges(
+        [range(k, k + 1) for k in range(n - 1)] + [range(n - 1, n)],
+        [range(k, k + 1) for k in reversed(range(n - 1))],
+        tail_split=2,
+    )
+    rp = wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=True,
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=plan),
+        **rp_kwargs,
+    )
+    return model, rp
+
+
+def train_tied_qwen3(
+    optimizer: type[torch.optim.Optimizer], dtype: torch.dtype = torch.float32, **rp_kwargs: object
+) -> tuple[nn.Module, list[float], dict[str, torch.Tensor]]:
+    """Four steps of `tied_qwen3_roundpipe` with `optimizer` (lr 1e-2) on seeded token
+    batches; returns the RoundPipe, the losses and the trained weights."""
+    model, rp = tied_qwen3_roundpipe(dtype, **rp_kwargs)
+    opt = optimizer(rp.optim_parameters(), lr=1e-2)  # type: ignore[call-arg]
+
+    def step_fn() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 64, (8, 16), generator=g) for _ in range(4)]
+    losses = lm_steps(rp, batches, step_fn)
+    return rp, losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def lm_steps(rp: nn.Module, batches: list[torch.Tensor], step_fn: object) -> list[float]:
     """Causal-LM training steps of a preset RoundPipe on token batches (the chunked loss,
     asynchronous steps); returns the losses, with every step done."""

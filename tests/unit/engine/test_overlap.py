@@ -21,7 +21,7 @@ from torch import nn
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, graphs
 from engine.errors import RoundPipeError
 from tests.unit.engine import test_replay as replay_models
-from tests.unit.engine._models import lm_steps, make_batch, make_model
+from tests.unit.engine._models import make_batch, make_model
 from tests.unit.engine.test_replay import assert_same
 
 
@@ -106,39 +106,10 @@ def test_overlap_on_eight_virtual_devices_with_tied_weights(cpu8: int) -> None:
     """A preset model with a tied embedding (used by the first and the last layer) on 8
     devices, one-layer groups: the step publishes the tied weight only once the head's and
     the embedding's uploads are done."""
-    from engine import wrap_model_to_roundpipe
-    from tests.unit.engine._models import tiny_hf_model
+    from tests.unit.engine._models import train_tied_qwen3
 
-    def train(overlap: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-        model = tiny_hf_model("qwen3", vocab=64, window=64, num_hidden_layers=4)
-        model.config.tie_word_embeddings = True
-        model.tie_weights()
-        n = 6  # embedding, 4 decoder layers, head
-        plan = ModelExecutePlan.from_ranges(
-            [range(k, k + 1) for k in range(n - 1)] + [range(n - 1, n)],
-            [range(k, k + 1) for k in reversed(range(n - 1))],
-            tail_split=2,
-        )
-        rp = wrap_model_to_roundpipe(
-            model,
-            use_sequential_preset=True,
-            optim_dtype=torch.float32,
-            model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=plan),
-            overlap_calls=overlap,
-        )
-        opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-2)
-
-        def step_fn() -> None:
-            opt.step()
-            opt.zero_grad()
-
-        g = torch.Generator().manual_seed(0)
-        batches = [torch.randint(0, 64, (8, 16), generator=g) for _ in range(4)]
-        losses = lm_steps(rp, batches, step_fn)
-        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    got_losses, got = train(True)
-    expected_losses, expected = train(False)
+    _, got_losses, got = train_tied_qwen3(torch.optim.AdamW, overlap_calls=True)
+    _, expected_losses, expected = train_tied_qwen3(torch.optim.AdamW, overlap_calls=False)
     assert got_losses == expected_losses
     assert_same(got, expected)
 

@@ -23,7 +23,7 @@ import engine.optim as eo
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from engine.attribute import ParamAttribute
 from engine.memory_plan import ModelShape, RunShape, check_engine_allocation, plan_host_memory
-from tests.unit.engine._models import lm_steps, make_batch, make_model
+from tests.unit.engine._models import make_batch, make_model
 from tests.unit.engine.test_replay import assert_same
 
 DTYPE = torch.bfloat16
@@ -215,46 +215,18 @@ def test_the_swap_waits_for_the_running_calls_uploads(
 def test_tied_weights_on_eight_virtual_devices_swap_once() -> None:
     """A preset model with a tied embedding (the embedding's and the head's layer use one
     parameter): one swap, after both layers' uploads."""
-    from engine import wrap_model_to_roundpipe
-    from tests.unit.engine._models import tiny_hf_model
+    from tests.unit.engine._models import train_tied_qwen3
     from tests.unit.engine.conftest import use_devices
 
-    def run(double: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-        model = tiny_hf_model("qwen3", vocab=64, window=64, num_hidden_layers=4).to(DTYPE)
-        model.config.tie_word_embeddings = True
-        model.tie_weights()
-        n = 6  # embedding, 4 decoder layers, head
-        plan = ModelExecutePlan.from_ranges(
-            [range(k, k + 1) for k in range(n - 1)] + [range(n - 1, n)],
-            [range(k, k + 1) for k in reversed(range(n - 1))],
-            tail_split=2,
-        )
-        rp = wrap_model_to_roundpipe(
-            model,
-            use_sequential_preset=True,
-            optim_dtype=torch.float32,
-            model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=plan),
-            overlap_calls=True,
-            double_buffer_weights=double,
-        )
-        opt = eo.Adam(rp.optim_parameters(), lr=1e-2)
-
-        def step_fn() -> None:
-            opt.step()
-            opt.zero_grad()
-
-        g = torch.Generator().manual_seed(0)
-        batches = [torch.randint(0, 64, (8, 16), generator=g) for _ in range(4)]
-        losses = lm_steps(rp, batches, step_fn)
-        if double:
-            assert max(p["swapped"] for p in rp.step_phases) == sum(
-                1 for _ in rp.optim_parameters()
-            )
-        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
     for _ in use_devices("cpu:8", 8):
-        got_losses, got = run(True)
-        expected_losses, expected = run(False)
+        rp, got_losses, got = train_tied_qwen3(
+            eo.Adam, DTYPE, overlap_calls=True, double_buffer_weights=True
+        )
+        _, expected_losses, expected = train_tied_qwen3(
+            eo.Adam, DTYPE, overlap_calls=True, double_buffer_weights=False
+        )
+    params = sum(1 for _ in rp.optim_parameters())
+    assert max(p["swapped"] for p in rp.step_phases) == params
     assert got_losses == expected_losses
     assert_same(got, expected)
 
@@ -286,15 +258,9 @@ def test_the_host_memory_checks_count_the_second_copy() -> None:
     assert plain.parts["model_second_copy"] == 0
     assert double.parts["model_second_copy"] >= half_bytes
     assert double.total_bytes - plain.total_bytes == double.parts["model_second_copy"]
-    shape = ModelShape(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
+    from tests.unit.engine._models import tiny_hf_model
+
+    shape = ModelShape.from_config(tiny_hf_model("qwen3", vocab=64, window=64).config)
     run = RunShape(tokens_per_step=64, seq_len=16)
     base = plan_host_memory(shape, run)
     more = plan_host_memory(shape, replace(run, double_buffer_weights=True))
