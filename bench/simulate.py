@@ -40,8 +40,8 @@ summary per GPU count of the best micro-batch count (`kind: best`).
 (`overlap_*` fields, and `kind: best_overlap`): the next call's first jobs fill the
 pipeline while this call's last jobs drain it. The plan is made for it
 (`plan_from_times(overlap=True)`), the period is the steady state of calls back to back
-(`simulate_plan(calls=...)`, `steady_period_s`: past the first calls, over whole rotations of
-the devices): the next call's first job starts once this call's last job has started and
+(`simulate_plan(overlapped=True)`: past the first calls, over whole rotations of the
+devices): the next call's first job starts once this call's last job has started and
 the step has published its layers' weights (the run's publish time per GB, plus their
 upload; with double-buffered weights the publish is a swap), every device running its jobs
 in launch order. `busy_*` is the busiest device's work over a rotation with no waiting at
@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import re
 import statistics
 import sys
@@ -70,6 +69,7 @@ from engine.scheduler import (
     plan_job_costs,
     simulate_plan,
 )
+from engine.scheduler import rotation_calls as scheduler_rotation_calls
 
 
 @dataclass
@@ -195,37 +195,10 @@ def parse_plan(text: str) -> ModelExecutePlan:
 
 
 def rotation_calls(plan: ModelExecutePlan, devices: int, m: int) -> int:
-    """Calls after which the device rotation starts over: the engine hands each job (and
-    each part of a split tail) to the next device, so the calls' jobs land on the same
-    devices again after lcm(jobs a call, devices) jobs."""
+    """Calls after which the engine's device rotation starts over for `plan`
+    (`engine.scheduler.rotation_calls`; a split tail runs on at most `m` devices)."""
     jobs = len(plan.fwd_plan) - 1 + min(plan.tail_split, m) + len(plan.bwd_plan)
-    return devices // math.gcd(jobs, devices)
-
-
-# Overlapped calls are simulated past the first calls' fill (and the planner's own estimate,
-# `simulate_plan(overlapped=True)`), then over whole rotations of at least this many calls:
-# a period taken over part of a rotation can land on the lighter devices.
-_FILL_CALLS = 4
-_STEADY_CALLS = 16
-
-
-def steady_period_s(
-    plan: ModelExecutePlan,
-    fwd: list[float],
-    bwd: list[float],
-    devices: int,
-    m: int,
-    publish: list[float] | None,
-) -> float:
-    """The steady time between two overlapped calls (s): the span of many calls back to
-    back less that of the first ones, over whole device rotations."""
-    rotation = rotation_calls(plan, devices, m)
-    extra = rotation * -(-_STEADY_CALLS // rotation)
-
-    def span(calls: int) -> float:
-        return simulate_plan(plan, fwd, bwd, devices, m, calls=calls, publish=publish)
-
-    return (span(_FILL_CALLS + extra) - span(_FILL_CALLS)) / extra / 1000
+    return scheduler_rotation_calls(jobs, devices)
 
 
 def busy_bound_s(
@@ -312,7 +285,12 @@ def predict(
             overlap=True,
             publish=meas.publish,
         )
-        period = steady_period_s(o_plan, meas.fwd, meas.bwd, devices, m, meas.publish)
+        period = (
+            simulate_plan(
+                o_plan, meas.fwd, meas.bwd, devices, m, overlapped=True, publish=meas.publish
+            )
+            / 1000
+        )
         step, bound = _bounded(period, overhead, floor, opt)
         busy = busy_bound_s(o_plan, meas.fwd, meas.bwd, devices, m)
         busy_step, busy_limit = _bounded(busy, overhead, floor, opt)

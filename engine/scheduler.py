@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -25,6 +26,7 @@ __all__ = [
     "pipeline_makespan",
     "plan_from_times",
     "plan_job_costs",
+    "rotation_calls",
     "simulate_plan",
 ]
 
@@ -348,9 +350,7 @@ def _best_seed(
     candidates_f = [head] + [_uniform_groups(n, k) for k in range(1, 7) if k < n]
     candidates_b = [back] + [_uniform_groups(n, k) for k in range(1, 7) if k < n]
 
-    # Overlapped calls need no group per device within a call: the next call's jobs fill
-    # the devices this call's do not reach.
-    min_groups = 1 if overlap else min(max(num_devices - 1, 1), n)
+    min_groups = _min_groups(n, num_devices, overlap)
 
     def fits(groups: list[range], cost: list[float]) -> bool:
         return _groups_fit(groups, cost, mem, min_groups=min_groups, cap=cap, mem_cap=mem_cap)
@@ -487,6 +487,7 @@ def pipeline_makespan(
     job_overhead: float = 0.0,
     call_jobs: int | None = None,
     call_delay: float = 0.0,
+    call_ends: list[float] | None = None,
 ) -> float:
     """When the last of a call's jobs finishes, in the engine's round-robin pipeline.
 
@@ -505,7 +506,9 @@ def pipeline_makespan(
     the first layers' weights, so the next ones may be published), not micro-batch by
     micro-batch (see `simulate_plan`'s `calls`). `call_delay`: what that first job waits
     beyond the handoff (the step publishing its layers' weights, then their upload, which
-    cannot be prefetched before).
+    cannot be prefetched before). `call_ends`: gets, after each call's jobs, when the
+    calls so far are done (a job never changes an earlier one, so the first c values are
+    the makespans of the first c calls alone).
     """
     split_jobs = {split_job} if isinstance(split_job, int) else set(split_job or ())
     free = [0.0] * num_devices
@@ -530,6 +533,8 @@ def pipeline_makespan(
             free[device] = t
             device = (device + 1) % num_devices
         prev, prev_start = done, start
+        if call_ends is not None and call_jobs is not None and (k + 1) % call_jobs == 0:
+            call_ends.append(max(free))
     return max(free)
 
 
@@ -559,8 +564,8 @@ def simulate_plan(
     (`pipeline_makespan`'s `call_jobs`; the device rotation runs on from call to call, as
     the engine's does): how RoundPipe(overlap_calls=True) runs consecutive calls, one
     call's drain overlapping the next call's fill. `overlapped`: the steady-state time
-    between two such calls instead (`OVERLAP_CALLS` calls less two, over the calls
-    between). `publish`: per layer, what the step takes to publish its new weights and a
+    between two such calls instead (past `OVERLAP_FILL_CALLS` calls, over whole rotations
+    of the devices: `rotation_calls`). `publish`: per layer, what the step takes to publish its new weights and a
     device to upload them (ms): an overlapped call's first job waits for those of its
     layers, since they come after the previous call's last job started.
     """
@@ -656,22 +661,14 @@ def _simulate_jobs(
     """`pipeline_makespan` of one call's jobs (costs over all micro-batches, in launch order;
     job `tail_index` split over `tail_split` jobs), `calls` times back to back; with
     `overlapped`, the steady-state period of overlapped calls instead."""
+    ends: list[float] | None = None
     if overlapped:
-        spans = [
-            _simulate_jobs(
-                jobs,
-                tail_index,
-                num_devices=num_devices,
-                num_microbatch=num_microbatch,
-                handoff=handoff,
-                tail_split=tail_split,
-                calls=c,
-                call_delay=call_delay,
-            )
-            for c in (2, OVERLAP_CALLS)
-        ]
-        return (spans[1] - spans[0]) / (OVERLAP_CALLS - 2)
-    return pipeline_makespan(
+        # A period over part of a rotation could land on the lighter devices (0.453 s
+        # instead of 0.476 s for Qwen3-1.7B on 8 GPUs at 16 micro-batches).
+        rotation = rotation_calls(len(jobs) - 1 + tail_split, num_devices)
+        steady = rotation * -(-OVERLAP_STEADY_CALLS // rotation)
+        calls, ends = OVERLAP_FILL_CALLS + steady, []
+    span = pipeline_makespan(
         [j / num_microbatch for j in jobs] * calls,
         num_devices,
         num_microbatch,
@@ -681,7 +678,11 @@ def _simulate_jobs(
         job_overhead=handoff,
         call_jobs=len(jobs) if calls > 1 else None,
         call_delay=call_delay,
+        call_ends=ends,
     )
+    if ends is None:
+        return span
+    return (ends[-1] - ends[OVERLAP_FILL_CALLS - 1]) / (len(ends) - OVERLAP_FILL_CALLS)
 
 
 # What the step takes to publish a layer's new weights and a device to upload them, per GB
@@ -690,9 +691,24 @@ def _simulate_jobs(
 # 0.16-0.33 s for its 3.4 GB (50-100 ms/GB), the upload ~20 ms/GB at 50 GB/s.
 DEFAULT_PUBLISH_MS_PER_GB = 100.0
 
-# Calls simulated back to back for the overlapped period: past the first call's fill, the
-# device rotation (jobs a call modulo devices) comes round within a few calls.
-OVERLAP_CALLS = 6
+# The overlapped period is taken past this many calls (the first calls' fill; two were
+# too few for 8 GPUs at 16 micro-batches), over whole rotations of at least this many.
+OVERLAP_FILL_CALLS = 4
+OVERLAP_STEADY_CALLS = 4
+
+
+def rotation_calls(jobs_per_call: int, num_devices: int) -> int:
+    """Calls after which the device rotation starts over: the engine hands each job (and
+    each part of a split tail) to the next device, so the calls' jobs land on the same
+    devices again after lcm(jobs a call, devices) jobs."""
+    return num_devices // math.gcd(jobs_per_call, num_devices)
+
+
+def _min_groups(n: int, num_devices: int, overlap: bool) -> int:
+    """The fewest groups a pass of `n` layers is searched with: one per device but the
+    tail's, so every device has a job in a call. Overlapped calls need none: the next
+    call's jobs fill the devices this call's do not reach."""
+    return 1 if overlap else min(max(num_devices - 1, 1), n)
 
 
 def _groups_fit(
@@ -743,7 +759,7 @@ def _pipeline_search(
     H200s, 84% of twice one GPU's tokens/s.
     """
     n = len(fwd)
-    min_groups = 1 if overlap else min(max(num_devices - 1, 1), n)
+    min_groups = _min_groups(n, num_devices, overlap)
     handoff = default_handoff(fwd, num_microbatch)
 
     def ok(groups: list[range], cost: list[float]) -> bool:
