@@ -377,7 +377,9 @@ def _best_seed(
             if not fits(b_groups, bwd):
                 continue
             trial = ModelExecutePlan.from_ranges([*f_groups, tail], list(reversed(b_groups)), split)
-            span = simulate_plan(trial, fwd, bwd, num_devices, num_microbatch, overlapped=overlap)
+            span = simulate_plan(
+                trial, fwd, bwd, num_devices, num_microbatch, overlapped=overlap, publish=publish
+            )
             if span < best[0]:
                 best = (span, f_groups, b_groups)
     return best[1], best[2]
