@@ -453,15 +453,16 @@ def check_engine_allocation(
     """Before RoundPipe pins `model`: check what the engine itself will allocate.
 
     Counts the pinned model copy, the host gradient buffers, the optimizer-side copies and
-    their gradient buffers of `model`'s parameters (and the second model copy with
-    `double_buffer_weights`) (the optimizer's own state and the
-    activations depend on the optimizer and the batch: see plan_host_memory). Raises
+    their gradient buffers of `model`'s parameters, and with `double_buffer_weights` the
+    second model copy (the optimizer's own state and the activations depend on the
+    optimizer and the batch: see plan_host_memory). Raises
     HostMemoryError over the budget (`budget_bytes`, else RP_HOST_MEMORY_BUDGET, else the
     available memory less a margin).
     """
     import torch
 
     from .device import host_memory_budget_setting  # imports torch: only on this path
+    from .weight_buffers import takes_second_copy
 
     cuda = torch.cuda.is_available()
     seen: set[int] = set()
@@ -486,7 +487,7 @@ def check_engine_allocation(
         parts["optim_master"] += p.numel() * opt_dtype.itemsize
         if (optim_grad_dtype or opt_dtype) == opt_dtype:
             parts["optim_gradients"] += p.numel() * opt_dtype.itemsize
-        if double_buffer_weights and p.element_size() == 2 and opt_dtype == torch.float32:
+        if double_buffer_weights and takes_second_copy(p.dtype, opt_dtype):
             parts["model_second_copy"] += _pinned_bytes(nbytes, "arena", cuda)
     for b in _unique(model.buffers(), seen):
         parts["model"] += _pinned_bytes(b.numel() * b.element_size(), pin_model, cuda)

@@ -229,8 +229,8 @@ class RoundPipeBase(nn.Module):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         sync: bool,
-        pending: RunState | None = None,
-        events: list[tuple[Any, Any]] | None = None,
+        pending: RunState | None,
+        events: list[tuple[Any, Any]],
     ) -> None:
         """On the optimizer thread: publish w[k], take the gradients, then update.
 
@@ -238,8 +238,6 @@ class RoundPipeBase(nn.Module):
         published once that call's uploads of it are done, each gradient taken once it is
         downloaded. `events`: this step's (param_copied, grad_copied) per layer.
         """
-        if events is None:
-            events = [(attr.param_copied, attr.grad_copied) for attr in self.layer_attrs]
         # "swapped": parameters published by swapping in the copy the optimizer wrote.
         phases = {"publish_s": 0.0, "fold_s": 0.0, "wait_s": 0.0, "step_fn_s": 0.0, "swapped": 0.0}
         start = time.perf_counter()

@@ -29,9 +29,13 @@ from .attribute import ParamAttribute
 from .memory import arena_slot_bytes, host_block
 from .optim import current_model_copy, set_model_copy
 
-__all__ = ["attach_second_copies", "publish_param", "second_copy_params"]
+__all__ = ["attach_second_copies", "publish_param", "second_copy_params", "takes_second_copy"]
 
-_HALF = (torch.float16, torch.bfloat16)
+
+def takes_second_copy(dtype: torch.dtype, optim_dtype: torch.dtype) -> bool:
+    """Whether a trainable parameter of `dtype` with masters of `optim_dtype` gets a second
+    copy: the C Adam writes half-precision copies of fp32 masters."""
+    return dtype in (torch.float16, torch.bfloat16) and optim_dtype == torch.float32
 
 
 def second_copy_params(
@@ -41,10 +45,7 @@ def second_copy_params(
     return [
         (p, pa)
         for p, pa in params
-        if pa.optim is not None
-        and p.dtype in _HALF
-        and pa.optim.dtype == torch.float32
-        and p.is_contiguous()
+        if pa.optim is not None and takes_second_copy(p.dtype, pa.optim.dtype) and p.is_contiguous()
     ]
 
 
