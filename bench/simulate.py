@@ -67,6 +67,7 @@ from engine.scheduler import (
     default_handoff,
     plan_from_times,
     plan_job_costs,
+    publish_wait_ms_per_gb,
     simulate_plan,
 )
 from engine.scheduler import rotation_calls as scheduler_rotation_calls
@@ -95,8 +96,8 @@ class Measured:
         publish = None
         layer_gb = run.get("layer_gb")
         if layer_gb and phases.get("publish_s") and len(layer_gb) == len(fwd):
-            # the step's publish per GB, and the upload at 50 GB/s (RoundPipe.publish_ms_per_gb)
-            ms_per_gb = phases["publish_s"] * 1000 / sum(layer_gb) + 20.0
+            # as RoundPipe.publish_ms_per_gb measures it
+            ms_per_gb = publish_wait_ms_per_gb(phases["publish_s"], sum(layer_gb))
             publish = [g * ms_per_gb for g in layer_gb]
         return cls(
             int(run["num_microbatch"]),

@@ -39,7 +39,7 @@ from .memory_plan import check_engine_allocation
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
 from .run import Act, RunState, backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
-from .scheduler import ModelExecutePlan, RunType
+from .scheduler import ModelExecutePlan, RunType, publish_wait_ms_per_gb
 from .threads import AnnotatedEvent
 from .timer import ModelTimer
 from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers
@@ -598,7 +598,7 @@ class RoundPipe(RoundPipeBase):
         total_gb = sum(self.layer_size)
         if not times or total_gb <= 0:
             return None
-        return statistics.median(times) * 1000 / total_gb + 20.0
+        return publish_wait_ms_per_gb(statistics.median(times), total_gb)
 
     def finish_pending(self) -> None:
         """Wait for the rest of an overlapped call (its backward jobs); raise its error."""

@@ -26,6 +26,7 @@ __all__ = [
     "pipeline_makespan",
     "plan_from_times",
     "plan_job_costs",
+    "publish_wait_ms_per_gb",
     "rotation_calls",
     "simulate_plan",
 ]
@@ -692,6 +693,16 @@ def _simulate_jobs(
 # publish_ms_per_gb): on the H100 box the fp32 -> fp16 publish of Qwen3-1.7B took
 # 0.16-0.33 s for its 3.4 GB (50-100 ms/GB), the upload ~20 ms/GB at 50 GB/s.
 DEFAULT_PUBLISH_MS_PER_GB = 100.0
+# A device's upload of a GB of weights from pinned host memory (~50 GB/s).
+UPLOAD_MS_PER_GB = 20.0
+
+
+def publish_wait_ms_per_gb(publish_s: float, model_gb: float) -> float:
+    """What an overlapped call's first job waits per GB of its layers' weights, from a
+    step's measured publish of the whole model (`publish_s` for `model_gb`): the publish
+    at that rate, then the upload."""
+    return publish_s * 1000 / model_gb + UPLOAD_MS_PER_GB
+
 
 # The overlapped period is taken past this many calls (the first calls' fill; two were
 # too few for 8 GPUs at 16 micro-batches), over whole rotations of at least this many.
