@@ -254,6 +254,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "tokens (engine.graphs.REPLAY_MAX_TOKENS; default the engine's; 0: off)",
     )
     p.add_argument(
+        "--no-widen-tail",
+        action="store_true",
+        help="on one GPU, keep the automatic plan's fused tail to the head "
+        "(engine.tail_widening.ENABLED = False)",
+    )
+    p.add_argument(
         "--overlap-calls",
         action="store_true",
         help="overlap each call's backward with the next call's forward (RoundPipe overlap_calls)",
@@ -599,6 +605,7 @@ def _double_buffer(args: argparse.Namespace) -> bool:
 def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     import engine.graphs
     import engine.models
+    import engine.tail_widening
     from engine.device import get_num_devices
     from engine.models import causal_lm_loss_fn
     from engine.run_config import RoundPipeRunConfig
@@ -629,6 +636,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         engine.graphs.REPLAY_MAX_TOKENS = args.replay_max_tokens or None
     if args.mlp_chunk_tokens is not None:
         engine.models.MLP_CHUNK_TOKENS = args.mlp_chunk_tokens or None
+    engine.tail_widening.ENABLED = not args.no_widen_tail
     t0 = time.perf_counter()
     rp = wrap_model_to_roundpipe(
         model,
@@ -724,6 +732,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         second_copy_gib=round(getattr(rp, "second_copy_bytes", 0) / 2**30, 2),
         optimizer_thread_s=_step_phases(rp, args.warmup),
         layer_gb=[round(g, 6) for g in rp.layer_size],
+        tail_widening=_tail_widening(rp),
         replay={
             "enabled": engine.graphs.ENABLED,
             "max_tokens": engine.graphs.REPLAY_MAX_TOKENS,
@@ -737,6 +746,24 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         **checks,
     )
     return result
+
+
+def _tail_widening(rp: Any) -> dict[str, Any] | None:
+    """Whether the one-GPU tail widening was on, and the activations it measured (GiB of
+    one micro-batch): the decoder layers' largest, the most a backward job held, the tail's
+    by its first layer."""
+    import engine.tail_widening
+
+    meter = getattr(rp, "activation_meter", None)
+    if meter is None:
+        return None
+    layers = [a for a in meter.layer if a is not None]
+    return {
+        "enabled": engine.tail_widening.ENABLED,
+        "layer_gib_max": round(max(layers) / 2**30, 3) if layers else None,
+        "held_gib": round(meter.held / 2**30, 3),
+        "tail_gib": {str(k): round(v / 2**30, 3) for k, v in sorted(meter.tail.items())},
+    }
 
 
 def _step_phases(rp: Any, warmup: int) -> dict[str, float] | None:

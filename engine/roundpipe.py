@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import graphs
+from . import graphs, tail_widening
 from .attribute import LayerAttribute, ParamAttribute
 from .batch import (
     RoundPipePackedData,
@@ -31,7 +31,13 @@ from .batch import (
     split_label,
 )
 from .context import OptimizerCtx, doing_optimizer
-from .device import DeviceManager, get_devices, get_next_device, get_num_devices
+from .device import (
+    DeviceManager,
+    get_devices,
+    get_min_gpu_memory,
+    get_next_device,
+    get_num_devices,
+)
 from .distributed import AUTO_GROUP, attach_data_parallel, resolve_process_group
 from .errors import ConfigError, GradientsDisabledError
 from .memory import get_model_size, pin_module
@@ -512,6 +518,7 @@ class RoundPipe(RoundPipeBase):
         object.__setattr__(self, "layer_attrs", [LayerAttribute(i) for i in range(len(layers))])
         object.__setattr__(self, "layer_size", [get_model_size(layer) / 1e9 for layer in layers])
         object.__setattr__(self, "model_timer", ModelTimer([s * 1e9 for s in self.layer_size]))
+        object.__setattr__(self, "activation_meter", tail_widening.ActivationMeter(len(layers)))
         self._attach_param_attributes(layers)
         for p, pa in self._all_params():
             if id(p) in arena_grads:
@@ -635,9 +642,41 @@ class RoundPipe(RoundPipeBase):
             plan = ModelExecutePlan.auto(
                 run_type, self, num_microbatch=cfg.num_microbatch, overlap=overlap
             )
+            if run_type == "fused":
+                plan = self._widen_tail(plan)
             self._plans[key] = plan
             log.debug("%s: %s plan %s", self.name, run_type, plan)
         return plan
+
+    def _widen_tail(self, plan: ModelExecutePlan) -> ModelExecutePlan:
+        """On one GPU, the automatic fused plan with the top backward group's layers moved
+        into the tail as far as their measured activations fit (engine.tail_widening)."""
+        devices = get_devices()
+        if not tail_widening.ENABLED or len(devices) != 1 or not devices[0].is_cuda:
+            return plan
+        device = devices[0].device
+        # ModelExecutePlan.auto's default parameter cap per group (60% of free memory, half
+        # of it per group since the next group is prefetched).
+        param_cap_gb = get_min_gpu_memory() * 0.6 / 2
+        widened = tail_widening.widen_tail(
+            plan,
+            self.activation_meter,
+            self.layer_size,
+            tail_widening.DeviceRoom.of(device),
+            param_cap_gb,
+        )
+        if widened is not plan:
+            log.info("%s: one GPU, fused tail widened: %s", self.name, widened)
+        return widened
+
+    def _meter_for_call(self) -> tail_widening.ActivationMeter | None:
+        """The activation meter, for the first calls on one GPU (None otherwise)."""
+        devices = get_devices()
+        meter = self.activation_meter
+        if not meter.wanted(devices[0].device, len(devices)):
+            return None
+        meter.calls += 1
+        return meter
 
     # ---- inputs ------------------------------------------------------------------------------
     def _split_inputs(
@@ -774,6 +813,7 @@ class RoundPipe(RoundPipeBase):
             loss_fn=loss_fn,
             return_outputs=return_outputs,
         )
+        run.meter = self._meter_for_call()
         n_fwd = len(plan.fwd_plan)
         for part in range(run.tail_split):
             run.claim_grads(run.fused_job_index(part), plan.fwd_plan[-1])

@@ -37,6 +37,7 @@ from .context import ForwardCtx, RecomputeCtx
 from .device import DeviceManager, Job
 from .errors import ConfigError, RoundPipeError
 from .scheduler import ModelExecutePlan, ModelTracker, RunType
+from .tail_widening import ActivationMeter
 from .timer import IterTimer, annotate
 from .transfer import UploadedGroup, async_d2h, async_h2d, download_buffers, release_group
 
@@ -143,6 +144,9 @@ class RunState:
         self.jobs: list[Job] = []
         self._lock = threading.Lock()
         self.backward_done = False
+        # Set on the first calls on one GPU: jobs measure their activations' memory there
+        # (engine.tail_widening).
+        self.meter: ActivationMeter | None = None
         # Overlapped calls (RoundPipe overlap_calls): the call before this one, whose
         # gradient downloads this call's must follow, and per layer the uploads this call
         # will make from the host copies (the step may publish new weights over a layer's
@@ -493,9 +497,12 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
     layer_ids = run.plan.fwd_plan[group_id]
     dev.throttle()
     group = run.model.upload_group(dev, layer_ids, run)
-    fwd_timer = IterTimer(run.model.model_timer, "fwd", dev.is_cuda)
-    bwd_timer = IterTimer(run.model.model_timer, "bwd", dev.is_cuda)
+    timer = run.model.model_timer
+    fwd_timer = IterTimer(timer, "fwd", dev.is_cuda)
+    bwd_timer = IterTimer(timer, "bwd", dev.is_cuda)
     run.timers += [fwd_timer, bwd_timer]
+    fwd_shares, bwd_shares = timer.shares("fwd", layer_ids), timer.shares("bwd", layer_ids)
+    meter = run.meter
     assert run.loss_fn is not None
     try:
         for mb in run.tail_micro_batches(part):
@@ -506,8 +513,10 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
             )
             label_leaves, label_tree = _flatten(run.labels[mb])
             label_dev = pytree.tree_unflatten(async_h2d(dev, [], label_leaves), label_tree)
+            measuring = meter is not None and mb == 0
             with dev.compute(), torch.enable_grad(), _autocast(run):
-                with fwd_timer.time(layer_ids, dev.compute_stream):
+                before = ActivationMeter.allocated(dev.device) if measuring else 0
+                with fwd_timer.time(layer_ids, dev.compute_stream, shares=fwd_shares):
                     out = _run_forward_layers(
                         run,
                         dev,
@@ -519,6 +528,11 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
                         keep_for_backward=False,
                     )
                     loss = run.loss_fn(out, label_dev)
+                if measuring:
+                    assert meter is not None
+                    meter.record_tail(
+                        layer_ids.start, ActivationMeter.allocated(dev.device) - before
+                    )
                 losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
                 for item in losses:
                     if not isinstance(item, torch.Tensor):
@@ -526,7 +540,7 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
                             f"loss_fn must return a tensor or a sequence of tensors, got {type(item).__name__}"
                         )
                 differentiable = [x for x in losses if x.requires_grad]
-                with bwd_timer.time(layer_ids, dev.compute_stream):
+                with bwd_timer.time(layer_ids, dev.compute_stream, shares=bwd_shares):
                     if differentiable:
                         total = (
                             differentiable[0]
@@ -642,6 +656,10 @@ def _recompute_backward(
     replayer = _replay(dev, run, group)
     grad_state = grads_out[0] if grads_out and isinstance(grads_out[0], torch.Tensor) else None
     replayed = False
+    # The first micro-batch's activations, layer by layer (engine.tail_widening): what the
+    # allocator holds after each layer's recompute beyond before it (its saved data too).
+    meter = run.meter if mb == 0 else None
+    held_from = ActivationMeter.allocated(dev.device) if meter is not None else 0
     with dev.rng_restored(run.rng_states.get((sub.start, mb))):
         for k, j in enumerate(sub):
             if (
@@ -659,9 +677,14 @@ def _recompute_backward(
                     if replayed:
                         break
                     replayer = None  # not captured: the rest runs as it is
+            before = ActivationMeter.allocated(dev.device) if meter is not None else 0
             with RecomputeCtx(data[k]), annotate(f"{run.model.name}.re{j}.mb{mb}"):
                 cur = _call_layer(modules[k], cur, inp.is_args and k == 0)
+            if meter is not None:
+                meter.record_layer(j, ActivationMeter.allocated(dev.device) - before)
     if not replayed:
+        if meter is not None:
+            meter.record_held(ActivationMeter.allocated(dev.device) - held_from)
         outs, _ = _flatten(cur)
         pairs = [
             (o, g)

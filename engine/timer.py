@@ -126,6 +126,19 @@ class ModelTimer:
                 return "time", fwd, bwd
         return "memory", list(self._sizes), [s * self.BACKWARD_MULTIPLIER for s in self._sizes]
 
+    def shares(self, action: Literal["fwd", "bwd"], layer_ids: range) -> list[float] | None:
+        """The layers' present estimates (ms), to split a block that runs several of them
+        (the fused tail) in proportion; None before they were measured (an even split).
+
+        A tail that takes decoder layers on (engine.tail_widening) keeps the head's share
+        it was measured with alone, where an even split would move most of the head's time
+        onto the decoder layers and the planner would see a cheap head.
+        """
+        with self._lock:
+            if self.stage[action] != 2:
+                return None
+            return [self.estimate[action][i] for i in layer_ids]
+
 
 def _compiled_graphs() -> int:
     """How many graphs torch.compile has built and engine.graphs has captured in this
@@ -148,41 +161,43 @@ class IterTimer:
         self.parent = parent
         self.action = action
         self.is_cuda = is_cuda
-        self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[tuple[dict[int, float], torch.cuda.Event, torch.cuda.Event]] = []
         self._wall: dict[int, float] = {}
 
     @contextlib.contextmanager
     def time(
-        self, layer_ids: range | list[int], stream: torch.cuda.Stream | None = None
+        self,
+        layer_ids: range | list[int],
+        stream: torch.cuda.Stream | None = None,
+        *,
+        shares: list[float] | None = None,
     ) -> Iterator[None]:
-        """Time a block that runs `layer_ids` (the time is split evenly among them)."""
+        """Time a block that runs `layer_ids`: its time is split among them in proportion
+        to `shares` (evenly without)."""
         ids = list(layer_ids)
+        weights = shares if shares is not None and sum(shares) > 0 else [1.0] * len(ids)
+        total = sum(weights) or 1.0
+        fractions = {i: w / total for i, w in zip(ids, weights, strict=True)}
         if self.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             yield
             end.record(stream)
-            for i in ids:
-                self._events.append((i, start, end))
+            self._events.append((fractions, start, end))
         else:
             t0 = time.perf_counter()
             yield
-            dt = (time.perf_counter() - t0) * 1000 / max(len(ids), 1)
-            for i in ids:
-                self._wall[i] = self._wall.get(i, 0.0) + dt
+            dt = (time.perf_counter() - t0) * 1000
+            for i, f in fractions.items():
+                self._wall[i] = self._wall.get(i, 0.0) + dt * f
 
     def flush(self) -> None:
         """Report the measured times (waits for the CUDA events)."""
         times = dict(self._wall)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, s, e in self._events:
-            groups.setdefault((id(s), id(e)), []).append(i)
-        pairs = {(id(s), id(e)): (s, e) for _, s, e in self._events}
-        for key, ids in groups.items():
-            s, e = pairs[key]
-            e.synchronize()
-            dt = s.elapsed_time(e) / len(ids)
-            for i in ids:
-                times[i] = times.get(i, 0.0) + dt
+        for fractions, start, end in self._events:
+            end.synchronize()
+            dt = start.elapsed_time(end)
+            for i, f in fractions.items():
+                times[i] = times.get(i, 0.0) + dt * f
         if times:
             self.parent.report(self.action, times)

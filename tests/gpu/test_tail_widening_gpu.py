@@ -1,0 +1,91 @@
+"""One GPU: the automatic plan's fused tail takes the top backward group's layers once their
+activations are measured (engine.tail_widening), and training matches the plan without.
+
+Oracle: the same model trained with widening off (fp32, TF32 off), at rtol 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine import ModelExecutePlan, tail_widening
+from engine.models import count_loss_tokens
+from engine.wrapper import wrap_model_to_roundpipe
+from tests.unit.engine._models import tiny_hf_model
+from tests.unit.engine.conftest import use_devices
+
+pytestmark = pytest.mark.gpu
+
+VOCAB, ROWS, SEQ, CALLS = 96, 4, 64, 6
+
+
+@pytest.fixture
+def one_gpu(cuda_devices: int) -> Iterator[int]:
+    yield from use_devices("cuda:0", 1)
+
+
+def last_plan(rp: torch.nn.Module) -> ModelExecutePlan:
+    plans = rp._plans  # (run type, devices, maturity, ...) -> plan
+    return plans[max(plans, key=lambda k: k[2])]
+
+
+def train(model: torch.nn.Module) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
+    rp = wrap_model_to_roundpipe(model, use_sequential_preset=True)
+    opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-3)
+
+    def step_fn() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    losses = []
+    for step in range(CALLS):
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
+        kwargs = {"input_ids": ids, "labels": ids, "num_items_in_batch": count_loss_tokens(ids)}
+        loss = rp.forward_backward(input_kwargs=kwargs, loss_fn=lambda out, _: out.loss)
+        losses.append(float(loss))
+        rp.step(step_fn)
+    rp.synchronize()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, rp
+
+
+def tiny_model() -> torch.nn.Module:
+    return tiny_hf_model(
+        "qwen3", vocab=VOCAB, window=4, num_hidden_layers=6, tie_word_embeddings=False
+    )
+
+
+def test_the_tail_widens_on_one_gpu_and_trains_as_without(
+    one_gpu: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_model()
+    with caplog.at_level(logging.INFO, logger="engine.roundpipe"):
+        losses, weights, rp = train(copy.deepcopy(model))
+    assert "fused tail widened" in caplog.text
+    meter = rp.activation_meter
+    n = rp.num_layers
+    decoder = [a for a in meter.layer[1 : n - 1] if a is not None]
+    assert decoder and all(a > 0 for a in decoder)
+    assert meter.tail.get(n - 1, 0) > 0 and meter.held > 0
+    monkeypatch.setattr(tail_widening, "ENABLED", False)
+    ref_losses, ref_weights, ref_rp = train(copy.deepcopy(model))
+    # decoder layers joined the head
+    assert last_plan(rp).fwd_plan[-1].start < last_plan(ref_rp).fwd_plan[-1].start
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for k, w in ref_weights.items():
+        torch.testing.assert_close(weights[k], w, rtol=1e-5, atol=1e-6)
+
+
+def test_no_room_no_widening(
+    one_gpu: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(tail_widening, "MEMORY_FRACTION", 0.0)
+    with caplog.at_level(logging.INFO, logger="engine.roundpipe"):
+        _, _, rp = train(tiny_model())
+    assert rp.activation_meter.tail  # measured, but the device has no room by this rule
+    assert "fused tail widened" not in caplog.text
