@@ -7,8 +7,8 @@ Oracle: the same model trained with widening off (fp32, TF32 off), at rtol 1e-5.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -60,13 +60,28 @@ def tiny_model() -> torch.nn.Module:
     )
 
 
+def spy_on_widening(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(the automatic plan's tail start, the widened one) of every plan made from now on."""
+    seen: list[tuple[int, int]] = []
+    real = tail_widening.widen_tail
+
+    def spy(plan: ModelExecutePlan, *args: Any) -> ModelExecutePlan:
+        out = real(plan, *args)
+        seen.append((plan.fwd_plan[-1].start, out.fwd_plan[-1].start))
+        return out
+
+    monkeypatch.setattr(tail_widening, "widen_tail", spy)
+    return seen
+
+
 def test_the_tail_widens_on_one_gpu_and_trains_as_without(
-    one_gpu: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    one_gpu: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = tiny_model()
-    with caplog.at_level(logging.INFO, logger="engine.roundpipe"):
-        losses, weights, rp = train(copy.deepcopy(model))
-    assert "fused tail widened" in caplog.text
+    seen = spy_on_widening(monkeypatch)
+    losses, weights, rp = train(copy.deepcopy(model))
+    assert any(wide < auto for auto, wide in seen), seen
+    assert last_plan(rp).fwd_plan[-1].start == seen[-1][1]
     meter = rp.activation_meter
     n = rp.num_layers
     decoder = [a for a in meter.layer[1 : n - 1] if a is not None]
@@ -81,11 +96,9 @@ def test_the_tail_widens_on_one_gpu_and_trains_as_without(
         torch.testing.assert_close(weights[k], w, rtol=1e-5, atol=1e-6)
 
 
-def test_no_room_no_widening(
-    one_gpu: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_no_room_no_widening(one_gpu: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tail_widening, "MEMORY_FRACTION", 0.0)
-    with caplog.at_level(logging.INFO, logger="engine.roundpipe"):
-        _, _, rp = train(tiny_model())
+    seen = spy_on_widening(monkeypatch)
+    _, _, rp = train(tiny_model())
     assert rp.activation_meter.tail  # measured, but the device has no room by this rule
-    assert "fused tail widened" not in caplog.text
+    assert seen and all(wide == auto for auto, wide in seen), seen
