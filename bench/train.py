@@ -257,7 +257,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-widen-tail",
         action="store_true",
         help="on one GPU, keep the automatic plan's fused tail to the head "
-        "(engine.tail_widening.ENABLED = False)",
+        "(engine.one_device.WIDEN_TAIL = False)",
+    )
+    p.add_argument(
+        "--timed-groups",
+        action="store_true",
+        help="on one GPU, group layers by their measured times as on several, not by size "
+        "(engine.one_device.GROUP_BY_SIZE = False)",
     )
     p.add_argument(
         "--overlap-calls",
@@ -605,7 +611,7 @@ def _double_buffer(args: argparse.Namespace) -> bool:
 def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     import engine.graphs
     import engine.models
-    import engine.tail_widening
+    import engine.one_device
     from engine.device import get_num_devices
     from engine.models import causal_lm_loss_fn
     from engine.run_config import RoundPipeRunConfig
@@ -636,7 +642,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         engine.graphs.REPLAY_MAX_TOKENS = args.replay_max_tokens or None
     if args.mlp_chunk_tokens is not None:
         engine.models.MLP_CHUNK_TOKENS = args.mlp_chunk_tokens or None
-    engine.tail_widening.ENABLED = not args.no_widen_tail
+    engine.one_device.WIDEN_TAIL = not args.no_widen_tail
+    engine.one_device.GROUP_BY_SIZE = not args.timed_groups
     t0 = time.perf_counter()
     rp = wrap_model_to_roundpipe(
         model,
@@ -732,7 +739,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         second_copy_gib=round(getattr(rp, "second_copy_bytes", 0) / 2**30, 2),
         optimizer_thread_s=_step_phases(rp, args.warmup),
         layer_gb=[round(g, 6) for g in rp.layer_size],
-        tail_widening=_tail_widening(rp),
+        one_device=_one_device(rp),
         replay={
             "enabled": engine.graphs.ENABLED,
             "max_tokens": engine.graphs.REPLAY_MAX_TOKENS,
@@ -748,18 +755,19 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _tail_widening(rp: Any) -> dict[str, Any] | None:
-    """Whether the one-GPU tail widening was on, and the activations it measured (GiB of
-    one micro-batch): the decoder layers' largest, the most a backward job held, the tail's
-    by its first layer."""
-    import engine.tail_widening
+def _one_device(rp: Any) -> dict[str, Any] | None:
+    """The one-GPU plan rules that were on (engine.one_device), and the activations measured
+    for the tail (GiB of one micro-batch): the decoder layers' largest, the most a backward
+    job held, the tail's by its first layer."""
+    import engine.one_device
 
     meter = getattr(rp, "activation_meter", None)
     if meter is None:
         return None
     layers = [a for a in meter.layer if a is not None]
     return {
-        "enabled": engine.tail_widening.ENABLED,
+        "group_by_size": engine.one_device.GROUP_BY_SIZE,
+        "widen_tail": engine.one_device.WIDEN_TAIL,
         "layer_gib_max": round(max(layers) / 2**30, 3) if layers else None,
         "held_gib": round(meter.held / 2**30, 3),
         "tail_gib": {str(k): round(v / 2**30, 3) for k, v in sorted(meter.tail.items())},

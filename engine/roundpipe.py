@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import graphs, tail_widening
+from . import graphs, one_device
 from .attribute import LayerAttribute, ParamAttribute
 from .batch import (
     RoundPipePackedData,
@@ -518,7 +518,7 @@ class RoundPipe(RoundPipeBase):
         object.__setattr__(self, "layer_attrs", [LayerAttribute(i) for i in range(len(layers))])
         object.__setattr__(self, "layer_size", [get_model_size(layer) / 1e9 for layer in layers])
         object.__setattr__(self, "model_timer", ModelTimer([s * 1e9 for s in self.layer_size]))
-        object.__setattr__(self, "activation_meter", tail_widening.ActivationMeter(len(layers)))
+        object.__setattr__(self, "activation_meter", one_device.ActivationMeter(len(layers)))
         self._attach_param_attributes(layers)
         for p, pa in self._all_params():
             if id(p) in arena_grads:
@@ -639,10 +639,15 @@ class RoundPipe(RoundPipeBase):
         key = (run_type, get_num_devices(), maturity, cfg.num_microbatch, overlap)
         plan = self._plans.get(key)
         if plan is None:
+            single = _one_cuda_device()
             plan = ModelExecutePlan.auto(
-                run_type, self, num_microbatch=cfg.num_microbatch, overlap=overlap
+                run_type,
+                self,
+                num_microbatch=cfg.num_microbatch,
+                overlap=overlap,
+                by_size=single and one_device.GROUP_BY_SIZE,
             )
-            if run_type == "fused":
+            if run_type == "fused" and single:
                 plan = self._widen_tail(plan)
             self._plans[key] = plan
             log.debug("%s: %s plan %s", self.name, run_type, plan)
@@ -650,26 +655,25 @@ class RoundPipe(RoundPipeBase):
 
     def _widen_tail(self, plan: ModelExecutePlan) -> ModelExecutePlan:
         """On one GPU, the automatic fused plan with the top backward group's layers moved
-        into the tail as far as their measured activations fit (engine.tail_widening)."""
-        devices = get_devices()
-        if not tail_widening.ENABLED or len(devices) != 1 or not devices[0].is_cuda:
+        into the tail as far as their measured activations fit (engine.one_device)."""
+        if not one_device.WIDEN_TAIL:
             return plan
-        device = devices[0].device
+        device = get_devices()[0].device
         # ModelExecutePlan.auto's default parameter cap per group (60% of free memory, half
         # of it per group since the next group is prefetched).
         param_cap_gb = get_min_gpu_memory() * 0.6 / 2
-        widened = tail_widening.widen_tail(
+        widened = one_device.widen_tail(
             plan,
             self.activation_meter,
             self.layer_size,
-            tail_widening.DeviceRoom.of(device),
+            one_device.DeviceRoom.of(device),
             param_cap_gb,
         )
         if widened is not plan:
             log.info("%s: one GPU, fused tail widened: %s", self.name, widened)
         return widened
 
-    def _meter_for_call(self) -> tail_widening.ActivationMeter | None:
+    def _meter_for_call(self) -> one_device.ActivationMeter | None:
         """The activation meter, for the first calls on one GPU (None otherwise)."""
         devices = get_devices()
         meter = self.activation_meter
@@ -855,6 +859,12 @@ class RoundPipe(RoundPipeBase):
         if cfg.merge_output is False:
             return loss, RoundPipePackedData(outputs)
         return loss, _to_device(merge_outputs(outputs, cfg.merge_output), cfg.output_device)
+
+
+def _one_cuda_device() -> bool:
+    """Whether the engine drives exactly one device, a GPU (engine.one_device's plans)."""
+    devices = get_devices()
+    return len(devices) == 1 and devices[0].is_cuda
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

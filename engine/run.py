@@ -36,8 +36,8 @@ from .attribute import ParamAttribute
 from .context import ForwardCtx, RecomputeCtx
 from .device import DeviceManager, Job
 from .errors import ConfigError, RoundPipeError
+from .one_device import ActivationMeter
 from .scheduler import ModelExecutePlan, ModelTracker, RunType
-from .tail_widening import ActivationMeter
 from .timer import IterTimer, annotate
 from .transfer import UploadedGroup, async_d2h, async_h2d, download_buffers, release_group
 
@@ -145,7 +145,7 @@ class RunState:
         self._lock = threading.Lock()
         self.backward_done = False
         # Set on the first calls on one GPU: jobs measure their activations' memory there
-        # (engine.tail_widening).
+        # (engine.one_device).
         self.meter: ActivationMeter | None = None
         # Overlapped calls (RoundPipe overlap_calls): the call before this one, whose
         # gradient downloads this call's must follow, and per layer the uploads this call
@@ -656,7 +656,7 @@ def _recompute_backward(
     replayer = _replay(dev, run, group)
     grad_state = grads_out[0] if grads_out and isinstance(grads_out[0], torch.Tensor) else None
     replayed = False
-    # The first micro-batch's activations, layer by layer (engine.tail_widening): what the
+    # The first micro-batch's activations, layer by layer (engine.one_device): what the
     # allocator holds after each layer's recompute beyond before it (its saved data too).
     meter = run.meter if mb == 0 else None
     held_from = ActivationMeter.allocated(dev.device) if meter is not None else 0

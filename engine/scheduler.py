@@ -106,6 +106,7 @@ class ModelExecutePlan:
         model_memory_limit: float | None = None,
         num_microbatch: int | None = None,
         overlap: bool = False,
+        by_size: bool = False,
     ) -> ModelExecutePlan:
         """A plan balanced on the models' measured (or size-estimated) layer times.
 
@@ -120,7 +121,8 @@ class ModelExecutePlan:
         first and last fill and drain the pipeline faster; see `_pipeline_search`), and
         the fused tail is split over the number of jobs (`tail_split`, at most one per
         device) whose simulated call is shortest (with `overlap`, the shortest time between
-        overlapped calls: RoundPipe overlap_calls). See `plan_from_times`.
+        overlapped calls: RoundPipe overlap_calls). With `by_size`, the sizes stand for the
+        times even once measured (one GPU: engine.one_device). See `plan_from_times`.
         """
         from .device import get_min_gpu_memory, get_num_devices
 
@@ -140,7 +142,8 @@ class ModelExecutePlan:
         mem = [0.0] * n
         measured = True
         for m in models:
-            source, f, b = m.model_timer.get_estimate(run_type)
+            timer = m.model_timer
+            source, f, b = timer.size_estimate() if by_size else timer.get_estimate(run_type)
             measured = measured and source == "time"
             for i in range(n):
                 fwd[i] += f[i]

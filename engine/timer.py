@@ -124,13 +124,18 @@ class ModelTimer:
                 else:
                     bwd = [f * self.BACKWARD_MULTIPLIER for f in fwd]
                 return "time", fwd, bwd
+        return self.size_estimate()
+
+    def size_estimate(self) -> tuple[Literal["memory"], list[float], list[float]]:
+        """`get_estimate` before any measurement: the layer sizes (bytes), backward
+        BACKWARD_MULTIPLIER x forward."""
         return "memory", list(self._sizes), [s * self.BACKWARD_MULTIPLIER for s in self._sizes]
 
     def shares(self, action: Literal["fwd", "bwd"], layer_ids: range) -> list[float] | None:
         """The layers' present estimates (ms), to split a block that runs several of them
         (the fused tail) in proportion; None before they were measured (an even split).
 
-        A tail that takes decoder layers on (engine.tail_widening) keeps the head's share
+        A tail that takes decoder layers on (engine.one_device) keeps the head's share
         it was measured with alone, where an even split would move most of the head's time
         onto the decoder layers and the planner would see a cheap head.
         """

@@ -1,5 +1,5 @@
 """One GPU: the automatic plan's fused tail takes the top backward group's layers once their
-activations are measured (engine.tail_widening), and training matches the plan without.
+activations are measured (engine.one_device), and training matches the plan without.
 
 Oracle: the same model trained with widening off (fp32, TF32 off), at rtol 1e-5.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import ModelExecutePlan, tail_widening
+from engine import ModelExecutePlan, one_device
 from engine.models import count_loss_tokens
 from engine.wrapper import wrap_model_to_roundpipe
 from tests.unit.engine._models import tiny_hf_model
@@ -63,14 +63,14 @@ def tiny_model() -> torch.nn.Module:
 def spy_on_widening(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(the automatic plan's tail start, the widened one) of every plan made from now on."""
     seen: list[tuple[int, int]] = []
-    real = tail_widening.widen_tail
+    real = one_device.widen_tail
 
     def spy(plan: ModelExecutePlan, *args: Any) -> ModelExecutePlan:
         out = real(plan, *args)
         seen.append((plan.fwd_plan[-1].start, out.fwd_plan[-1].start))
         return out
 
-    monkeypatch.setattr(tail_widening, "widen_tail", spy)
+    monkeypatch.setattr(one_device, "widen_tail", spy)
     return seen
 
 
@@ -87,7 +87,7 @@ def test_the_tail_widens_on_one_gpu_and_trains_as_without(
     decoder = [a for a in meter.layer[1 : n - 1] if a is not None]
     assert decoder and all(a > 0 for a in decoder)
     assert meter.tail.get(n - 1, 0) > 0 and meter.held > 0
-    monkeypatch.setattr(tail_widening, "ENABLED", False)
+    monkeypatch.setattr(one_device, "WIDEN_TAIL", False)
     ref_losses, ref_weights, ref_rp = train(copy.deepcopy(model))
     # decoder layers joined the head
     assert last_plan(rp).fwd_plan[-1].start < last_plan(ref_rp).fwd_plan[-1].start
@@ -97,7 +97,7 @@ def test_the_tail_widens_on_one_gpu_and_trains_as_without(
 
 
 def test_no_room_no_widening(one_gpu: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tail_widening, "MEMORY_FRACTION", 0.0)
+    monkeypatch.setattr(one_device, "MEMORY_FRACTION", 0.0)
     seen = spy_on_widening(monkeypatch)
     _, _, rp = train(tiny_model())
     assert rp.activation_meter.tail  # measured, but the device has no room by this rule

@@ -1,4 +1,4 @@
-"""One device: the fused tail takes the top backward group's layers (engine.tail_widening).
+"""One device: the fused tail takes the top backward group's layers (engine.one_device).
 
 Oracles: the plans written out by hand; the memory rule's arithmetic on given measurements;
 and for training, RoundPipe with the head alone in the tail, whose losses and weights the
@@ -9,13 +9,14 @@ as its no-grad forward and recompute).
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine import ModelExecutePlan, RoundPipeRunConfig
 from engine.models import count_loss_tokens
-from engine.tail_widening import ActivationMeter, DeviceRoom, widen_tail, with_tail_start
+from engine.one_device import ActivationMeter, DeviceRoom, widen_tail, with_tail_start
 from engine.timer import IterTimer, ModelTimer
 from engine.wrapper import wrap_model_to_roundpipe
 
@@ -45,6 +46,32 @@ def measured(layer: int = GIB, tail: int = 2 * GIB) -> ActivationMeter:
 def room(free_gib: float) -> DeviceRoom:
     total = 80 * GIB
     return DeviceRoom(total=total, peak_reserved=int(0.9 * total - free_gib * GIB))
+
+
+def test_by_size_plans_on_parameter_sizes_whatever_the_timings() -> None:
+    # Long sequences: each decoder layer is slower than the head, so the timed plan has
+    # one-layer groups; by size (the head is the largest layer) they hold several layers.
+    timer = ModelTimer([g * 1e9 for g in LAYER_GB])
+    timer.get_estimate = lambda run_type: (
+        "time",
+        [1.0] + [50.0] * 28 + [10.0],
+        [1.0] + [150.0] * 28 + [30.0],
+    )  # type: ignore[method-assign]
+    model = SimpleNamespace(num_layers=30, layer_size=LAYER_GB, model_timer=timer)
+    timed = ModelExecutePlan.auto("fused", model, min_stages=1, model_memory_limit=100.0)
+    assert len(timed.bwd_plan) == 28  # one decoder layer each (the embedding joins one)
+    sized = ModelExecutePlan.auto(
+        "fused", model, min_stages=1, model_memory_limit=100.0, by_size=True
+    )
+    unmeasured = SimpleNamespace(
+        num_layers=30, layer_size=LAYER_GB, model_timer=ModelTimer([g * 1e9 for g in LAYER_GB])
+    )
+    first = ModelExecutePlan.auto("fused", unmeasured, min_stages=1, model_memory_limit=100.0)
+    assert (sized.fwd_plan, sized.bwd_plan) == (first.fwd_plan, first.bwd_plan)
+    assert sized.fwd_plan[-1] == range(29, 30)
+    # the head (0.3) over a decoder layer (0.1): groups of up to 3 decoder layers
+    assert max(len(r) for r in sized.bwd_plan) == 3
+    sized.check_valid(30, "fused")
 
 
 def test_with_tail_start_cuts_the_groups_before_it() -> None:

@@ -1,11 +1,22 @@
-"""One device: the fused tail takes the top backward group's layers where their activations fit.
+"""Plans for one GPU: groups by parameter size, and a fused tail that takes the top backward
+group's layers where their activations fit.
+
+With one GPU every job runs in turn on it, so no pipeline needs balancing and the timings
+cannot change how long the work takes; the grouping only changes the overheads. Each group
+boundary moves the activation between jobs through host memory (down, then up again), keeps
+a recompute input, and makes the GPU wait for the next job's input (at 131,072 tokens
+0.5 GB each way). The timed plan groups layers up to 1.1 x the slowest layer, which at long
+sequences is a decoder layer, so one-layer groups: at 131,072 tokens on one H100 they ran
+16.8 s a step against 15.6 s for the size-grouped plan of the first calls (bench/RESULTS.md,
+2026-11-24). `GROUP_BY_SIZE` keeps the grouping by parameter size, as before any timing
+(ModelExecutePlan.auto(..., by_size=True)).
 
 A decoder layer outside the fused tail runs a no-grad forward and, in its backward job, a
 recompute before its backward; a layer inside the tail runs its forward once, with grad, and
-its backward right after. With one device nothing runs beside the tail, so each layer moved
-into it saves its recompute: five layers of Qwen3-1.7B gave +1.5% at 131,072 tokens and ~+2%
-at the default step (bench/RESULTS.md, 2026-11-24). The price is GPU memory: the tail holds
-those layers' activations of a micro-batch at once, with the head's.
+its backward right after. With one GPU nothing runs beside the tail, so each layer moved
+into it saves its recompute: the default step of Qwen3-1.7B ran 4% faster with the top
+backward group's six layers in the tail (`WIDEN_TAIL`). The price is GPU memory: the tail
+holds those layers' activations of a micro-batch at once, with the head's (+7 GiB there).
 
 The memory is measured, not modelled: `ActivationMeter` reads the CUDA allocator around each
 layer's recompute in the first calls (what autograd keeps for the layer's backward, its
@@ -24,16 +35,21 @@ import torch
 from .scheduler import ModelExecutePlan
 
 __all__ = [
-    "ENABLED",
+    "GROUP_BY_SIZE",
     "MEMORY_FRACTION",
+    "WIDEN_TAIL",
     "ActivationMeter",
     "DeviceRoom",
     "widen_tail",
     "with_tail_start",
 ]
 
-ENABLED = True
-"""Set False to keep the automatic plan's tail (the head alone) on one device."""
+GROUP_BY_SIZE = True
+"""One GPU: group layers by parameter size, not by measured time (False: by time)."""
+
+WIDEN_TAIL = True
+"""One GPU: the fused tail takes the top backward group's layers (False: the automatic
+plan's tail, usually the head alone)."""
 
 MEMORY_FRACTION = 0.9
 """The share of the device's memory that the widened tail may plan up to: the caching
@@ -78,7 +94,10 @@ class ActivationMeter:
     def wanted(self, device: torch.device, num_devices: int) -> bool:
         """Whether this call's jobs should measure (one CUDA device, the first calls)."""
         return (
-            ENABLED and num_devices == 1 and device.type == "cuda" and self.calls < _MEASURED_CALLS
+            WIDEN_TAIL
+            and num_devices == 1
+            and device.type == "cuda"
+            and self.calls < _MEASURED_CALLS
         )
 
     @staticmethod
