@@ -22,7 +22,9 @@ The memory is measured, not modelled: `ActivationMeter` reads the CUDA allocator
 layer's recompute in the first calls (what autograd keeps for the layer's backward, its
 saved-attention upload included) and around the tail's forward. `widen_tail` moves layers
 of the top backward group into the tail, from the top down, while the tail's activations
-stay under what the largest job already held plus the room the device has left.
+stay under what the largest job already held plus the room the device has left. With
+`recompute_grain='layer'` (asked for to hold one layer's activations at a time, for the
+longest sequences) the tail stays as planned.
 """
 
 from __future__ import annotations

@@ -647,7 +647,9 @@ class RoundPipe(RoundPipeBase):
                 overlap=overlap,
                 by_size=single and one_device.GROUP_BY_SIZE,
             )
-            if run_type == "fused" and single:
+            # recompute_grain 'layer' asks for one layer's activations at a time: the tail
+            # stays as planned then.
+            if run_type == "fused" and single and cfg.recompute_grain == "stage":
                 plan = self._widen_tail(plan)
             self._plans[key] = plan
             log.debug("%s: %s plan %s", self.name, run_type, plan)
