@@ -14,14 +14,13 @@ import pytest
 import torch
 
 from engine import ModelExecutePlan, one_device
-from engine.models import count_loss_tokens
-from engine.wrapper import wrap_model_to_roundpipe
 from tests.unit.engine._models import tiny_hf_model
 from tests.unit.engine.conftest import use_devices
+from tests.unit.engine.test_one_device import VOCAB, train_lm
 
 pytestmark = pytest.mark.gpu
 
-VOCAB, ROWS, SEQ, CALLS = 96, 4, 64, 6
+SEQ, CALLS = 64, 6
 
 
 @pytest.fixture
@@ -35,23 +34,7 @@ def last_plan(rp: torch.nn.Module) -> ModelExecutePlan:
 
 
 def train(model: torch.nn.Module) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
-    rp = wrap_model_to_roundpipe(model, use_sequential_preset=True)
-    opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-3)
-
-    def step_fn() -> None:
-        opt.step()
-        opt.zero_grad()
-
-    losses = []
-    for step in range(CALLS):
-        gen = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
-        kwargs = {"input_ids": ids, "labels": ids, "num_items_in_batch": count_loss_tokens(ids)}
-        loss = rp.forward_backward(input_kwargs=kwargs, loss_fn=lambda out, _: out.loss)
-        losses.append(float(loss))
-        rp.step(step_fn)
-    rp.synchronize()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, rp
+    return train_lm(model, calls=CALLS, seq=SEQ)
 
 
 def tiny_model() -> torch.nn.Module:

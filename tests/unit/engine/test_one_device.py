@@ -174,7 +174,15 @@ def test_a_block_of_layers_is_timed_in_proportion_to_its_shares() -> None:
 VOCAB, ROWS, SEQ = 96, 4, 7
 
 
-def train(model: torch.nn.Module, plan: ModelExecutePlan) -> tuple[list[float], dict]:
+def train_lm(
+    model: torch.nn.Module,
+    plan: ModelExecutePlan | None = None,
+    *,
+    calls: int = 3,
+    seq: int = SEQ,
+) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
+    """Losses, weights after `calls` AdamW steps on random tokens, and the RoundPipe (the
+    automatic plan without `plan`); the GPU tests share it."""
     rp = wrap_model_to_roundpipe(
         model,
         use_sequential_preset=True,
@@ -187,15 +195,16 @@ def train(model: torch.nn.Module, plan: ModelExecutePlan) -> tuple[list[float], 
         opt.zero_grad()
 
     losses = []
-    for step in range(3):
+    for step in range(calls):
         gen = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
+        ids = torch.randint(0, VOCAB, (ROWS, seq), generator=gen)
         kwargs = {"input_ids": ids, "labels": ids, "num_items_in_batch": count_loss_tokens(ids)}
         loss = rp.forward_backward(input_kwargs=kwargs, loss_fn=lambda out, _: out.loss)
         losses.append(float(loss))
         rp.step(step_fn)
     rp.synchronize()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, weights, rp
 
 
 def test_a_widened_tail_trains_bit_for_bit_as_the_head_alone() -> None:
@@ -208,8 +217,8 @@ def test_a_widened_tail_trains_bit_for_bit_as_the_head_alone() -> None:
     )
     wide = with_tail_start(narrow, 3)
     assert wide.fwd_plan == [range(0, 3), range(3, 6)] and wide.bwd_plan == [range(0, 3)]
-    losses_a, weights_a = train(copy.deepcopy(model), narrow)
-    losses_b, weights_b = train(copy.deepcopy(model), wide)
+    losses_a, weights_a, _ = train_lm(copy.deepcopy(model), narrow)
+    losses_b, weights_b, _ = train_lm(copy.deepcopy(model), wide)
     assert losses_a == losses_b
     assert weights_a.keys() == weights_b.keys()
     for k in weights_a:
