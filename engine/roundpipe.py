@@ -31,13 +31,7 @@ from .batch import (
     split_label,
 )
 from .context import OptimizerCtx, doing_optimizer
-from .device import (
-    DeviceManager,
-    get_devices,
-    get_min_gpu_memory,
-    get_next_device,
-    get_num_devices,
-)
+from .device import DeviceManager, get_devices, get_next_device, get_num_devices
 from .distributed import AUTO_GROUP, attach_data_parallel, resolve_process_group
 from .errors import ConfigError, GradientsDisabledError
 from .memory import get_model_size, pin_module
@@ -45,7 +39,7 @@ from .memory_plan import check_engine_allocation
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
 from .run import Act, RunState, backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
-from .scheduler import ModelExecutePlan, RunType, publish_wait_ms_per_gb
+from .scheduler import ModelExecutePlan, RunType, group_param_cap, publish_wait_ms_per_gb
 from .threads import AnnotatedEvent
 from .timer import ModelTimer
 from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers
@@ -661,15 +655,12 @@ class RoundPipe(RoundPipeBase):
         if not one_device.WIDEN_TAIL:
             return plan
         device = get_devices()[0].device
-        # ModelExecutePlan.auto's default parameter cap per group (60% of free memory, half
-        # of it per group since the next group is prefetched).
-        param_cap_gb = get_min_gpu_memory() * 0.6 / 2
         widened = one_device.widen_tail(
             plan,
             self.activation_meter,
             self.layer_size,
             one_device.DeviceRoom.of(device),
-            param_cap_gb,
+            group_param_cap(),  # auto's default cap per group
         )
         if widened is not plan:
             log.info("%s: one GPU, fused tail widened: %s", self.name, widened)

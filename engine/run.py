@@ -502,7 +502,6 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
     bwd_timer = IterTimer(timer, "bwd", dev.is_cuda)
     run.timers += [fwd_timer, bwd_timer]
     fwd_shares, bwd_shares = timer.shares("fwd", layer_ids), timer.shares("bwd", layer_ids)
-    meter = run.meter
     assert run.loss_fn is not None
     try:
         for mb in run.tail_micro_batches(part):
@@ -513,9 +512,9 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
             )
             label_leaves, label_tree = _flatten(run.labels[mb])
             label_dev = pytree.tree_unflatten(async_h2d(dev, [], label_leaves), label_tree)
-            measuring = meter is not None and mb == 0
+            meter = run.meter if mb == 0 else None  # the first micro-batch's (one_device)
             with dev.compute(), torch.enable_grad(), _autocast(run):
-                before = ActivationMeter.allocated(dev.device) if measuring else 0
+                before = ActivationMeter.allocated(dev.device) if meter is not None else 0
                 with fwd_timer.time(layer_ids, dev.compute_stream, shares=fwd_shares):
                     out = _run_forward_layers(
                         run,
@@ -528,8 +527,7 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
                         keep_for_backward=False,
                     )
                     loss = run.loss_fn(out, label_dev)
-                if measuring:
-                    assert meter is not None
+                if meter is not None:
                     meter.record_tail(
                         layer_ids.start, ActivationMeter.allocated(dev.device) - before
                     )

@@ -23,6 +23,7 @@ __all__ = [
     "RunType",
     "chunk_layer_params",
     "default_handoff",
+    "group_param_cap",
     "pipeline_makespan",
     "plan_from_times",
     "plan_job_costs",
@@ -124,7 +125,7 @@ class ModelExecutePlan:
         overlapped calls: RoundPipe overlap_calls). With `by_size`, the sizes stand for the
         times even once measured (one GPU: engine.one_device). See `plan_from_times`.
         """
-        from .device import get_min_gpu_memory, get_num_devices
+        from .device import get_num_devices
 
         if not models:
             raise ConfigError("ModelExecutePlan.auto needs at least one RoundPipe model")
@@ -135,8 +136,6 @@ class ModelExecutePlan:
             )
         if min_stages is None:
             min_stages = get_num_devices()
-        if model_memory_limit is None:
-            model_memory_limit = get_min_gpu_memory() * 0.6
         fwd = [0.0] * n
         bwd = [0.0] * n
         mem = [0.0] * n
@@ -163,7 +162,7 @@ class ModelExecutePlan:
             num_devices=min_stages,
             num_microbatch=num_microbatch if measured else None,
             upper_threshold=upper_threshold,
-            mem_cap=model_memory_limit / 2,
+            mem_cap=group_param_cap(model_memory_limit),
             overlap=overlap,
             publish=publish,
         )
@@ -696,6 +695,19 @@ def _simulate_jobs(
 # publish_ms_per_gb): on the H100 box the fp32 -> fp16 publish of Qwen3-1.7B took
 # 0.16-0.33 s for its 3.4 GB (50-100 ms/GB), the upload ~20 ms/GB at 50 GB/s.
 DEFAULT_PUBLISH_MS_PER_GB = 100.0
+
+
+def group_param_cap(model_memory_limit: float | None = None) -> float:
+    """The most parameters (GB) one layer group may hold: half of `model_memory_limit`,
+    since the next group is prefetched beside it (default: 60% of the smallest device's
+    free memory, ModelExecutePlan.auto's)."""
+    if model_memory_limit is None:
+        from .device import get_min_gpu_memory
+
+        model_memory_limit = get_min_gpu_memory() * 0.6
+    return model_memory_limit / 2
+
+
 # A device's upload of a GB of weights from pinned host memory (~50 GB/s).
 UPLOAD_MS_PER_GB = 20.0
 
