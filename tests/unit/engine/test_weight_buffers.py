@@ -40,6 +40,21 @@ def half_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [tuple(t.to(DTYPE) for t in make_batch(seed=k)) for k in range(steps)]  # type: ignore[misc]
 
 
+def bf16_roundpipe(
+    plan: ModelExecutePlan, num_microbatch: int, *, overlap: bool, double: bool
+) -> tuple[nn.Module, RoundPipe]:
+    """A bf16 model with fp32 masters, and its RoundPipe."""
+    model = make_model(p_drop=0.0).to(DTYPE)
+    rp = RoundPipe(
+        model,
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, execute_plan=plan),
+        overlap_calls=overlap,
+        double_buffer_weights=double,
+    )
+    return model, rp
+
+
 def train(
     *,
     double: bool,
@@ -51,14 +66,7 @@ def train(
 ) -> tuple[RoundPipe, list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A bf16 model, fp32 masters, Adam; returns the RoundPipe, the losses, the gradients at
     `synchronize()` and the trained weights."""
-    model = make_model(p_drop=0.0).to(DTYPE)
-    rp = RoundPipe(
-        model,
-        optim_dtype=torch.float32,
-        model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan),
-        overlap_calls=overlap,
-        double_buffer_weights=double,
-    )
+    model, rp = bf16_roundpipe(plan, 3, overlap=overlap, double=double)
     params = list(rp.optim_parameters())
     opt: torch.optim.Optimizer = (
         eo.Adam(params, lr=1e-2) if optimizer == "engine" else torch.optim.AdamW(params, lr=1e-2)
@@ -184,14 +192,7 @@ def test_the_swap_waits_for_the_running_calls_uploads(
     for double in (True, False):
         last_jobs[0] = 0
         gate.clear() if double else gate.set()
-        model = make_model(p_drop=0.0).to(DTYPE)
-        rp = RoundPipe(
-            model,
-            optim_dtype=torch.float32,
-            model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=GATED_PLAN),
-            overlap_calls=double,
-            double_buffer_weights=double,
-        )
+        model, rp = bf16_roundpipe(GATED_PLAN, 2, overlap=double, double=double)
         opt = eo.Adam(rp.optim_parameters(), lr=1e-2)
 
         def step_fn(opt: torch.optim.Optimizer = opt) -> None:
