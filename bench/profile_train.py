@@ -67,7 +67,7 @@ def main() -> None:
 
     import engine.models
     from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
-    from engine.lora import LoraConfig
+    from engine.adapters.lora import LoraConfig
     from engine.models import causal_lm_loss_fn
     from engine.optim import Adam
 

@@ -16,17 +16,17 @@ convention), peak GPU memory (torch.cuda.max_memory_allocated) and peak host mem
         --optim-grad-dtype model --pin-model arena --recompute-attention   # 12 bytes/param
 
 `--lora`: rank-16 adapters (alpha 32) on every attention and MLP projection
-(engine.lora), the fp16 base frozen (no master, gradient or optimizer state), fp32
+(engine.adapters.lora), the fp16 base frozen (no master, gradient or optimizer state), fp32
 adapters stepped by engine.optim.Adam. Its baseline is peft's LoRA on the HF model
 entirely on the GPU: bf16 base, bf16 autocast, per-layer activation checkpointing,
 fused AdamW on the adapters. LoRA's model TFLOP/s count 4N + attention per token (no
 weight gradients of the frozen base).
 
 Under torchrun (WORLD_SIZE > 1) every rank builds the same model, takes its share of the
-same global batch (engine.distributed) and only rank 0 prints, with every rank's peak host
+same global batch (engine.parallel.data_parallel) and only rank 0 prints, with every rank's peak host
 memory; NCCL on GPUs, gloo on CPU ranks (`RP_DEVICES=cpu:1 torchrun ... --model tiny`).
 
-Each result also carries `plan_host_gib`: engine.memory_plan's prediction of the peak host
+Each result also carries `plan_host_gib`: engine.planning.memory_plan's prediction of the peak host
 memory, made (and checked against the budget) before the model is built.
 
 The model is randomly initialised on the host (no download): weights are allocated
@@ -251,19 +251,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="CUDA graph replay of decoder layers for micro-batches of up to this many "
-        "tokens (engine.graphs.REPLAY_MAX_TOKENS; default the engine's; 0: off)",
+        "tokens (engine.accel.graphs.REPLAY_MAX_TOKENS; default the engine's; 0: off)",
     )
     p.add_argument(
         "--no-widen-tail",
         action="store_true",
         help="on one GPU, keep the automatic plan's fused tail to the head "
-        "(engine.one_device.WIDEN_TAIL = False)",
+        "(engine.planning.one_device.WIDEN_TAIL = False)",
     )
     p.add_argument(
         "--timed-groups",
         action="store_true",
         help="on one GPU, group layers by their measured times as on several, not by size "
-        "(engine.one_device.GROUP_BY_SIZE = False)",
+        "(engine.planning.one_device.GROUP_BY_SIZE = False)",
     )
     p.add_argument(
         "--overlap-calls",
@@ -439,7 +439,7 @@ def count_params(model: nn.Module) -> int:
 
 
 def count_base_params(model: nn.Module) -> int:
-    """Parameters without LoRA adapters (peft's and engine.lora's are named lora_*)."""
+    """Parameters without LoRA adapters (peft's and engine.adapters.lora's are named lora_*)."""
     return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
 
 
@@ -577,9 +577,9 @@ def _last_plan(rp: Any) -> str | None:
 
 
 def host_plan(args: argparse.Namespace) -> Any:
-    """engine.memory_plan's prediction of this run's peak host memory (from shapes only);
+    """engine.planning.memory_plan's prediction of this run's peak host memory (from shapes only);
     None for the MoE shapes, which the plan does not model (check_host_memory covers them)."""
-    from engine.memory_plan import ModelShape, RunShape, plan_host_memory
+    from engine.planning.memory_plan import ModelShape, RunShape, plan_host_memory
 
     if "family" in SHAPES[args.model]:
         return None
@@ -609,9 +609,9 @@ def _double_buffer(args: argparse.Namespace) -> bool:
 
 
 def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
-    import engine.graphs
+    import engine.accel.graphs
     import engine.models
-    import engine.one_device
+    import engine.planning.one_device
     from engine.device import get_num_devices
     from engine.models import causal_lm_loss_fn
     from engine.run_config import RoundPipeRunConfig
@@ -638,12 +638,12 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
 
     engine.models.RECOMPUTE_ATTENTION = args.recompute_attention
     if args.replay_max_tokens is not None:
-        engine.graphs.ENABLED = args.replay_max_tokens > 0
-        engine.graphs.REPLAY_MAX_TOKENS = args.replay_max_tokens or None
+        engine.accel.graphs.ENABLED = args.replay_max_tokens > 0
+        engine.accel.graphs.REPLAY_MAX_TOKENS = args.replay_max_tokens or None
     if args.mlp_chunk_tokens is not None:
         engine.models.MLP_CHUNK_TOKENS = args.mlp_chunk_tokens or None
-    engine.one_device.WIDEN_TAIL = not args.no_widen_tail
-    engine.one_device.GROUP_BY_SIZE = not args.timed_groups
+    engine.planning.one_device.WIDEN_TAIL = not args.no_widen_tail
+    engine.planning.one_device.GROUP_BY_SIZE = not args.timed_groups
     t0 = time.perf_counter()
     rp = wrap_model_to_roundpipe(
         model,
@@ -741,9 +741,9 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         layer_gb=[round(g, 6) for g in rp.layer_size],
         one_device=_one_device(rp),
         replay={
-            "enabled": engine.graphs.ENABLED,
-            "max_tokens": engine.graphs.REPLAY_MAX_TOKENS,
-            **engine.graphs.stats(),
+            "enabled": engine.accel.graphs.ENABLED,
+            "max_tokens": engine.accel.graphs.REPLAY_MAX_TOKENS,
+            **engine.accel.graphs.stats(),
         },
         gpu_peak_breakdown=breakdown,
         steps_with_compile=compiled,
@@ -756,18 +756,18 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _one_device(rp: Any) -> dict[str, Any] | None:
-    """The one-GPU plan rules that were on (engine.one_device), and the activations measured
+    """The one-GPU plan rules that were on (engine.planning.one_device), and the activations measured
     for the tail (GiB of one micro-batch): the decoder layers' largest, the most a backward
     job held, the tail's by its first layer."""
-    import engine.one_device
+    import engine.planning.one_device
 
     meter = getattr(rp, "activation_meter", None)
     if meter is None:
         return None
     layers = [a for a in meter.layer if a is not None]
     return {
-        "group_by_size": engine.one_device.GROUP_BY_SIZE,
-        "widen_tail": engine.one_device.WIDEN_TAIL,
+        "group_by_size": engine.planning.one_device.GROUP_BY_SIZE,
+        "widen_tail": engine.planning.one_device.WIDEN_TAIL,
         "layer_gib_max": round(max(layers) / 2**30, 3) if layers else None,
         "held_gib": round(meter.held / 2**30, 3),
         "tail_gib": {str(k): round(v / 2**30, 3) for k, v in sorted(meter.tail.items())},
@@ -847,7 +847,7 @@ def _site(frames: list[dict[str, Any]]) -> str:
 
 
 def lora_config(args: argparse.Namespace) -> Any:
-    from engine.lora import LoraConfig
+    from engine.adapters.lora import LoraConfig
 
     return LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
 
@@ -894,7 +894,7 @@ def self_check(
             problems.append(f"frozen base weight {n} changed")
         changed += moved
     if lora:
-        from engine.lora import adapter_state_dict
+        from engine.adapters.lora import adapter_state_dict
 
         if all(not v.any() for k, v in adapter_state_dict(model).items() if "lora_B" in k):
             problems.append("no LoRA adapter moved from its zero initialisation")

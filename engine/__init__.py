@@ -13,23 +13,23 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConfigError, DeviceError, RoundPipeError, StepError
 
 if TYPE_CHECKING:
+    from .adapters.lora import LoraConfig, apply_lora
     from .context import doing_recompute, get_recompute_data, save_for_recompute
     from .grad_scaler import GradScaler
-    from .lora import LoraConfig, apply_lora
     from .roundpipe import AutoRoundPipe, RoundPipe
     from .run_config import RoundPipeRunConfig
     from .scheduler import ModelExecutePlan
     from .wrapper import wrap_model_to_roundpipe
 
-# Imported on first use (PEP 562), so torch-free modules such as engine.memory_plan can be
+# Imported on first use (PEP 562), so torch-free modules such as engine.planning.memory_plan can be
 # imported without torch: the daemon plans host memory at submission that way.
 _LAZY = {
     "doing_recompute": ".context",
     "get_recompute_data": ".context",
     "save_for_recompute": ".context",
     "GradScaler": ".grad_scaler",
-    "LoraConfig": ".lora",
-    "apply_lora": ".lora",
+    "LoraConfig": ".adapters.lora",
+    "apply_lora": ".adapters.lora",
     "AutoRoundPipe": ".roundpipe",
     "RoundPipe": ".roundpipe",
     "RoundPipeRunConfig": ".run_config",

@@ -343,7 +343,7 @@ def gc_collect() -> None:
 def host_memory_budget_setting() -> str | None:
     """RP_HOST_MEMORY_BUDGET as set (bytes, or with a unit: '96GiB', '100G'), or None.
 
-    engine.memory_plan parses it; read here because only this module reads the environment.
+    engine.planning.memory_plan parses it; read here because only this module reads the environment.
     """
     value = os.environ.get("RP_HOST_MEMORY_BUDGET", "").strip()
     return value or None

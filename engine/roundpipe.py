@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import graphs, one_device
+from .accel import graphs
+from .accel.weight_buffers import attach_second_copies, publish_param
 from .attribute import LayerAttribute, ParamAttribute
 from .batch import (
     RoundPipePackedData,
@@ -32,18 +33,18 @@ from .batch import (
 )
 from .context import OptimizerCtx, doing_optimizer
 from .device import DeviceManager, get_devices, get_next_device, get_num_devices
-from .distributed import AUTO_GROUP, attach_data_parallel, resolve_process_group
 from .errors import ConfigError, GradientsDisabledError
 from .memory import get_model_size, pin_module
-from .memory_plan import check_engine_allocation
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
+from .parallel.data_parallel import AUTO_GROUP, attach_data_parallel, resolve_process_group
+from .planning import one_device
+from .planning.memory_plan import check_engine_allocation
 from .run import Act, RunState, backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from .scheduler import ModelExecutePlan, RunType, group_param_cap, publish_wait_ms_per_gb
 from .threads import AnnotatedEvent
 from .timer import ModelTimer
 from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers
-from .weight_buffers import attach_second_copies, publish_param
 
 __all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase", "get_call_location"]
 
@@ -303,9 +304,9 @@ class RoundPipeBase(nn.Module):
                 p.grad = None
 
     def save_adapter(self, path: str | os.PathLike[str], *, merged_path: Any = None) -> None:
-        """Write the LoRA adapters in peft's format (see `engine.lora.save_adapter`);
+        """Write the LoRA adapters in peft's format (see `engine.adapters.lora.save_adapter`);
         `merged_path`: also the model with the adapters folded in, HF format."""
-        from .lora import save_adapter
+        from .adapters.lora import save_adapter
 
         save_adapter(self, path, merged_path=merged_path)
 
@@ -353,7 +354,7 @@ def _owner_users(
 def _replayable_layers(
     layers: list[nn.Module], layer_params: list[list[tuple[nn.Parameter, ParamAttribute]]]
 ) -> list[bool]:
-    """Per layer, whether it may replay (engine.graphs): it opts in and shares no parameter
+    """Per layer, whether it may replay (engine.accel.graphs): it opts in and shares no parameter
     with another layer (a slot holds one layer's own tensors)."""
     uses: dict[int, int] = {}
     for params in layer_params:
@@ -425,7 +426,7 @@ class RoundPipe(RoundPipeBase):
             (cudaHostRegister in place, less host memory, CUDA only), 'arena' (one
             cudaHostRegister'ed block holding the parameters and their host gradient
             buffers: no power-of-two rounding per tensor) or 'off'.
-        process_group: Data parallel over this torch.distributed group (engine.distributed).
+        process_group: Data parallel over this torch.distributed group (engine.parallel.data_parallel).
             Default: the default group when one is initialised with several ranks; None:
             single-process even then.
         shard_optimizer: Under data parallel, keep the fp32 masters (and so the optimizer
@@ -439,7 +440,7 @@ class RoundPipe(RoundPipeBase):
         host_memory_budget: Bytes the engine's own host allocations (pinned model,
             gradient buffers, optimizer-side copies) may take; over it, construction
             raises HostMemoryError before allocating. Default: RP_HOST_MEMORY_BUDGET, or
-            the machine's available memory less a margin (engine.memory_plan).
+            the machine's available memory less a margin (engine.planning.memory_plan).
         overlap_calls: `forward_backward` returns once its losses are on the host, and its
             backward jobs finish while the next call's forward jobs start (one call's
             drain overlaps the next call's fill: what several GPUs lose at every call's
@@ -450,7 +451,7 @@ class RoundPipe(RoundPipeBase):
             gradients, and data parallel, run as without it.
         double_buffer_weights: Keep a second host copy of the half-precision weights that
             engine.optim.Adam writes in its update pass; the next step publishes by
-            swapping the two instead of converting the fp32 masters (engine.weight_buffers:
+            swapping the two instead of converting the fp32 masters (engine.accel.weight_buffers:
             the optimizer thread's publish goes from a pass over the model to nothing).
             Costs the model's trainable bytes again in host memory (2 per parameter).
             Default: on with `overlap_calls`, whose steps publish while a call runs.
@@ -567,7 +568,7 @@ class RoundPipe(RoundPipeBase):
     ) -> UploadedGroup:
         """Upload a layer group to `dev` once the optimizer has published its weights.
 
-        With `slots`, layers that may replay (engine.graphs) go into the device's slots;
+        With `slots`, layers that may replay (engine.accel.graphs) go into the device's slots;
         `slot_grads`: their .grad are the slots' zeroed gradient buffers (backward jobs).
         """
         owners = sorted({pa.owner_layer for j in layer_ids for _, pa in self.layer_params[j]})
@@ -612,7 +613,7 @@ class RoundPipe(RoundPipeBase):
 
     def stop_replay(self) -> None:
         """Run this model's layers as they are from now on (a state over
-        engine.graphs.REPLAY_MAX_TOKENS was seen), and give the slots' memory back."""
+        engine.accel.graphs.REPLAY_MAX_TOKENS was seen), and give the slots' memory back."""
         if self._replay_wanted:
             object.__setattr__(self, "_replay_wanted", False)
             log.info(
@@ -651,7 +652,7 @@ class RoundPipe(RoundPipeBase):
 
     def _widen_tail(self, plan: ModelExecutePlan) -> ModelExecutePlan:
         """On one GPU, the automatic fused plan with the top backward group's layers moved
-        into the tail as far as their measured activations fit (engine.one_device)."""
+        into the tail as far as their measured activations fit (engine.planning.one_device)."""
         if not one_device.WIDEN_TAIL:
             return plan
         device = get_devices()[0].device
@@ -855,7 +856,7 @@ class RoundPipe(RoundPipeBase):
 
 
 def _one_cuda_device() -> bool:
-    """Whether the engine drives exactly one device, a GPU (engine.one_device's plans)."""
+    """Whether the engine drives exactly one device, a GPU (engine.planning.one_device's plans)."""
     devices = get_devices()
     return len(devices) == 1 and devices[0].is_cuda
 

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from torch.utils import _pytree as pytree
 
-from . import graphs
+from .accel import graphs
 from .attribute import ParamAttribute
 from .context import ForwardCtx, RecomputeCtx
 from .device import DeviceManager, Job
 from .errors import ConfigError, RoundPipeError
-from .one_device import ActivationMeter
+from .planning.one_device import ActivationMeter
 from .scheduler import ModelExecutePlan, ModelTracker, RunType
 from .timer import IterTimer, annotate
 from .transfer import UploadedGroup, async_d2h, async_h2d, download_buffers, release_group
@@ -145,7 +145,7 @@ class RunState:
         self._lock = threading.Lock()
         self.backward_done = False
         # Set on the first calls on one GPU: jobs measure their activations' memory there
-        # (engine.one_device).
+        # (engine.planning.one_device).
         self.meter: ActivationMeter | None = None
         # Overlapped calls (RoundPipe overlap_calls): the call before this one, whose
         # gradient downloads this call's must follow, and per layer the uploads this call
@@ -371,7 +371,7 @@ def _replay(dev: DeviceManager, run: RunState, group: UploadedGroup) -> graphs.R
 
 def _state_too_large(run: RunState, carry: Any) -> bool:
     """Whether the carry's state is over the replay limit; then this model stops using
-    slots (engine.graphs.REPLAY_MAX_TOKENS: long sequences gain nothing from replay)."""
+    slots (engine.accel.graphs.REPLAY_MAX_TOKENS: long sequences gain nothing from replay)."""
     state = graphs.state_of(carry)
     if state is None or not graphs.too_many_tokens(state):
         return False
@@ -394,7 +394,7 @@ def _run_forward_layers(
     """Run layers on the device; keep inputs/RNG/saved data that a later recompute needs.
 
     With the job's `group` (a no-grad forward), runs of layers that may replay go through
-    their captured graph (engine.graphs); a run ends where the backward needs a layer's
+    their captured graph (engine.accel.graphs); a run ends where the backward needs a layer's
     input, which is downloaded between layers.
     """
     tracker = run.tracker
@@ -639,7 +639,7 @@ def _recompute_backward(
     """Recompute layers `sub` of micro-batch `mb` from their saved input and backpropagate
     `grads_out` (the gradients of their output leaves); returns the input leaves' gradients.
 
-    Where the top of `sub` may replay (engine.graphs), the layers below it recompute as
+    Where the top of `sub` may replay (engine.accel.graphs), the layers below it recompute as
     before, the top recomputes and backpropagates in its graph, and autograd carries the
     graph's input gradient down through the layers below.
     """
@@ -654,7 +654,7 @@ def _recompute_backward(
     replayer = _replay(dev, run, group)
     grad_state = grads_out[0] if grads_out and isinstance(grads_out[0], torch.Tensor) else None
     replayed = False
-    # The first micro-batch's activations, layer by layer (engine.one_device): what the
+    # The first micro-batch's activations, layer by layer (engine.planning.one_device): what the
     # allocator holds after each layer's recompute beyond before it (its saved data too).
     meter = run.meter if mb == 0 else None
     held_from = ActivationMeter.allocated(dev.device) if meter is not None else 0

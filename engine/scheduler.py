@@ -123,7 +123,7 @@ class ModelExecutePlan:
         the fused tail is split over the number of jobs (`tail_split`, at most one per
         device) whose simulated call is shortest (with `overlap`, the shortest time between
         overlapped calls: RoundPipe overlap_calls). With `by_size`, the sizes stand for the
-        times even once measured (one GPU: engine.one_device). See `plan_from_times`.
+        times even once measured (one GPU: engine.planning.one_device). See `plan_from_times`.
         """
         from .device import get_num_devices
 

@@ -135,7 +135,7 @@ class ModelTimer:
         """The layers' present estimates (ms), to split a block that runs several of them
         (the fused tail) in proportion; None before they were measured (an even split).
 
-        A tail that takes decoder layers on (engine.one_device) keeps the head's share
+        A tail that takes decoder layers on (engine.planning.one_device) keeps the head's share
         it was measured with alone, where an even split would move most of the head's time
         onto the decoder layers and the planner would see a cheap head.
         """
@@ -146,9 +146,9 @@ class ModelTimer:
 
 
 def _compiled_graphs() -> int:
-    """How many graphs torch.compile has built and engine.graphs has captured in this
+    """How many graphs torch.compile has built and engine.accel.graphs has captured in this
     process so far (either makes an iteration's timings a measure of the building)."""
-    from . import graphs
+    from .accel import graphs
 
     dynamo_utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled
     compiled = 0 if dynamo_utils is None else int(dynamo_utils.counters["stats"]["unique_graphs"])

@@ -26,7 +26,7 @@ from torch import nn
 from .device import DeviceManager
 
 if TYPE_CHECKING:
-    from .graphs import Slot
+    from .accel.graphs import Slot
 
 __all__ = [
     "PIECES_MIN_BYTES",
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 # A submodule with a method of this name has it called after each upload, on the compute
-# stream, with the freshly uploaded device tensors bound (engine.lora merges its adapters
+# stream, with the freshly uploaded device tensors bound (engine.adapters.lora merges its adapters
 # into the device copy of the frozen weight there).
 AFTER_UPLOAD_HOOK = "rp_after_upload"
 
@@ -101,7 +101,7 @@ class UploadedGroup:
     replicas: list[LayerReplica]
     device_tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # id(host) -> device
     buffer_versions: dict[int, int] = field(default_factory=dict)  # id(host buffer) -> _version
-    slots: list[Slot | None] = field(default_factory=list)  # per replica (engine.graphs)
+    slots: list[Slot | None] = field(default_factory=list)  # per replica (engine.accel.graphs)
     uploaded: Any = None  # event: the upload from the host copies is done (None on CPU)
 
     @property
@@ -142,7 +142,7 @@ def upload_layers(
 
     The compute stream waits for the upload; the host does not. `saved_buffers` maps a host
     buffer to the value it had before the forward, for a recompute that must see the same
-    buffers as the forward did. A replica with a slot (engine.graphs) is uploaded into the
+    buffers as the forward did. A replica with a slot (engine.accel.graphs) is uploaded into the
     slot's tensors, once the last job using the slot no longer reads them; with
     `slot_grads` its parameters' .grad are the slot's gradient buffers, zeroed (a backward
     job: autograd and the replayed graphs add into them).

@@ -122,8 +122,8 @@ def wrap_model_to_roundpipe(
         override_config: Per-module model_run_config for the auto-split's RoundPipes.
         model_run_config: The default model_run_config.
         name: Name in logs and traces; default the caller's 'file:line'.
-        lora_config: When given (an `engine.lora.LoraConfig`, a `peft.LoraConfig` or a
-            mapping), `engine.lora.apply_lora` adds adapters to `model` and freezes the
+        lora_config: When given (an `engine.adapters.lora.LoraConfig`, a `peft.LoraConfig` or a
+            mapping), `engine.adapters.lora.apply_lora` adds adapters to `model` and freezes the
             rest before wrapping: only the adapters get optimizer-side copies.
         **roundpipe_kwargs: Forwarded to RoundPipe / AutoRoundPipe (optim_dtype,
             pin_model).
@@ -134,12 +134,12 @@ def wrap_model_to_roundpipe(
     Raises:
         NotImplementedError: `use_sequential_preset=True` and no preset fits the model;
             the message lists the supported models.
-        ConfigError: A bad `lora_config` (see `engine.lora.apply_lora`).
+        ConfigError: A bad `lora_config` (see `engine.adapters.lora.apply_lora`).
     """
     if name is None:
         name = get_call_location(1)
     if lora_config is not None:
-        from .lora import apply_lora
+        from .adapters.lora import apply_lora
 
         apply_lora(model, lora_config)
     # None falls back to the auto-split when no preset fits; True lets wrap_model raise.

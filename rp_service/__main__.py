@@ -8,8 +8,8 @@ import sys
 import uvicorn
 
 from rp_service.app import create_app
+from rp_service.jobs.store import Store, StoreUnusable
 from rp_service.settings import Settings
-from rp_service.store import Store, StoreUnusable
 
 
 def main() -> None:

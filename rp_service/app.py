@@ -24,12 +24,12 @@ from rp_service.api import openai as openai_api
 from rp_service.api.deps import Services
 from rp_service.api.metrics import build_registry
 from rp_service.errors import ServiceError
-from rp_service.events import EventHub
-from rp_service.files import FileService
-from rp_service.orchestrator import Orchestrator
-from rp_service.outputs import JobOutputs
+from rp_service.jobs.events import EventHub
+from rp_service.jobs.files import FileService
+from rp_service.jobs.orchestrator import Orchestrator
+from rp_service.jobs.outputs import JobOutputs
+from rp_service.jobs.store import Store
 from rp_service.settings import Settings
-from rp_service.store import Store
 from rp_service.system import SystemProbe
 
 __all__ = ["create_app"]

@@ -53,7 +53,7 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(90.0, gt=0)
     sse_ping_s: float = Field(15.0, gt=0)
     # Host bytes a job may use (bytes or with a unit: 96GiB, 100G); unset: the available
-    # memory at start-up less a margin (engine.memory_plan). Over it a submission gets 422.
+    # memory at start-up less a margin (engine.planning.memory_plan). Over it a submission gets 422.
     host_memory_budget: str | None = None
 
     @field_validator("model_roots", "dataset_roots", mode="before")
@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     @field_validator("host_memory_budget", mode="before")
     @classmethod
     def _check_budget(cls, value: Any) -> Any:
-        from rp_service.hostmem import parse_budget_setting
+        from rp_service.jobs.hostmem import parse_budget_setting
 
         return parse_budget_setting(value) if isinstance(value, str) else value
 

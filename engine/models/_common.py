@@ -290,7 +290,7 @@ class DecoderLayer(nn.Module):
         # Memos of `_causal_mask` (plain calls whose mask is None) and `_draws_random`.
         self._no_mask: dict[tuple[Any, ...], bool] = {}
         self._random_in_mode: dict[bool, bool] = {}
-        # What makes two decoder layers compute the same function (engine.graphs shares a
+        # What makes two decoder layers compute the same function (engine.accel.graphs shares a
         # graph between layers with equal keys): the classes and the model's config.
         self._replay_identity = (
             type(self).__qualname__,
@@ -397,7 +397,7 @@ class DecoderLayer(nn.Module):
 
     def rp_replay_key(self, carry: Carry) -> tuple[Any, ...] | None:
         """What this call depends on besides its tensors' values, where it may be replayed
-        as a CUDA graph (engine.graphs); None where it runs as it is.
+        as a CUDA graph (engine.accel.graphs); None where it runs as it is.
 
         Replayed: the compiled half-precision CUDA path on plain causal attention (no
         padding mask, no positions, no sliding window shorter than the sequence), without

@@ -7,11 +7,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from rp_service.files import FileService
-from rp_service.orchestrator import Orchestrator
-from rp_service.outputs import JobOutputs
+from rp_service.jobs.files import FileService
+from rp_service.jobs.orchestrator import Orchestrator
+from rp_service.jobs.outputs import JobOutputs
+from rp_service.jobs.store import Store
 from rp_service.settings import Settings
-from rp_service.store import Store
 from rp_service.system import SystemProbe
 
 __all__ = [

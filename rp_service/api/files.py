@@ -16,10 +16,10 @@ from fastapi.responses import FileResponse
 
 from rp_service.api.deps import FilesDep, ServicesDep
 from rp_service.errors import BadRequest
-from rp_service.files import RETRY_WINDOW_S
-from rp_service.results import ResultFiles, is_result_file_id
+from rp_service.jobs.files import RETRY_WINDOW_S
+from rp_service.jobs.results import ResultFiles, is_result_file_id
+from rp_service.jobs.store import FileRecord
 from rp_service.schemas import ErrorEnvelope, File, FileDeleted, ListPage
-from rp_service.store import FileRecord
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 

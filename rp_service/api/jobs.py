@@ -8,6 +8,7 @@ from fastapi import APIRouter, Header, Path, Query, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from rp_service.api.deps import OrchestratorDep, OutputsDep
+from rp_service.jobs.store import JobRecord
 from rp_service.schemas import (
     Checkpoint,
     ErrorEnvelope,
@@ -17,7 +18,6 @@ from rp_service.schemas import (
     JobStatus,
     ListPage,
 )
-from rp_service.store import JobRecord
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rp_service.orchestrator import Orchestrator
+from rp_service.jobs.orchestrator import Orchestrator
 from rp_service.schemas import JobStatus
 
 router = APIRouter(tags=["metrics"])

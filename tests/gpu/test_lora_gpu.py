@@ -58,7 +58,7 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def peft_twin(model: nn.Module) -> nn.Module:
     """peft LoRA on a GPU copy of `model`, lora_B random so every weight gets a gradient."""
-    from engine.lora import DEFAULT_TARGET_MODULES
+    from engine.adapters.lora import DEFAULT_TARGET_MODULES
 
     ref = peft.get_peft_model(
         copy.deepcopy(model).cuda(),
@@ -87,7 +87,7 @@ def peft_loss_and_grads(
 
 
 def engine_grads(rp: Any) -> dict[str, torch.Tensor]:
-    from engine.lora import lora_modules
+    from engine.adapters.lora import lora_modules
 
     out = {}
     for name, mod in lora_modules(rp):
@@ -100,7 +100,7 @@ def engine_grads(rp: Any) -> dict[str, torch.Tensor]:
 
 def wrap(model: nn.Module, num_microbatch: int) -> Any:
     from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
-    from engine.lora import LoraConfig
+    from engine.adapters.lora import LoraConfig
 
     return wrap_model_to_roundpipe(
         model,
@@ -114,8 +114,8 @@ def test_fp32_lora_trains_like_peft_on_cuda(
     cuda_devices: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import engine.models
+    from engine.adapters.lora import adapter_state_dict, load_adapter_state_dict
     from engine.attribute import ParamAttribute
-    from engine.lora import adapter_state_dict, load_adapter_state_dict
     from engine.models import causal_lm_loss_fn
     from engine.optim import Adam
 
@@ -163,7 +163,7 @@ def test_fp32_lora_trains_like_peft_on_cuda(
 
 def test_fp16_lora_compiled_on_cuda_against_peft(cuda_devices: int) -> None:
     import engine.models
-    from engine.lora import load_adapter_state_dict
+    from engine.adapters.lora import load_adapter_state_dict
     from engine.models import _common, causal_lm_loss_fn
 
     assert not engine.models.DISABLE_TORCH_COMPILE

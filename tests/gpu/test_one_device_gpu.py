@@ -1,5 +1,5 @@
 """One GPU: the automatic plan's fused tail takes the top backward group's layers once their
-activations are measured (engine.one_device), and training matches the plan without.
+activations are measured (engine.planning.one_device), and training matches the plan without.
 
 Oracle: the same model trained with widening off (fp32, TF32 off), at rtol 1e-5.
 """
@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import ModelExecutePlan, one_device
+from engine import ModelExecutePlan
+from engine.planning import one_device
 from tests.unit.engine._models import tiny_hf_model
 from tests.unit.engine.conftest import use_devices
 from tests.unit.engine.test_one_device import VOCAB, train_lm

@@ -1,4 +1,4 @@
-"""Replayed CUDA graphs of the presets' decoder layers (engine.graphs) on the GPU.
+"""Replayed CUDA graphs of the presets' decoder layers (engine.accel.graphs) on the GPU.
 
 A tiny fp16 Qwen3 through the compiled decoder layers, with replay on and off. The
 attention backward kernels (cuDNN's, flash) accumulate with atomics, so two runs without
@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import ModelExecutePlan, RoundPipeRunConfig, graphs, wrap_model_to_roundpipe
+from engine import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe
+from engine.accel import graphs
 from tests.unit.engine._models import lm_steps, tiny_hf_model
 
 pytestmark = pytest.mark.gpu

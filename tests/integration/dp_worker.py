@@ -64,8 +64,8 @@ def build(
     *, shard: bool, microbatches: int, optimizer: str, process_group: Any, width: int = 17
 ) -> tuple[Any, torch.optim.Optimizer]:
     from engine import RoundPipe, RoundPipeRunConfig
-    from engine.distributed import AUTO_GROUP
     from engine.optim import Adam
+    from engine.parallel.data_parallel import AUTO_GROUP
 
     rp = RoundPipe(
         make_model(width),
@@ -91,7 +91,7 @@ def run_steps(
     sync: bool,
     norms: list[float] | None = None,
 ) -> list[float]:
-    from engine.distributed import grad_norm
+    from engine.parallel.data_parallel import grad_norm
 
     def step_fn() -> None:
         if norms is not None:
@@ -140,7 +140,7 @@ def resume(
     path: str, *, first: int, last: int, save_to: str | None, process_group: Any
 ) -> dict[str, Any]:
     """Load a checkpoint, take sync steps `first..last`, optionally save again."""
-    from engine.distributed import load_checkpoint, save_checkpoint
+    from engine.parallel.data_parallel import load_checkpoint, save_checkpoint
 
     rp, opt = build(shard=True, microbatches=2, optimizer="engine", process_group=process_group)
     extra = load_checkpoint(path, rp, opt)
@@ -223,7 +223,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
             result["torch-adamw"] = train(sync=False, shard=True, optimizer="torch", world=world)
             rp, opt = build(shard=True, microbatches=2, optimizer="engine", process_group="auto")
             result["ckpt_losses"] = run_steps(rp, opt, 0, STEPS, sync=True)
-            from engine.distributed import save_checkpoint
+            from engine.parallel.data_parallel import save_checkpoint
 
             save_checkpoint(out / "ckpt-2ranks.pt", rp, opt, extra={"step": STEPS})
         elif scenario == "back":

@@ -128,7 +128,7 @@ def main() -> int:
         if spec.get("name") == "disk-full" and step == 2 * interval:
             from types import SimpleNamespace
 
-            from rp_service.worker import _fail_for  # the real worker's report of the error
+            from rp_service.worker.main import _fail_for  # the real worker's report of the error
 
             where = str(checkpoint_dir / f".tmp-step-{step}" / "weights.bin")
             full = OSError(errno.ENOSPC, "No space left on device", where)

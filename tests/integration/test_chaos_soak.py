@@ -29,7 +29,7 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from rp_service import checkpoint as ckpt
+from rp_service.worker import checkpoint as ckpt
 from tests.integration.service_daemon import Daemon, spec
 
 SEED = int(os.environ.get("RP_SOAK_SEED", "21"))

@@ -41,7 +41,7 @@ def _tiny_model(root: Path) -> None:
     """A random tiny Qwen3 with the built-in byte tokenizer, saved as a Hugging Face folder."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from rp_service.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+    from rp_service.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
     folder = root / MODEL
     config = Qwen3Config(

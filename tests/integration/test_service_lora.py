@@ -154,7 +154,7 @@ def test_a_rank_the_model_cannot_take_fails_the_job_naming_the_field(tmp_path: P
     import threading
 
     from rp_service.schemas import JobSpec
-    from rp_service.training import JobFailure, JobPaths, run_job
+    from rp_service.worker.training import JobFailure, JobPaths, run_job
 
     job_dir = make_job(tmp_path / "wide", {**SMALL_LORA, "lora": {"rank": 40}})
     payload = json.loads((job_dir / "spec.json").read_text())
@@ -172,7 +172,7 @@ def _base_model_dir(root: Path) -> Path:
     """A small Qwen3 saved as a Hugging Face directory, with the built-in tokenizer."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from rp_service.tokenizer import load_tokenizer
+    from rp_service.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     torch.manual_seed(1)
@@ -186,9 +186,9 @@ def _base_model_dir(root: Path) -> Path:
 
 def _valid_loss(model: torch.nn.Module, seq_len: int) -> float:
     """Mean token loss of `model` over the synthetic validation set, as the worker computes it."""
-    from rp_service.data import build_blocks
+    from rp_service.data.datasets import build_blocks
+    from rp_service.data.tokenizer import load_tokenizer
     from rp_service.demo import SYNTHETIC_VALID_RECORDS, synthetic_records
-    from rp_service.tokenizer import load_tokenizer
 
     blocks = build_blocks(
         synthetic_records(SYNTHETIC_VALID_RECORDS, valid=True),

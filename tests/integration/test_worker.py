@@ -174,9 +174,9 @@ def test_demo_job_end_to_end(tmp_path: Path) -> None:
     # The output loads with transformers and gives the reported validation loss.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rp_service.data import build_blocks
+    from rp_service.data.datasets import build_blocks
+    from rp_service.data.tokenizer import load_tokenizer
     from rp_service.demo import SYNTHETIC_VALID_RECORDS, synthetic_records
-    from rp_service.tokenizer import load_tokenizer
 
     out = job_dir / "output"
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()

@@ -21,7 +21,8 @@ from rp_service.api.openai.schemas import (
     ResolvedHyperparameters,
 )
 from rp_service.errors import BadRequest
-from rp_service.results import result_file_id
+from rp_service.jobs.results import result_file_id
+from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, OpenAIJobRecord
 from rp_service.schemas import (
     TERMINAL_STATUSES,
     DataSection,
@@ -30,7 +31,6 @@ from rp_service.schemas import (
     ModelSection,
     TrainSection,
 )
-from rp_service.store import CheckpointRecord, EventRecord, JobRecord, OpenAIJobRecord
 
 __all__ = [
     "AUTO_BATCH_SIZE",

@@ -27,10 +27,10 @@ from rp_service.api.openai.schemas import (
     FineTuningJobEvent,
 )
 from rp_service.errors import BadRequest, Conflict, InvalidRequest
-from rp_service.files import RETRY_WINDOW_S
-from rp_service.resolve import PRESET_MAX_POSITIONS, config_max_positions
+from rp_service.jobs.files import RETRY_WINDOW_S
+from rp_service.jobs.resolve import PRESET_MAX_POSITIONS, config_max_positions
+from rp_service.jobs.store import FileRecord, JobRecord, OpenAIJobRecord, OpenAIStore
 from rp_service.schemas import ModelSection
-from rp_service.store import FileRecord, JobRecord, OpenAIJobRecord, OpenAIStore
 
 __all__ = ["FineTuning"]
 

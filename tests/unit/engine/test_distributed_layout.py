@@ -1,4 +1,4 @@
-"""The ZeRO-1 shard layout of engine.distributed, without processes: every element of a
+"""The ZeRO-1 shard layout of engine.parallel.data_parallel, without processes: every element of a
 layer lands in exactly one rank's range, cut on row boundaries, balanced to a row."""
 
 from __future__ import annotations
@@ -7,8 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from engine.distributed import AUTO_GROUP, _LayerLayout, _piece_shape, resolve_process_group
 from engine.errors import ConfigError
+from engine.parallel.data_parallel import (
+    AUTO_GROUP,
+    _LayerLayout,
+    _piece_shape,
+    resolve_process_group,
+)
 
 
 class _Attr:

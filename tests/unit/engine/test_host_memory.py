@@ -16,7 +16,7 @@ import engine.optim as eo
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
 from engine.attribute import ParamAttribute
 from engine.errors import ConfigError, HostMemoryError
-from engine.memory_plan import (
+from engine.planning.memory_plan import (
     GIB,
     ModelShape,
     RunShape,
@@ -288,7 +288,7 @@ def test_parse_bytes_rejects(text: Any) -> None:
 
 
 def test_a_container_limit_lowers_the_available_memory(tmp_path: Any) -> None:
-    from engine.memory_plan import _cgroup_bytes_left
+    from engine.planning.memory_plan import _cgroup_bytes_left
 
     assert _cgroup_bytes_left(str(tmp_path)) is None  # no cgroup files: no limit
     (tmp_path / "memory.max").write_text("max\n")

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from engine import ConfigError, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
-from engine.attribute import ParamAttribute
-from engine.lora import (
+from engine.adapters.lora import (
     DEFAULT_TARGET_MODULES,
     LoraConfig,
     LoraLinear,
@@ -29,6 +28,7 @@ from engine.lora import (
     load_adapter_state_dict,
     lora_modules,
 )
+from engine.attribute import ParamAttribute
 from engine.models import causal_lm_loss_fn
 from engine.optim import Adam
 

@@ -1,4 +1,4 @@
-"""One device: the fused tail takes the top backward group's layers (engine.one_device).
+"""One device: the fused tail takes the top backward group's layers (engine.planning.one_device).
 
 Oracles: the plans written out by hand; the memory rule's arithmetic on given measurements;
 and for training, RoundPipe with the head alone in the tail, whose losses and weights the
@@ -16,7 +16,7 @@ import torch
 
 from engine import ModelExecutePlan, RoundPipeRunConfig
 from engine.models import count_loss_tokens
-from engine.one_device import ActivationMeter, DeviceRoom, widen_tail, with_tail_start
+from engine.planning.one_device import ActivationMeter, DeviceRoom, widen_tail, with_tail_start
 from engine.timer import IterTimer, ModelTimer
 from engine.wrapper import wrap_model_to_roundpipe
 

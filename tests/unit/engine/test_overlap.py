@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, graphs
+from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from engine.accel import graphs
 from engine.errors import RoundPipeError
 from tests.unit.engine import test_replay as replay_models
 from tests.unit.engine._models import make_batch, make_model

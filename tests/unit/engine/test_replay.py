@@ -1,4 +1,4 @@
-"""Replayed layer work (engine.graphs) on virtual CPU devices, against the same runs without.
+"""Replayed layer work (engine.accel.graphs) on virtual CPU devices, against the same runs without.
 
 On CPU the graph is an eager stand-in that runs the captured function again at every
 replay, so these tests check what the engine does around graphs: slots and their
@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, graphs
+from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from engine.accel import graphs
 from engine.context import (
     doing_recompute,
     recompute_data_or_none,

@@ -19,7 +19,7 @@ import engine.run as engine_run
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from engine.context import doing_recompute, get_recompute_data, save_for_recompute
 from engine.device import DeviceManager
-from engine.memory_plan import _PIECE_GRANULE_BYTES, _PIECES_MIN_BYTES, _activation_pinned
+from engine.planning.memory_plan import _PIECE_GRANULE_BYTES, _PIECES_MIN_BYTES, _activation_pinned
 from engine.transfer import (
     PIECE_GRANULE_BYTES,
     PIECES_MIN_BYTES,

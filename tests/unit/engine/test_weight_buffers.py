@@ -1,4 +1,4 @@
-"""Double-buffered weights (RoundPipe double_buffer_weights, engine.weight_buffers): the C
+"""Double-buffered weights (RoundPipe double_buffer_weights, engine.accel.weight_buffers): the C
 Adam writes the half-precision weights into a second host copy and the next step publishes
 by swapping the two.
 
@@ -22,7 +22,12 @@ from torch import nn
 import engine.optim as eo
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from engine.attribute import ParamAttribute
-from engine.memory_plan import ModelShape, RunShape, check_engine_allocation, plan_host_memory
+from engine.planning.memory_plan import (
+    ModelShape,
+    RunShape,
+    check_engine_allocation,
+    plan_host_memory,
+)
 from tests.unit.engine._models import make_batch, make_model
 from tests.unit.engine.test_replay import assert_same
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rp_service import checkpoint as ckpt
+from rp_service.worker import checkpoint as ckpt
 
 
 def _write(root, step, keep=2, value=1.0):

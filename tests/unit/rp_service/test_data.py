@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rp_service.data import (
+from rp_service.data.datasets import (
     IGNORE_INDEX,
     BatchOrder,
     DataFormatError,
@@ -16,8 +16,8 @@ from rp_service.data import (
     tokenize_records,
     validate_jsonl,
 )
+from rp_service.data.tokenizer import load_tokenizer
 from rp_service.demo import synthetic_records
-from rp_service.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

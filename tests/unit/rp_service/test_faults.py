@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from rp_service import checkpoint as ckpt
-from rp_service import worker
-from rp_service.faults import MemoryWatch, classify_death, host_memory_limit, tree_rss_bytes
-from rp_service.files import _base_name
-from rp_service.pipe import WorkerHandle
-from rp_service.store import SCHEMA_VERSION, Store, StoreUnusable
+from rp_service.jobs.faults import MemoryWatch, classify_death, host_memory_limit, tree_rss_bytes
+from rp_service.jobs.files import _base_name
+from rp_service.jobs.pipe import WorkerHandle
+from rp_service.jobs.store import SCHEMA_VERSION, Store, StoreUnusable
+from rp_service.worker import checkpoint as ckpt
+from rp_service.worker import main as worker
 
 _GIB = 1 << 30
 
@@ -356,9 +356,9 @@ def test_metrics_events_carry_the_attempt() -> None:
 
 
 def test_recover_stores_what_a_killed_daemon_lost_and_nothing_twice(tmp_path: Path) -> None:
-    from rp_service.journal import recover
-    from rp_service.pipe import journal_path
-    from rp_service.store import JobRecord
+    from rp_service.jobs.journal import recover
+    from rp_service.jobs.pipe import journal_path
+    from rp_service.jobs.store import JobRecord
 
     store = Store(tmp_path / "rp.sqlite3")
     store.open()
@@ -397,10 +397,10 @@ def test_recover_stores_what_a_killed_daemon_lost_and_nothing_twice(tmp_path: Pa
 def test_a_workers_exit_is_recorded_once_the_store_can_be_written_again(tmp_path: Path) -> None:
     import asyncio
 
-    from rp_service.events import EventHub
-    from rp_service.orchestrator import Orchestrator
+    from rp_service.jobs.events import EventHub
+    from rp_service.jobs.orchestrator import Orchestrator
+    from rp_service.jobs.store import JobRecord
     from rp_service.settings import Settings
-    from rp_service.store import JobRecord
 
     class FullDiskStore(Store):
         failures = 0
@@ -428,7 +428,7 @@ def test_a_workers_exit_is_recorded_once_the_store_can_be_written_again(tmp_path
 def test_cgroup_memory_in_use_leaves_out_reclaimable_file_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rp_service import faults
+    from rp_service.jobs import faults
 
     monkeypatch.setattr(faults, "_CGROUP_ROOT", tmp_path)
     (tmp_path / "memory.max").write_text("8000\n")
@@ -445,10 +445,10 @@ def test_cgroup_memory_in_use_leaves_out_reclaimable_file_cache(
 def test_a_cancel_during_the_settling_of_a_death_still_ends_the_job(tmp_path: Path) -> None:
     import asyncio
 
-    from rp_service.events import EventHub
-    from rp_service.orchestrator import Orchestrator
+    from rp_service.jobs.events import EventHub
+    from rp_service.jobs.orchestrator import Orchestrator
+    from rp_service.jobs.store import JobRecord
     from rp_service.settings import Settings
-    from rp_service.store import JobRecord
 
     store = Store(tmp_path / "rp.sqlite3")
     store.open()

@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from engine.memory_plan import ModelShape
+from engine.planning.memory_plan import ModelShape
 from rp_service.app import create_app
-from rp_service.hostmem import _BYTE_VOCAB_ROUNDED, plan_for_spec
+from rp_service.jobs.hostmem import _BYTE_VOCAB_ROUNDED, plan_for_spec
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 from rp_service.shapes import PRESET_DEFAULTS
@@ -79,7 +79,7 @@ def test_tiny_job_fits_and_system_reports_the_budget(client: TestClient) -> None
 
 
 def test_default_budget_is_the_available_memory_less_a_margin(tmp_path: Path) -> None:
-    from engine.memory_plan import available_host_bytes
+    from engine.planning.memory_plan import available_host_bytes
 
     with TestClient(create_app(Settings(data_dir=tmp_path, gpus="none"))) as c:
         budget = c.get("/v1/system").json()["host_memory_budget_bytes"]
@@ -96,8 +96,8 @@ def test_bad_budget_setting_is_rejected(tmp_path: Path) -> None:
 def test_preset_defaults_are_transformers_defaults(preset: str) -> None:
     import transformers
 
-    from rp_service.modeling import PRESETS
-    from rp_service.tokenizer import BYTE_VOCAB_SIZE
+    from rp_service.data.tokenizer import BYTE_VOCAB_SIZE
+    from rp_service.worker.modeling import PRESETS
 
     config = getattr(transformers, PRESETS[preset][0])()
     assert ModelShape.from_config(PRESET_DEFAULTS[preset]) == ModelShape.from_config(config)
@@ -105,9 +105,9 @@ def test_preset_defaults_are_transformers_defaults(preset: str) -> None:
 
 
 def test_spec_plan_counts_the_model_the_worker_builds() -> None:
-    """The shape the daemon plans is the model rp_service.modeling builds."""
-    from rp_service.modeling import build_model
-    from rp_service.tokenizer import BYTE_VOCAB_SIZE
+    """The shape the daemon plans is the model rp_service.worker.modeling builds."""
+    from rp_service.data.tokenizer import BYTE_VOCAB_SIZE
+    from rp_service.worker.modeling import build_model
 
     model = {"preset": "llama", "config": TINY, "dtype": "float16"}
     spec = JobSpec.model_validate({**_spec(), "model": model})
@@ -128,7 +128,7 @@ def test_spec_plan_counts_the_model_the_worker_builds() -> None:
 def test_request_path_does_not_import_torch(tmp_path: Path) -> None:
     code = f"""
 import sys
-from rp_service.resolve import SpecResolver
+from rp_service.jobs.resolve import SpecResolver
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 from rp_service.errors import InvalidRequest

@@ -11,11 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rp_service.app import create_app
-from rp_service.pipe import WorkerHandle
+from rp_service.jobs.pipe import WorkerHandle
+from rp_service.jobs.store import SCHEMA_VERSION, JobRecord, Store
 from rp_service.schemas import LORA_TARGET_MODULES, Job, JobSpec
 from rp_service.settings import Settings
 from rp_service.shapes import PRESET_DEFAULTS, projection_shapes
-from rp_service.store import SCHEMA_VERSION, JobRecord, Store
 
 BASE = {
     "model": {"preset": "qwen3", "config": {"hidden_size": 64, "head_dim": 16}},
@@ -181,7 +181,7 @@ def test_worker_running_event_sets_the_job_parameter_counts() -> None:
 
 
 def test_store_migrates_a_version_1_database_to_keep_parameter_counts(tmp_path: Path) -> None:
-    from rp_service.store import _MIGRATIONS
+    from rp_service.jobs.store import _MIGRATIONS
 
     path = tmp_path / "rp.sqlite3"
     conn = sqlite3.connect(path)

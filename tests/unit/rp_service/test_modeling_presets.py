@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from rp_service.modeling import PRESETS, build_model
 from rp_service.schemas import ModelSection
+from rp_service.worker.modeling import PRESETS, build_model
 
 pytest.importorskip("transformers")
 

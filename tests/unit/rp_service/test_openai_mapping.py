@@ -26,9 +26,8 @@ from rp_service.api.openai.mapping import (
 )
 from rp_service.api.openai.schemas import FineTuningJobCreate
 from rp_service.errors import BadRequest
-from rp_service.results import ResultFiles, is_result_file_id, result_file_id
-from rp_service.schemas import JobSpec, JobStatus, ModelSection
-from rp_service.store import (
+from rp_service.jobs.results import ResultFiles, is_result_file_id, result_file_id
+from rp_service.jobs.store import (
     CheckpointRecord,
     EventRecord,
     JobRecord,
@@ -36,6 +35,7 @@ from rp_service.store import (
     OpenAIStore,
     Store,
 )
+from rp_service.schemas import JobSpec, JobStatus, ModelSection
 
 FOLDER = ModelSection(path="/models/tiny")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import signal
 
-from rp_service.pipe import PAUSED_EXIT_CODE, WorkerHandle
+from rp_service.jobs.pipe import PAUSED_EXIT_CODE, WorkerHandle
 
 
 def _line(obj: object) -> bytes:

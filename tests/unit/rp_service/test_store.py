@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rp_service.errors import Conflict
-from rp_service.store import SCHEMA_VERSION, CheckpointRecord, FileRecord, JobRecord, Store
+from rp_service.jobs.store import SCHEMA_VERSION, CheckpointRecord, FileRecord, JobRecord, Store
 
 
 @pytest.fixture

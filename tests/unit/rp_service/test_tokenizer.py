@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rp_service.tokenizer import BYTE_VOCAB_SIZE, TokenizerError, load_tokenizer
+from rp_service.data.tokenizer import BYTE_VOCAB_SIZE, TokenizerError, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import json
 import logging
 from pathlib import Path
 
-from rp_service.pipe import WorkerHandle, journal_path
-from rp_service.store import JobRecord, Store
+from rp_service.jobs.pipe import WorkerHandle, journal_path
+from rp_service.jobs.store import JobRecord, Store
 
 __all__ = ["recover"]
 

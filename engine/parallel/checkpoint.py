@@ -2,7 +2,7 @@
 
 `save_checkpoint` writes one file from rank 0 (data parallel: gathered from every rank's
 shard), keyed by parameter name; `load_checkpoint` loads it on any number of ranks, one
-included, each keeping its own rows (engine.distributed's shard layout).
+included, each keeping its own rows (engine.parallel.data_parallel's shard layout).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import ConfigError
-from .optim_stream import synchronize_optim
+from ..errors import ConfigError
+from ..optim_stream import synchronize_optim
 
 if TYPE_CHECKING:
-    from .distributed import DataParallel
-    from .roundpipe import RoundPipeBase
+    from ..roundpipe import RoundPipeBase
+    from .data_parallel import DataParallel
 
 __all__ = ["CHECKPOINT_FORMAT", "load_checkpoint", "save_checkpoint"]
 

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from rp_service.errors import InvalidRequest
-from rp_service.hostmem import budget_bytes, check_spec
+from rp_service.jobs.hostmem import budget_bytes, check_spec
+from rp_service.jobs.store import Store
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 from rp_service.shapes import PRESET_DEFAULTS, check_lora_rank
-from rp_service.store import Store
 
 __all__ = ["PRESET_MAX_POSITIONS", "SpecResolver"]
 

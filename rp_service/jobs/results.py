@@ -14,7 +14,7 @@ import hashlib
 import io
 
 from rp_service.errors import NotFound
-from rp_service.store import FileRecord, JobRecord, Store
+from rp_service.jobs.store import FileRecord, JobRecord, Store
 
 __all__ = [
     "RESULT_COLUMNS",

@@ -56,12 +56,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from .context import ForwardCtx, RecomputeCtx
-from .errors import RoundPipeError
+from ..context import ForwardCtx, RecomputeCtx
+from ..errors import RoundPipeError
 
 if TYPE_CHECKING:
-    from .device import DeviceManager
-    from .transfer import LayerReplica
+    from ..device import DeviceManager
+    from ..transfer import LayerReplica
 
 __all__ = [
     "ENABLED",
@@ -133,7 +133,7 @@ def layer_may_replay(layer: nn.Module) -> bool:
     Layers with an after-upload hook (LoRA folds its adapters into the uploaded weight
     there) are left out: the fold would have to be part of the upload into a slot.
     """
-    from .transfer import AFTER_UPLOAD_HOOK
+    from ..transfer import AFTER_UPLOAD_HOOK
 
     if not callable(getattr(layer, "rp_replay_key", None)):
         return False

@@ -31,7 +31,7 @@ or any element-wise torch optimizer built from them steps exactly what the singl
 run steps. A step_fn that needs a global quantity (a gradient norm for clipping, a
 GradScaler's inf check) must reduce it across ranks itself; see `grad_norm`.
 
-Checkpoints (`save_checkpoint` / `load_checkpoint`, engine.checkpoint, re-exported here):
+Checkpoints (`save_checkpoint` / `load_checkpoint`, engine.parallel.checkpoint, re-exported here):
 a full save from rank 0, keyed by parameter name (fp32 masters, optimizer state and
 groups), that any number of ranks, one included, loads by slicing its pieces.
 """
@@ -52,15 +52,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .batch import RoundPipePackedData, guess_split_spec, split_args_kwargs, split_label
+from ..batch import RoundPipePackedData, guess_split_spec, split_args_kwargs, split_label
+from ..device import get_devices
+from ..errors import ConfigError, DistributedError
+from ..optim_stream import synchronize_optim
 from .checkpoint import load_checkpoint, save_checkpoint  # re-exported: the DP API
-from .device import get_devices
-from .errors import ConfigError, DistributedError
-from .optim_stream import synchronize_optim
 
 if TYPE_CHECKING:
-    from .attribute import ParamAttribute
-    from .roundpipe import RoundPipe, RoundPipeBase
+    from ..attribute import ParamAttribute
+    from ..roundpipe import RoundPipe, RoundPipeBase
 
 __all__ = [
     "AUTO_GROUP",

@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
+from ..data.datasets import BatchOrder, DataFormatError, TokenBlocks, build_blocks, read_records
+from ..data.tokenizer import JobTokenizer, TokenizerError, load_tokenizer
+from ..demo import SYNTHETIC, SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_VALID_RECORDS, synthetic_records
+from ..schemas import JobSpec
 from . import checkpoint as ckpt
-from .data import BatchOrder, DataFormatError, TokenBlocks, build_blocks, read_records
-from .demo import SYNTHETIC, SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_VALID_RECORDS, synthetic_records
 from .modeling import DTYPES, ModelError, build_model
-from .schemas import JobSpec
-from .tokenizer import JobTokenizer, TokenizerError, load_tokenizer
 
 __all__ = [
     "Emit",
@@ -338,10 +338,10 @@ class _Run:
         job may hold memory the daemon could not count at submission): refuse before
         allocating rather than be ended by the OOM killer."""
         from engine.device import host_memory_budget_setting
-        from engine.memory_plan import default_budget_bytes, process_rss_bytes
+        from engine.planning.memory_plan import default_budget_bytes, process_rss_bytes
 
-        from .errors import InvalidRequest
-        from .hostmem import check_spec
+        from ..errors import InvalidRequest
+        from ..jobs.hostmem import check_spec
 
         config = None
         if self.paths.model_path is not None:
@@ -377,8 +377,8 @@ class _Run:
 
     def _apply_lora(self, hf_model: torch.nn.Module) -> None:
         """Add the spec's adapters in place and freeze the base weights."""
+        from engine.adapters.lora import LoraConfig, apply_lora
         from engine.errors import ConfigError
-        from engine.lora import LoraConfig, apply_lora
 
         lora = self.spec.lora
         assert lora is not None  # JobSpec fills the defaults for method lora

@@ -63,7 +63,7 @@ class EventWriter:
 
     def open_journal(self, path: str | None) -> None:
         """Also append every event to `path`, before the pipe: the daemon recovers from it
-        what a SIGKILL of the daemon lost in the pipe (rp_service.journal)."""
+        what a SIGKILL of the daemon lost in the pipe (rp_service.jobs.journal)."""
         if path:
             try:
                 self._journal = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
@@ -184,7 +184,7 @@ def _gpu_figures() -> dict[str, Any]:
 
 
 def _host_figures() -> dict[str, Any]:
-    from .faults import host_memory_limit, tree_rss_bytes
+    from ..jobs.faults import host_memory_limit, tree_rss_bytes
 
     limit, source = host_memory_limit()
     return {"rss_bytes": tree_rss_bytes(os.getpid()), "limit_bytes": limit, "limit_source": source}
@@ -208,7 +208,7 @@ def _fail_for(emit: EventWriter, exc: BaseException, paths: Any) -> int:
         )
         return _fail(emit, "disk_full", message, None, details=details)
     if _is_host_oom(exc):
-        from .faults import HOST_OOM_ADVICE
+        from ..jobs.faults import HOST_OOM_ADVICE
 
         message = f"out of host memory ({type(exc).__name__}: {exc}); {HOST_OOM_ADVICE}"
         return _fail(emit, "out_of_host_memory", message, None, details=_host_figures())
@@ -231,7 +231,7 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
     """Run the job in `job_dir`; return the process exit code."""
     from pydantic import ValidationError
 
-    from .schemas import JobSpec
+    from ..schemas import JobSpec
     from .training import JobFailure, JobPaths, run_job
 
     try:
@@ -306,7 +306,3 @@ def main(argv: list[str] | None = None) -> int:
     # Engine threads may still be parked on queues; the events are flushed, so leave now.
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from rp_service.faults import MemoryWatch
+from rp_service.jobs.faults import MemoryWatch
+from rp_service.jobs.store import CheckpointRecord
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
-from rp_service.store import CheckpointRecord
 
 __all__ = [
     "PAUSED_EXIT_CODE",
@@ -56,7 +56,7 @@ def proc_start_time(pid: int) -> str | None:
 
 
 def journal_path(job_dir: Path, attempt: int) -> Path:
-    """Where the worker of `attempt` also writes its events (see rp_service.journal)."""
+    """Where the worker of `attempt` also writes its events (see rp_service.jobs.journal)."""
     return job_dir / f"events-{attempt}.jsonl"
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scheduler import ModelExecutePlan
+from ..scheduler import ModelExecutePlan
 
 __all__ = [
     "GROUP_BY_SIZE",

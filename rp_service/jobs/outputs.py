@@ -11,10 +11,10 @@ from pathlib import Path
 from sse_starlette import ServerSentEvent
 
 from rp_service.errors import NotFound
-from rp_service.events import EventHub, sse_stream
+from rp_service.jobs.events import EventHub, sse_stream
+from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
 from rp_service.schemas import TERMINAL_STATUSES
 from rp_service.settings import Settings
-from rp_service.store import CheckpointRecord, EventRecord, JobRecord, Store
 
 __all__ = ["SERIES_COLUMNS", "JobOutputs"]
 

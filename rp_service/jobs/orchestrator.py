@@ -26,14 +26,14 @@ from functools import partial
 from typing import IO, Any
 
 from rp_service.errors import Conflict, InvalidRequest, NotFound
-from rp_service.events import EventHub
-from rp_service.faults import MemoryWatch, classify_death
-from rp_service.journal import recover
-from rp_service.pipe import WorkerHandle, prepare_job_dir, proc_start_time
-from rp_service.resolve import SpecResolver
+from rp_service.jobs.events import EventHub
+from rp_service.jobs.faults import MemoryWatch, classify_death
+from rp_service.jobs.journal import recover
+from rp_service.jobs.pipe import WorkerHandle, prepare_job_dir, proc_start_time
+from rp_service.jobs.resolve import SpecResolver
+from rp_service.jobs.store import EventRecord, JobRecord, Store
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
 from rp_service.settings import Settings
-from rp_service.store import EventRecord, JobRecord, Store
 
 __all__ = ["Orchestrator"]
 

@@ -16,8 +16,8 @@ from dataclasses import asdict
 
 from sse_starlette import ServerSentEvent
 
+from rp_service.jobs.store import EventRecord, Store
 from rp_service.schemas import TERMINAL_STATUSES
-from rp_service.store import EventRecord, Store
 
 __all__ = ["SSE_RETRY_MS", "EventHub", "event_json", "sse_stream"]
 

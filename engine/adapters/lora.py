@@ -42,9 +42,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .attribute import ParamAttribute
-from .errors import ConfigError
-from .optim_stream import synchronize_optim
+from ..attribute import ParamAttribute
+from ..errors import ConfigError
+from ..optim_stream import synchronize_optim
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",
@@ -148,7 +148,7 @@ class LoraConfig:
         if hasattr(config, "r") and hasattr(config, "lora_alpha"):
             return _from_peft(config)
         raise ConfigError(
-            "lora_config must be an engine.lora.LoraConfig, a peft.LoraConfig or a mapping, "
+            "lora_config must be an engine.adapters.lora.LoraConfig, a peft.LoraConfig or a mapping, "
             f"got {type(config).__name__}"
         )
 
@@ -351,7 +351,7 @@ class LoraLinear(nn.Module):
 
 def _root(model_or_rp: nn.Module) -> nn.Module:
     """The user's model behind a RoundPipe (the HF model of a preset), else the model."""
-    from .roundpipe import RoundPipeBase
+    from ..roundpipe import RoundPipeBase
 
     if isinstance(model_or_rp, RoundPipeBase):
         return model_or_rp.original_model or model_or_rp.model
@@ -361,7 +361,7 @@ def _root(model_or_rp: nn.Module) -> nn.Module:
 def _named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """`named_modules()` that looks through RoundPipe wrappers (an auto-split inserts them
     as `child -> RoundPipe(model=child)`), so names stay those of the user's model."""
-    from .roundpipe import RoundPipeBase
+    from ..roundpipe import RoundPipeBase
 
     if isinstance(module, RoundPipeBase):
         yield from _named_modules(module.model, prefix)
@@ -399,7 +399,7 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
     Args:
         model: A Hugging Face model (before `wrap_model_to_roundpipe`) or any module whose
             submodules include the targeted `nn.Linear` layers (e.g. an `nn.Sequential`).
-        config: An `engine.lora.LoraConfig`, a `peft.LoraConfig`, or a mapping of
+        config: An `engine.adapters.lora.LoraConfig`, a `peft.LoraConfig`, or a mapping of
             LoraConfig fields.
 
     Raises:
@@ -407,7 +407,7 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
             layers there are), matches a module that is not an `nn.Linear`, the rank is
             out of range for a layer, or the model already has adapters.
     """
-    from .roundpipe import RoundPipeBase
+    from ..roundpipe import RoundPipeBase
 
     cfg = LoraConfig.from_any(config)
     if isinstance(model, RoundPipeBase):
@@ -582,7 +582,7 @@ def _merged_tensors(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, 
     """(key, id of the model's tensor, value) of the model's state dict as it would be
     without adapters (adapted weights merged), walked through RoundPipe wrappers; a tied
     tensor comes under each of its names with the same id (the caller drops repeats)."""
-    from .roundpipe import RoundPipeBase
+    from ..roundpipe import RoundPipeBase
 
     if isinstance(module, RoundPipeBase):
         yield from _merged_tensors(module.model, prefix)

@@ -1,6 +1,6 @@
 """The host-memory plan of a JobSpec, run at submission without importing torch.
 
-`engine.memory_plan` predicts from shapes; this module turns a JobSpec into those shapes
+`engine.planning.memory_plan` predicts from shapes; this module turns a JobSpec into those shapes
 (a preset's config defaults and overrides, or a model directory's config.json) and its
 refusal into the service's 422, naming the JobSpec field to change.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import ConfigError, HostMemoryError
-from engine.memory_plan import (
+from engine.planning.memory_plan import (
     HostMemoryPlan,
     ModelShape,
     RunShape,
@@ -25,11 +25,11 @@ from rp_service.shapes import PRESET_DEFAULTS, projection_shapes
 
 __all__ = ["budget_bytes", "check_spec", "plan_for_spec"]
 
-# rp_service.tokenizer.BYTE_VOCAB_SIZE rounded up as modeling._preset_config does (that
+# rp_service.data.tokenizer.BYTE_VOCAB_SIZE rounded up as modeling._preset_config does (that
 # module imports torch; the test checks the two agree).
 _BYTE_VOCAB_ROUNDED = 264
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-# JobSpec field that each engine.memory_plan option changes.
+# JobSpec field that each engine.planning.memory_plan option changes.
 _OPTION_FIELDS = {
     "optim_state_dtype": "engine.optim_state_dtype",
     "recompute_attention": "engine.recompute_attention",
@@ -43,7 +43,7 @@ def budget_bytes(setting: str | None) -> int:
     return default_budget_bytes(setting)
 
 
-# Model types whose parameters engine.memory_plan does not count (routed experts, sinks):
+# Model types whose parameters engine.planning.memory_plan does not count (routed experts, sinks):
 # no plan, so no refusal, for them.
 _UNPLANNED_MODEL_TYPES = frozenset({"qwen3_moe", "gpt_oss"})
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import IO
 
 from rp_service.errors import InvalidRequest, NotFound, RequestTooLarge
-from rp_service.store import FileRecord, OpenAIStore, Store
+from rp_service.jobs.store import FileRecord, OpenAIStore, Store
 
 __all__ = ["FORMATS", "RETRY_WINDOW_S", "FileService"]
 
@@ -24,10 +24,10 @@ _CHUNK_BYTES = 1 << 20
 def _check_lines(path: Path, fmt: str) -> tuple[int, str]:
     """Record count and format of a stored jsonl file; InvalidRequest names the first bad line.
 
-    The line rules are rp_service.formats', the ones training applies, so an upload that
+    The line rules are rp_service.data.formats', the ones training applies, so an upload that
     passes here cannot fail later on its format. Imported here: data.py loads torch.
     """
-    from rp_service.formats import DataFormatError, validate_jsonl
+    from rp_service.data.formats import DataFormatError, validate_jsonl
 
     try:
         return validate_jsonl(path, fmt)

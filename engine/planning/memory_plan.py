@@ -14,7 +14,7 @@ What a full fine-tune holds on the host, per trainable parameter (fp16/bf16 mode
     Adam exp_avg + exp_avg_sq     8   fp32; 4 with optim_state_dtype = bfloat16
                                  --
                                  20   (12 in the low-precision modes)
-    second model copy             2   only with double_buffer_weights (engine.weight_buffers)
+    second model copy             2   only with double_buffer_weights (engine.accel.weight_buffers)
 
 plus torch's power-of-two rounding of every pinned tensor (pin_model='alloc'; 'arena'
 avoids it), the activations kept for the backward (each backward group's input, per
@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
-from .errors import ConfigError, HostMemoryError
+from ..errors import ConfigError, HostMemoryError
 
 __all__ = [
     "HostMemoryPlan",
@@ -461,8 +461,8 @@ def check_engine_allocation(
     """
     import torch
 
-    from .device import host_memory_budget_setting  # imports torch: only on this path
-    from .weight_buffers import takes_second_copy
+    from ..accel.weight_buffers import takes_second_copy
+    from ..device import host_memory_budget_setting  # imports torch: only on this path
 
     cuda = torch.cuda.is_available()
     seen: set[int] = set()

@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attribute import ParamAttribute
-from .memory import arena_slot_bytes, host_block
-from .optim import current_model_copy, set_model_copy
+from ..attribute import ParamAttribute
+from ..memory import arena_slot_bytes, host_block
+from ..optim import current_model_copy, set_model_copy
 
 __all__ = ["attach_second_copies", "publish_param", "second_copy_params", "takes_second_copy"]
 
