@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from .accel import graphs
 from .accel.weight_buffers import attach_second_copies, publish_param
-from .attribute import LayerAttribute, ParamAttribute
+from .attribute import LayerAttribute, ParamAttribute, resolve_optim_memory
 from .batch import (
     RoundPipePackedData,
     TensorChunkSpec,
@@ -151,7 +151,13 @@ class RoundPipeBase(nn.Module):
         for j, layer in enumerate(layers):
             for p in layer.parameters():
                 if not ParamAttribute.has(p):
-                    ParamAttribute.set(p, j, self.optim_dtype or p.dtype, self.optim_grad_dtype)
+                    ParamAttribute.set(
+                        p,
+                        j,
+                        self.optim_dtype or p.dtype,
+                        self.optim_grad_dtype,
+                        share_master=self.__dict__.get("optim_memory") == "compact",
+                    )
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
         """Model parameters; the optimizer-side copies inside a step_fn."""
@@ -395,7 +401,10 @@ def _publish_weights_take_grads(
                 swapped = sum(publish_param(p, pa) for p, pa in params)
             if phases is not None:
                 phases["swapped"] = phases.get("swapped", 0.0) + swapped
-        param_copied.set()
+        # Weights the optimizer writes in place (optim_memory='compact') are the next
+        # uploads' only copy: the caller sets the event once step_fn has returned.
+        if not any(pa.master_shared for _, pa in params):
+            param_copied.set()
     object.__setattr__(owner, "_optim_ahead", False)
     order = list(zip(events, groups, strict=True))
     if pending is not None:
@@ -456,6 +465,12 @@ class RoundPipe(RoundPipeBase):
             Costs the model's trainable bytes again in host memory (2 per parameter).
             Default: on with `overlap_calls`, whose steps publish while a call runs.
             Other optimizers work as without it; data parallel ignores it.
+        optim_memory: 'default', or 'compact': the bf16 weights are the optimizer's
+            masters and its gradient the downloaded bf16 one, read in place (no other
+            copy); with engine.optim.Adam(state_dtype=torch.uint8) about 6 bytes of host
+            memory per trainable parameter instead of 12 (docs/HOST_MEMORY_MODES.md). The
+            next iteration then computes with the updated weights (its uploads wait for
+            the step). Needs a bf16 model; not with data parallel.
     """
 
     def __init__(
@@ -472,7 +487,15 @@ class RoundPipe(RoundPipeBase):
         host_memory_budget: int | None = None,
         overlap_calls: bool = False,
         double_buffer_weights: bool | None = None,
+        optim_memory: str = "default",
     ) -> None:
+        optim_grad_dtype = resolve_optim_memory(
+            optim_memory,
+            list(model.parameters()) if isinstance(model, nn.Module) else [],
+            optim_dtype=optim_dtype,
+            optim_grad_dtype=optim_grad_dtype,
+            double_buffer_weights=double_buffer_weights,
+        )
         if pin_model not in ("alloc", "register", "arena", "off"):
             raise ConfigError(
                 f"pin_model must be 'alloc', 'register', 'arena' or 'off', got {pin_model!r}"
@@ -490,6 +513,7 @@ class RoundPipe(RoundPipeBase):
             optim_dtype=optim_dtype,
             optim_grad_dtype=optim_grad_dtype,
         )
+        object.__setattr__(self, "optim_memory", optim_memory)
         get_devices()  # parse RP_DEVICES now: a bad value fails at construction
         if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
             model.to("cpu")
@@ -505,6 +529,7 @@ class RoundPipe(RoundPipeBase):
             pin_model=pin_model,
             budget_bytes=host_memory_budget,
             double_buffer_weights=bool(double_buffer_weights),
+            optim_memory=optim_memory,
         )
         arena_grads = pin_module(model, pin_model)
         object.__setattr__(self, "model_run_config", model_run_config)
@@ -537,6 +562,8 @@ class RoundPipe(RoundPipeBase):
         object.__setattr__(self, "_replica_lock", threading.Lock())
         object.__setattr__(self, "_plans", {})
         dp = attach_data_parallel(self, process_group, shard_optimizer=shard_optimizer)
+        if dp is not None and optim_memory == "compact":
+            raise ConfigError("optim_memory='compact' does not run under data parallel yet")
         object.__setattr__(self, "_dp", dp)
         second = 0
         if double_buffer_weights and dp is None:

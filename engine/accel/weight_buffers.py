@@ -73,7 +73,7 @@ def publish_param(p: nn.Parameter, pa: ParamAttribute) -> bool:
     """Make `p`'s host weights the optimizer's: swap in the copy the optimizer wrote if it
     is current (True), else convert the master into `p` (False)."""
     master = pa.optim
-    if master is None:
+    if master is None or pa.master_shared:  # compact: the optimizer wrote p itself
         return False
     fresh = current_model_copy(master)
     if fresh is None:

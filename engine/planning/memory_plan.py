@@ -16,6 +16,17 @@ What a full fine-tune holds on the host, per trainable parameter (fp16/bf16 mode
                                  20   (12 in the low-precision modes)
     second model copy             2   only with double_buffer_weights (engine.accel.weight_buffers)
 
+and with optim_memory = compact (issue 35; bf16 model, engine.optim.Adam state_dtype=uint8):
+
+    model copy = the master (bf16)  2   updated in place with stochastic rounding
+    host gradient (bf16)            2   read in place by the optimizer
+    optimizer-side master           0
+    optimizer gradient              0
+    Adam exp_avg + exp_avg_sq       2   8-bit codes
+    their block scales              0.03 one fp32 absmax per 256 elements, per moment
+                                   ----
+                                    6.03
+
 plus torch's power-of-two rounding of every pinned tensor (pin_model='alloc'; 'arena'
 avoids it), the activations kept for the backward (each backward group's input, per
 micro-batch; from 64 MiB up pinned in power-of-two pieces, so not rounded), the saved
@@ -40,6 +51,7 @@ __all__ = [
     "RunShape",
     "available_host_bytes",
     "check_engine_allocation",
+    "compact_state_bytes",
     "default_budget_bytes",
     "format_gib",
     "parse_bytes",
@@ -58,6 +70,7 @@ BUDGET_MARGIN_MIN_BYTES = GIB
 # scheduler.ModelExecutePlan.auto groups layers up to 1.1x the slowest one (the head).
 _GROUP_THRESHOLD = 1.1
 _ALIGN = 64  # memory.ARENA_ALIGN_BYTES
+_QBLOCK = 256  # engine.optim._q8.QBLOCK (that module imports torch)
 _PIECES_MIN_BYTES = 64 << 20  # transfer.PIECES_MIN_BYTES
 _PIECE_GRANULE_BYTES = 2 << 20  # transfer.PIECE_GRANULE_BYTES
 _MAX_DIM = (
@@ -293,6 +306,7 @@ class RunShape:
     trainable_params: int | None = None  # None: all (full fine-tune); else e.g. LoRA's
     optimizer_state: bool = True  # count Adam's moments
     double_buffer_weights: bool = False  # a second model copy per trainable parameter
+    optim_memory: Literal["default", "compact"] = "default"  # compact: see the module doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,7 +363,7 @@ class HostMemoryPlan:
         low = replace(
             run, optim_grad_dtype="model", optim_state_dtype="bfloat16", pin_model="arena"
         )
-        if low != run:
+        if low != run and run.optim_memory == "default":
             need = plan_host_memory(shape, low).total_bytes
             if need <= budget:
                 out.append(
@@ -359,8 +373,20 @@ class HostMemoryPlan:
                         f"optim_grad_dtype=model, pin_model=arena ({format_gib(need)})",
                     )
                 )
+        compact = replace(run, optim_memory="compact", pin_model="arena")
+        if compact != run and run.model_dtype_bytes == 2 and run.trainable_params is None:
+            need = plan_host_memory(shape, compact).total_bytes
+            if need <= budget:
+                text = (
+                    "compact optimizer memory: optim_memory=compact (bfloat16 model, 8-bit "
+                    f"Adam moments), pin_model=arena ({format_gib(need)})"
+                )
+                out.append(("optim_memory", text))
         if run.cuda and run.saved_attention:
-            for base, label in ((run, ""), (low, " with the lower-precision options")):
+            bases = [(run, ""), (low, " with the lower-precision options")]
+            if compact != run and run.model_dtype_bytes == 2 and run.trainable_params is None:
+                bases.append((compact, " with optim_memory=compact, pin_model=arena"))
+            for base, label in bases:
                 need = plan_host_memory(shape, replace(base, saved_attention=False)).total_bytes
                 if need <= budget:
                     text = f"recompute_attention=true{label} ({format_gib(need)})"
@@ -416,15 +442,20 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
         grads = trainable * mbytes
     parts["model"] = model
     parts["host_gradients"] = grads
-    parts["optim_master"] = trainable * run.optim_dtype_bytes
-    parts["optim_gradients"] = (
-        trainable * run.optim_dtype_bytes if run.optim_grad_dtype == "optim" else 0
-    )
-    parts["model_second_copy"] = (
-        trainable * mbytes if run.double_buffer_weights and mbytes < run.optim_dtype_bytes else 0
-    )
-    state_bytes = 4 if run.optim_state_dtype == "float32" else 2
-    parts["optim_state"] = 2 * trainable * state_bytes if run.optimizer_state else 0
+    if run.optim_memory == "compact":  # the weights are the masters, the gradient in place
+        parts["optim_master"] = parts["optim_gradients"] = parts["model_second_copy"] = 0
+        compact = compact_state_bytes(tensors if run.trainable_params is None else [trainable])
+        parts["optim_state"] = compact[0] if run.optimizer_state else 0
+        parts["optim_state_scales"] = compact[1] if run.optimizer_state else 0
+    else:
+        parts["optim_master"] = trainable * run.optim_dtype_bytes
+        parts["optim_gradients"] = (
+            trainable * run.optim_dtype_bytes if run.optim_grad_dtype == "optim" else 0
+        )
+        second = run.double_buffer_weights and mbytes < run.optim_dtype_bytes
+        parts["model_second_copy"] = trainable * mbytes if second else 0
+        state_bytes = 4 if run.optim_state_dtype == "float32" else 2
+        parts["optim_state"] = 2 * trainable * state_bytes if run.optimizer_state else 0
     mb_tokens = run.tokens_per_step // run.num_microbatch
     boundary = _activation_pinned(mb_tokens * shape.hidden_size * mbytes, cuda)
     parts["activations"] = (
@@ -441,6 +472,17 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
     return HostMemoryPlan(parts, run, shape)
 
 
+def compact_state_bytes(numels: Iterable[int]) -> tuple[int, int]:
+    """(codes, scales) bytes of engine.optim.Adam's 8-bit moments for tensors of `numels`
+    elements: one byte per element and moment, one fp32 absmax per 256 elements and moment
+    (engine.optim._q8.QBLOCK)."""
+    codes = scales = 0
+    for n in numels:
+        codes += 2 * n
+        scales += 2 * 4 * ((n + _QBLOCK - 1) // _QBLOCK)
+    return codes, scales
+
+
 def check_engine_allocation(
     model: Any,
     *,
@@ -449,6 +491,7 @@ def check_engine_allocation(
     pin_model: str,
     budget_bytes: int | None,
     double_buffer_weights: bool = False,
+    optim_memory: str = "default",
 ) -> HostMemoryPlan:
     """Before RoundPipe pins `model`: check what the engine itself will allocate.
 
@@ -484,6 +527,8 @@ def check_engine_allocation(
             if pin_model == "arena"
             else _cuda_pinned(nbytes, cuda)
         )
+        if optim_memory == "compact":  # the weights are the masters, the gradient in place
+            continue
         parts["optim_master"] += p.numel() * opt_dtype.itemsize
         if (optim_grad_dtype or opt_dtype) == opt_dtype:
             parts["optim_gradients"] += p.numel() * opt_dtype.itemsize
