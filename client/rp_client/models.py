@@ -214,6 +214,7 @@ class EngineSection(_Model):
     recompute_grain: str | None = None
     optim_dtype: str | None = None
     optim_state_dtype: str | None = None  # float32 | bfloat16 (docs/API.md, "Host memory")
+    optim_memory: str | None = None  # default | compact (docs/HOST_MEMORY_MODES.md)
     optim_grad_dtype: str | None = None  # float32 | model
     recompute_attention: bool | None = None
     pin_model: str | None = None

@@ -32,6 +32,7 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # JobSpec field that each engine.planning.memory_plan option changes.
 _OPTION_FIELDS = {
     "optim_state_dtype": "engine.optim_state_dtype",
+    "optim_memory": "engine.optim_memory",
     "recompute_attention": "engine.recompute_attention",
     "lora": "model",
     "tokens_per_step": "train.batch_size",
@@ -84,6 +85,7 @@ def plan_for_spec(
         optim_dtype_bytes=_DTYPE_BYTES[engine.optim_dtype],
         optim_grad_dtype="model" if engine.optim_grad_dtype == "model" else "optim",
         optim_state_dtype=engine.optim_state_dtype,
+        optim_memory=engine.optim_memory,
         pin_model=engine.pin_model,
         cuda=cuda,
         saved_attention=cuda and model_bytes == 2 and not engine.recompute_attention,

@@ -443,6 +443,13 @@ class _Run:
             num_microbatch=engine.num_microbatch, recompute_grain=engine.recompute_grain
         )
         presets.RECOMPUTE_ATTENTION = engine.recompute_attention
+        if engine.optim_memory == "compact":  # the bf16 weights are the masters
+            return wrap_model_to_roundpipe(
+                self.hf_model,
+                model_run_config=run_config,
+                pin_model=engine.pin_model,
+                optim_memory="compact",
+            )
         in_place = engine.optim_grad_dtype == "model"  # read the downloaded gradient itself
         return wrap_model_to_roundpipe(
             self.hf_model,
@@ -462,7 +469,9 @@ class _Run:
             betas=tuple(train.betas),
             weight_decay=train.weight_decay,
             decoupled_weight_decay=True,
-            state_dtype=DTYPES[self.spec.engine.optim_state_dtype],
+            state_dtype=torch.uint8
+            if self.spec.engine.optim_memory == "compact"
+            else DTYPES[self.spec.engine.optim_state_dtype],
         )
 
     def _restore(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any]) -> None:
