@@ -119,6 +119,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": False,
     },
+    # ~14.8 B parameters: 178 GB at 12 bytes a parameter, ~98 GiB with --optim-memory
+    # compact --recompute-attention (issue 35, bench/host_lean.py)
+    "qwen3-14b": {
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 17408,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
     # Mixture of experts (Qwen3MoeForCausalLM, "family" picks the class). Qwen3-30B-A3B:
     # 30.5 B parameters, 3.3 B active per token (8 of 128 experts per layer); a full
     # fine-tune needs ~512 GiB of host memory at 18 bytes per parameter (fp16/bf16 copy,
@@ -202,6 +214,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["float32", "bfloat16"],
         default="float32",
         help="Adam's exp_avg / exp_avg_sq dtype (engine.optim.Adam state_dtype)",
+    )
+    p.add_argument(
+        "--optim-memory",
+        choices=["default", "compact"],
+        default="default",
+        help="compact: bf16 weights as the masters, 8-bit Adam moments, the bf16 gradient in "
+        "place (~6 bytes a parameter; needs --dtype bfloat16; RoundPipe optim_memory)",
+    )
+    p.add_argument(
+        "--text",
+        action="store_true",
+        help="train on generated text (the demo's stories as bytes) instead of random ids",
     )
     p.add_argument(
         "--optim-grad-dtype",
@@ -465,6 +489,17 @@ def flops_per_token(model: nn.Module, seq_len: int, lora: bool = False) -> float
 
 def make_batches(args: argparse.Namespace, vocab: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(args.seed + 1)
+    if getattr(args, "text", False):  # the demo's generated stories, one byte a token
+        from rp_service.demo import synthetic_records
+
+        count = args.seqs_per_step * args.seq_len * (args.warmup + args.steps) // 150 + 64
+        data = " ".join(r["text"] for r in synthetic_records(count, seed=args.seed)).encode()
+        ids = torch.tensor(list(data), dtype=torch.long) % vocab
+        rows = ids[: len(ids) // args.seq_len * args.seq_len].view(-1, args.seq_len)
+        picks = torch.randint(
+            0, rows.shape[0], (args.warmup + args.steps, args.seqs_per_step), generator=gen
+        )
+        return [rows[p] for p in picks]
     return [
         torch.randint(0, vocab, (args.seqs_per_step, args.seq_len), generator=gen)
         for _ in range(args.warmup + args.steps)
@@ -592,6 +627,7 @@ def host_plan(args: argparse.Namespace) -> Any:
         recompute_grain=args.recompute_grain,
         optim_grad_dtype="optim" if args.optim_grad_dtype == "float32" else "model",
         optim_state_dtype=args.optim_state_dtype,
+        optim_memory=args.optim_memory,
         pin_model=args.pin_model,
         cuda=torch.cuda.is_available(),
         saved_attention=not args.recompute_attention,
@@ -599,6 +635,16 @@ def host_plan(args: argparse.Namespace) -> Any:
         double_buffer_weights=_double_buffer(args),
     )
     return plan_host_memory(shape, run)
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors (the plan's optim_state parts count these)."""
+    return sum(
+        t.nbytes
+        for state in optimizer.state.values()
+        for key, t in state.items()
+        if torch.is_tensor(t) and key != "step"
+    )
 
 
 def _double_buffer(args: argparse.Namespace) -> bool:
@@ -644,6 +690,17 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         engine.models.MLP_CHUNK_TOKENS = args.mlp_chunk_tokens or None
     engine.planning.one_device.WIDEN_TAIL = not args.no_widen_tail
     engine.planning.one_device.GROUP_BY_SIZE = not args.timed_groups
+    compact = args.optim_memory == "compact"
+    dtypes: dict[str, Any] = (
+        {"optim_memory": "compact"}
+        if compact
+        else {
+            "optim_dtype": torch.float32,
+            "optim_grad_dtype": (
+                getattr(torch, args.dtype) if args.optim_grad_dtype == "model" else None
+            ),
+        }
+    )
     t0 = time.perf_counter()
     rp = wrap_model_to_roundpipe(
         model,
@@ -653,8 +710,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
             recompute_grain=args.recompute_grain,
             execute_plan=grouped_plan(model.config.num_hidden_layers + 2, args.group_layers),
         ),
-        optim_dtype=torch.float32,
-        optim_grad_dtype=getattr(torch, args.dtype) if args.optim_grad_dtype == "model" else None,
+        **dtypes,
         name=f"bench-{args.model}",
         lora_config=lora_config(args) if args.lora else None,
         pin_model=args.pin_model if torch.cuda.is_available() else "alloc",
@@ -664,9 +720,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     )
     wrap_s = time.perf_counter() - t0
     dp = getattr(rp, "_dp", None)
-    optimizer, optimizer_name = _make_optimizer(
-        rp.optim_parameters(), args.lr, getattr(torch, args.optim_state_dtype)
-    )
+    state_dtype = torch.uint8 if compact else getattr(torch, args.optim_state_dtype)
+    optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr, state_dtype)
 
     adam_s: list[float] = []
 
@@ -724,8 +779,11 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         optimizer_s_median=round(statistics.median(adam_s[args.warmup :] or adam_s), 4),
         model_dtype=args.dtype,
         experts_implementation=getattr(model.config, "_experts_implementation", None),
-        optim_dtype="float32",
-        optim_state_dtype=args.optim_state_dtype,
+        optim_dtype="bfloat16" if compact else "float32",
+        optim_state_dtype="uint8" if compact else args.optim_state_dtype,
+        optim_memory=args.optim_memory,
+        optimizer_state_bytes=_state_bytes(optimizer),
+        loss_tail_mean=round(statistics.fmean(losses[-20:]), 5),
         optim_grad_dtype=args.optim_grad_dtype,
         pin_model=args.pin_model,
         plan_host_gib=round(plan.total_bytes / 2**30, 2) if plan is not None else None,
