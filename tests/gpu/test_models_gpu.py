@@ -22,6 +22,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests import tiny_models
+
 pytestmark = pytest.mark.gpu
 
 transformers = pytest.importorskip("transformers")
@@ -52,25 +54,15 @@ def cuda_devices() -> Iterator[None]:
 
 
 def tiny_model(kind: str, *, tie: bool, attn: str = "sdpa") -> nn.Module:
-    common: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": tie,
-        "use_cache": False,
-    }
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    model.config._attn_implementation = attn
-    return model.float().train()
+    return tiny_models.tiny_model(
+        kind,
+        attn=attn,
+        vocab_size=VOCAB,
+        num_hidden_layers=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        **tiny_models.WIDE,
+    )
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,20 +330,16 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
     from engine.models import _attention, causal_lm_loss_fn
     from engine.wrapper import wrap_model_to_roundpipe
 
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
+    base = tiny_models.tiny_model(
+        "qwen3",
+        attn="sdpa",
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=512,
-        use_cache=False,
     )
-    config._attn_implementation = "sdpa"
-    base = transformers.Qwen3ForCausalLM(config).train()
     # The availability probe runs once per GPU, lazily, and calls the kernel itself: run it
     # on every GPU the engine uses now, so the count below sees the layers' calls only.
     for index in range(torch.cuda.device_count()):

@@ -18,7 +18,8 @@ import torch
 
 from engine import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe
 from engine.accel import graphs
-from tests.unit.engine._models import lm_steps, tiny_hf_model
+from tests.tiny_models import WIDE, tiny_model
+from tests.unit.engine._models import lm_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -59,18 +60,8 @@ def math_attention() -> Iterator[None]:
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    # head_dim 16: cuDNN's attention runs, so the forward saves it for the recompute
-    model = tiny_hf_model(
-        "qwen3",
-        vocab=96,
-        window=4096,
-        num_hidden_layers=6,
-        hidden_size=64,
-        head_dim=16,
-        intermediate_size=128,
-    )
-    return model.half()
+    # head_dim 16 (WIDE): cuDNN's attention runs, so the forward saves it for the recompute
+    return tiny_model("qwen3", vocab_size=96, num_hidden_layers=6, dtype=torch.float16, **WIDE)
 
 
 # embedding + 6 decoder layers + head: the embedding and two decoder layers, three decoder

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine import wrapper
 from engine.run_config import RoundPipeRunConfig
+from tests.tiny_models import WIDE, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,17 +51,7 @@ def _fake_roundpipe_module(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def tiny_qwen3() -> nn.Module:
-    config = transformers.Qwen3Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        use_cache=False,
-    )
-    return transformers.Qwen3ForCausalLM(config)
+    return tiny_model("qwen3", seed=None, max_position_embeddings=None, **WIDE)
 
 
 class Net(nn.Module):

@@ -143,7 +143,8 @@ def test_preset_defaults_are_transformers_defaults() -> None:
 
 def test_projection_shapes_match_the_hf_modules() -> None:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.tiny_models import tiny_model
 
     fields = {
         "hidden_size": 24,
@@ -155,7 +156,7 @@ def test_projection_shapes_match_the_hf_modules() -> None:
         "vocab_size": 16,
     }
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3Config(**fields))
+        model = tiny_model("qwen3", seed=None, **fields)
     layer = model.model.layers[0]
     modules = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
     want = {
