@@ -194,6 +194,7 @@ def dequantize_nf4(
         ops.dequantize_4bit.out(packed, absmax, NF4_BLOCK, "nf4", list(shape), dtype, out=out)
         return out
     res = ops.dequantize_4bit.default(packed, absmax, NF4_BLOCK, "nf4", list(shape), dtype)
+    res = res.view(shape)  # its CPU kernel returns a 1-D shape as (1, n)
     if out is None:
         return res
     return out.copy_(res)
