@@ -10,6 +10,7 @@ holding only the packed base (measured from the tensors the model references).
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -166,3 +167,17 @@ def test_quantize_refuses_a_wrapped_model(cpu3: int) -> None:
     rp = wrap_model_to_roundpipe(tiny_model("qwen3"), lora_config=LoraConfig(rank=RANK))
     with pytest.raises(ConfigError, match="before wrap_model_to_roundpipe"):
         quantize_base_nf4(rp)
+
+
+def test_the_bench_runs_tiny_on_the_cpu(cpu3: int) -> None:
+    from bench import qlora
+
+    nf4, bf16, baseline = qlora.main(["--tiny", "--fp16-base", "--baseline"])
+    assert (nf4["run"], bf16["run"], baseline["run"]) == (
+        "engine-nf4",
+        "engine-bf16-base",
+        "peft-bnb",
+    )
+    assert all(r["tokens_per_s"] > 0 for r in (nf4, bf16, baseline))
+    assert all(math.isfinite(x) for x in nf4["losses"] + bf16["losses"])
+    assert nf4["base_host_bytes"] < bf16["base_host_bytes"] / 2
