@@ -21,7 +21,8 @@ avoids it), the activations kept for the backward (each backward group's input, 
 micro-batch; from 64 MiB up pinned in power-of-two pieces, so not rounded), the saved
 attention outputs (on CUDA unless attention is recomputed; pieces as well) and
 the runtime itself (CUDA context, libraries). Frozen parameters (LoRA bases) have only
-the model copy.
+the model copy; with base_quantization='nf4' the projections' copy is packed (half a byte
+a parameter plus a 4-byte absmax per 64: engine.adapters.nf4).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "check_engine_allocation",
     "default_budget_bytes",
     "format_gib",
+    "nf4_tensor_bytes",
     "parse_bytes",
     "plan_host_memory",
     "process_rss_bytes",
@@ -293,6 +295,8 @@ class RunShape:
     trainable_params: int | None = None  # None: all (full fine-tune); else e.g. LoRA's
     optimizer_state: bool = True  # count Adam's moments
     double_buffer_weights: bool = False  # a second model copy per trainable parameter
+    # "nf4": the frozen projections are held packed (engine.adapters.nf4), LoRA only.
+    base_quantization: Literal["none", "nf4"] = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,7 +407,22 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
     mbytes = run.model_dtype_bytes
     pin, cuda = run.pin_model, run.cuda
     parts: dict[str, int] = {}
+    if run.base_quantization not in ("none", "nf4"):
+        raise ConfigError(
+            f"base_quantization must be 'none' or 'nf4', got {run.base_quantization!r}"
+        )
+    packed: list[int] = []
+    if run.base_quantization == "nf4":
+        if run.trainable_params is None:
+            raise ConfigError(
+                "base_quantization='nf4' needs a frozen base: train adapters (LoRA), "
+                "not the full model"
+            )
+        projections = shape.layer_tensors()[:7] * shape.num_hidden_layers
+        packed = [b for n in projections for b in nf4_tensor_bytes(n)]
+        tensors = _without(tensors, projections)
     model = sum(_pinned_bytes(n * mbytes, pin, cuda) for n in tensors)
+    model += sum(_pinned_bytes(b, pin, cuda) for b in packed)
     if run.trainable_params is None:
         grads = sum(
             _pinned_bytes(n * mbytes, pin, cuda)
@@ -441,6 +460,20 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
     return HostMemoryPlan(parts, run, shape)
 
 
+def nf4_tensor_bytes(numel: int, block: int = 64) -> tuple[int, int]:
+    """Bytes of an NF4 weight of `numel` values: its packed codes (half a byte a value)
+    and its fp32 absmax (one per block); engine.adapters.nf4 holds them as two tensors."""
+    return (numel + 1) // 2, 4 * -(-numel // block)
+
+
+def _without(tensors: list[int], removed: list[int]) -> list[int]:
+    """`tensors` less one occurrence of each element of `removed` (a multiset difference)."""
+    left = list(tensors)
+    for n in removed:
+        left.remove(n)
+    return left
+
+
 def check_engine_allocation(
     model: Any,
     *,
@@ -463,6 +496,7 @@ def check_engine_allocation(
 
     from ..accel.weight_buffers import takes_second_copy
     from ..device import host_memory_budget_setting  # imports torch: only on this path
+    from ..memory import host_tensors
 
     cuda = torch.cuda.is_available()
     seen: set[int] = set()
@@ -475,7 +509,10 @@ def check_engine_allocation(
     }
     for p in _unique(model.parameters(), seen):
         nbytes = p.numel() * p.element_size()
-        parts["model"] += _pinned_bytes(nbytes, pin_model, cuda)
+        # A packed frozen weight (NF4) is held as its packed tensors, pinned one by one.
+        parts["model"] += sum(
+            _pinned_bytes(t.numel() * t.element_size(), pin_model, cuda) for t in host_tensors(p)
+        )
         if not p.requires_grad:
             continue
         opt_dtype = optim_dtype or p.dtype
