@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rp_service.errors import Conflict
+from rp_service.errors import Conflict, ServiceError
 from rp_service.schemas import TERMINAL_STATUSES
 
 __all__ = [
@@ -222,8 +222,11 @@ def _encode(key: str, value: Any) -> Any:
     return json.dumps(value) if key in _JSON_COLUMNS and value is not None else value
 
 
-class StoreUnusable(RuntimeError):
+class StoreUnusable(ServiceError, RuntimeError):
     """The store file exists but is not a usable RoundPipe store; the daemon refuses to start."""
+
+    status_code = 503
+    default_code = "store_unusable"
 
 
 class Store:
