@@ -195,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--recompute-attention",
         action="store_true",
-        help="recompute attention in the backward (engine.models.RECOMPUTE_ATTENTION)",
+        help="recompute attention in the backward (wrap_model_to_roundpipe's recompute_attention)",
     )
     p.add_argument(
         "--optim-state-dtype",
@@ -636,7 +636,6 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     expected_first = reference_loss(model, batches[0]) if args.check else None
     initial = {n: p.detach().clone() for n, p in model.named_parameters()} if args.check else {}
 
-    engine.models.RECOMPUTE_ATTENTION = args.recompute_attention
     if args.replay_max_tokens is not None:
         engine.accel.graphs.ENABLED = args.replay_max_tokens > 0
         engine.accel.graphs.REPLAY_MAX_TOKENS = args.replay_max_tokens or None
@@ -657,6 +656,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         optim_grad_dtype=getattr(torch, args.dtype) if args.optim_grad_dtype == "model" else None,
         name=f"bench-{args.model}",
         lora_config=lora_config(args) if args.lora else None,
+        recompute_attention=args.recompute_attention,
         pin_model=args.pin_model if torch.cuda.is_available() else "alloc",
         shard_optimizer=args.shard_optimizer,
         overlap_calls=args.overlap_calls,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .errors import ConfigError
+from .planning.memory_plan import default_num_microbatch
 
 if TYPE_CHECKING:
     from .scheduler import ModelExecutePlan
@@ -134,7 +135,7 @@ class FullRoundPipeRunConfig:
             True if c.preserve_rng_state is None else c.preserve_rng_state
         )
         self.recompute_grain: RecomputeGrain = c.recompute_grain or "stage"
-        self.num_microbatch: int = c.num_microbatch or num_devices + 1
+        self.num_microbatch: int = c.num_microbatch or default_num_microbatch(num_devices)
         self.split_input: Any = c.split_input
         self.split_label: Any = c.split_label
         self.merge_output: Any = True if c.merge_output is None else c.merge_output

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -13,9 +12,11 @@ from typing import Literal
 
 import torch
 
+from .device import profiler_setting
+
 __all__ = ["PROFILER_TYPE", "IterTimer", "ModelTimer", "annotate"]
 
-PROFILER_TYPE: str | None = os.environ.get("RP_PROFILER") or None
+PROFILER_TYPE: str | None = profiler_setting()
 """'nvtx' to emit NVTX ranges (nsys), 'torch' for torch.profiler record_function ranges."""
 
 

@@ -107,6 +107,7 @@ def wrap_model_to_roundpipe(
     model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # frozen: safe to share
     name: str | None = None,
     lora_config: Any = None,
+    recompute_attention: bool = False,
     **roundpipe_kwargs: Any,
 ) -> nn.Module:
     """Return `model` wrapped for RoundPipe: a preset RoundPipe, or the auto-split result.
@@ -125,6 +126,9 @@ def wrap_model_to_roundpipe(
         lora_config: When given (an `engine.adapters.lora.LoraConfig`, a `peft.LoraConfig` or a
             mapping), `engine.adapters.lora.apply_lora` adds adapters to `model` and freezes the
             rest before wrapping: only the adapters get optimizer-side copies.
+        recompute_attention: A preset's decoder layers recompute attention in the backward
+            instead of keeping its output in host memory (see
+            `engine.models.to_sequential`); the auto-split has no such layers.
         **roundpipe_kwargs: Forwarded to RoundPipe / AutoRoundPipe (optim_dtype,
             pin_model).
 
@@ -145,7 +149,11 @@ def wrap_model_to_roundpipe(
     # None falls back to the auto-split when no preset fits; True lets wrap_model raise.
     if use_sequential_preset or (use_sequential_preset is None and models.has_preset(model)):
         return models.wrap_model(
-            model, name=name, model_run_config=model_run_config, **roundpipe_kwargs
+            model,
+            name=name,
+            model_run_config=model_run_config,
+            recompute_attention=recompute_attention,
+            **roundpipe_kwargs,
         )
     if upper_threshold is None:
         from .device import get_num_devices

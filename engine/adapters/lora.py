@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..attribute import ParamAttribute
+from ..catalog import LORA_TARGET_MODULES, max_lora_rank
 from ..errors import ConfigError
 from ..optim_stream import synchronize_optim
 
@@ -63,15 +64,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+DEFAULT_TARGET_MODULES: tuple[str, ...] = LORA_TARGET_MODULES  # the catalog's: all seven
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 # peft's saved keys are relative to PeftModel -> LoraModel -> the base model.
@@ -105,22 +98,30 @@ class LoraConfig:
         elif not isinstance(self.target_modules, tuple):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ConfigError(f"lora.rank must be an integer >= 1, got {self.rank!r}")
+            raise ConfigError(
+                f"lora.rank must be an integer >= 1, got {self.rank!r}", field="lora.rank"
+            )
         if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
-            raise ConfigError(f"lora.alpha must be a finite number, got {self.alpha!r}")
+            raise ConfigError(
+                f"lora.alpha must be a finite number, got {self.alpha!r}", field="lora.alpha"
+            )
         if self.alpha <= 0:
-            raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}")
+            raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}", field="lora.alpha")
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+            raise ConfigError(
+                f"lora.dropout must be in [0, 1), got {self.dropout!r}", field="lora.dropout"
+            )
         if not self.target_modules:
             raise ConfigError(
                 "lora.target_modules is empty; name the linear layers to adapt, e.g. "
-                f"{list(DEFAULT_TARGET_MODULES)}"
+                f"{list(DEFAULT_TARGET_MODULES)}",
+                field="lora.target_modules",
             )
         for name in self.target_modules:
             if not isinstance(name, str) or not name:
                 raise ConfigError(
-                    f"lora.target_modules must be non-empty module names, got {name!r}"
+                    f"lora.target_modules must be non-empty module names, got {name!r}",
+                    field="lora.target_modules",
                 )
 
     @property
@@ -423,19 +424,22 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
         if not found:
             raise ConfigError(
                 f"lora.target_modules: no module named {target!r} in {type(model).__name__}; "
-                f"its linear layers are named {_linear_names(model)}"
+                f"its linear layers are named {_linear_names(model)}",
+                field="lora.target_modules",
             )
         for name, module in found:
             if type(module) is not nn.Linear:
                 raise ConfigError(
                     f"lora.target_modules: {name!r} is a {type(module).__name__}, not an "
-                    f"nn.Linear; LoRA adapts linear layers ({_linear_names(model)})"
+                    f"nn.Linear; LoRA adapts linear layers ({_linear_names(model)})",
+                    field="lora.target_modules",
                 )
-            limit = min(module.in_features, module.out_features)
+            limit = max_lora_rank(module.in_features, module.out_features)
             if cfg.rank > limit:
                 raise ConfigError(
                     f"lora.rank={cfg.rank} exceeds min(in, out)={limit} of {name!r} "
-                    f"({module.in_features} -> {module.out_features}); use rank <= {limit}"
+                    f"({module.in_features} -> {module.out_features}); use rank <= {limit}",
+                    field="lora.rank",
                 )
             chosen.append((name, module))
     for p in model.parameters():

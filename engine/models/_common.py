@@ -275,6 +275,8 @@ class DecoderLayer(nn.Module):
         self.sliding = layer_is_sliding(config, layer_idx)
         # Set by the preset (engine.models.DISABLE_TORCH_COMPILE); read-only in forward.
         self.use_compile = False
+        # Set by the preset (to_sequential's recompute_attention); read-only in forward.
+        self.recompute_attention = False
         from . import MLP_CHUNK_TOKENS  # the package imports this module first
 
         # Micro-batches of more tokens than this run the MLP half in chunks of
@@ -470,10 +472,8 @@ class DecoderLayer(nn.Module):
         Only plain causal attention (no mask, dropout or sliding window) in half precision
         on CUDA, where the cuDNN kernels run.
         """
-        from . import RECOMPUTE_ATTENTION  # the package imports this module first
-
         if (
-            RECOMPUTE_ATTENTION
+            self.recompute_attention
             or not self.attention_routed
             or mask is not None
             or not hidden.is_cuda

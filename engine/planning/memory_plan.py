@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from ..catalog import LORA_TARGET_MODULES, projection_shapes_of
 from ..errors import ConfigError, HostMemoryError
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "available_host_bytes",
     "check_engine_allocation",
     "default_budget_bytes",
+    "default_num_microbatch",
     "format_gib",
     "nf4_tensor_bytes",
     "parse_bytes",
@@ -238,12 +240,21 @@ class ModelShape:
             raise ConfigError(f"the model config's {', '.join(bad)} must be in 1..{_MAX_DIM}")
         return shape
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """`{name: (in_features, out_features)}` of a decoder layer's projections."""
+        return projection_shapes_of(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+        )
+
     def layer_tensors(self) -> list[int]:
         """Element counts of one decoder layer's parameters."""
         h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        out = [h * q, h * kv, h * kv, q * h]  # q, k, v, o projections
-        out += [h * self.intermediate_size] * 3  # gate, up, down
+        # q, k, v, o, gate, up, down projections
+        out = [fan_in * fan_out for fan_in, fan_out in self.projection_shapes().values()]
         out += [h, h]  # input and post-attention norms
         if self.qk_norm:
             out += [d, d]
@@ -259,13 +270,12 @@ class ModelShape:
     def num_params(self) -> int:
         return sum(self.param_tensors())
 
-    def lora_params(self, rank: int) -> int:
-        """Trainable parameters of rank-`rank` adapters on all seven projections."""
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        inter = self.intermediate_size
-        pairs = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
-        return rank * sum(a + b for a, b in pairs) * self.num_hidden_layers
+    def lora_params(self, rank: int, target_modules: Iterable[str] = LORA_TARGET_MODULES) -> int:
+        """Trainable parameters of rank-`rank` adapters (A: in x r, B: r x out) on the
+        `target_modules` projections of every layer (default: all seven)."""
+        shapes = self.projection_shapes()
+        per_layer = sum(sum(shapes[m]) for m in target_modules if m in shapes)
+        return rank * per_layer * self.num_hidden_layers
 
     def backward_groups(self, grain: str) -> int:
         """How many backward groups (each keeps its input) the automatic plan makes."""
@@ -275,6 +285,12 @@ class ModelShape:
         head = self.vocab_size * self.hidden_size
         per_group = max(1, int(_GROUP_THRESHOLD * head / layer))
         return math.ceil(self.num_hidden_layers / per_group)
+
+
+def default_num_microbatch(num_devices: int) -> int:
+    """Micro-batches per call when a run config leaves `num_microbatch` unset: the
+    devices + 1 (the seeds' default). RoundPipeRunConfig and the daemon's plan use it."""
+    return num_devices + 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

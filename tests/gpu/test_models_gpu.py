@@ -360,7 +360,6 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
     )
     results = {}
     for recompute, compile_ in ((True, False), (False, False), (False, True)):
-        engine.models.RECOMPUTE_ATTENTION = recompute
         engine.models.DISABLE_TORCH_COMPILE = not compile_
         cudnn_calls.clear()
         try:
@@ -369,6 +368,7 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
                 model,
                 optim_dtype=torch.float32,
                 model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+                recompute_attention=recompute,
             )
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(_attention, "_cudnn_forward", counting_forward)
@@ -379,7 +379,6 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
                 )
             rp.synchronize()
         finally:
-            engine.models.RECOMPUTE_ATTENTION = False
             engine.models.DISABLE_TORCH_COMPILE = False
         results[(recompute, compile_)] = (loss.float(), hf_grads(model))
         if not compile_:

@@ -384,7 +384,9 @@ def test_lora_through_the_auto_split_keeps_the_model_names(cpu3: int) -> None:
 
 
 def test_the_service_offers_the_engines_target_modules() -> None:
-    """rp_service.schemas keeps its own copy (it must not import torch on the request path)."""
-    from rp_service.schemas import LORA_TARGET_MODULES
+    """The JobSpec's default targets are the engine's: both are the catalog's."""
+    from engine.catalog import LORA_TARGET_MODULES
+    from rp_service.schemas import LoraSection
 
     assert LORA_TARGET_MODULES == DEFAULT_TARGET_MODULES
+    assert tuple(LoraSection().target_modules) == DEFAULT_TARGET_MODULES
