@@ -18,7 +18,7 @@ from engine.catalog import (
     projection_shapes,
 )
 from engine.planning.memory_plan import ModelShape
-from tests.unit.engine._models import tiny_hf_model
+from tests import tiny_models
 
 
 def test_the_catalog_imports_without_torch() -> None:
@@ -64,7 +64,7 @@ def test_only_the_moe_families_are_left_out_of_the_plan() -> None:
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen2", "mistral"])
 def test_projection_shapes_are_the_hf_layers_and_the_plans(kind: str) -> None:
-    model = tiny_hf_model(kind, vocab=48, window=8, intermediate_size=40)
+    model = tiny_models.tiny_model(kind, vocab_size=48, window=8, intermediate_size=40)
     layer = model.model.layers[0]
     modules = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
     want = {
@@ -92,7 +92,7 @@ def test_the_engine_refuses_a_rank_above_the_catalog_rule() -> None:
     from engine.adapters.lora import LoraConfig, apply_lora
     from engine.errors import ConfigError
 
-    model = tiny_hf_model("qwen3", vocab=48, window=8)
+    model = tiny_models.tiny_model("qwen3", vocab_size=48, window=8)
     limit = max_lora_rank(*projection_shapes(model.config.to_dict())["k_proj"])
     assert limit == 16  # 32 -> 2 kv heads x 8
     with pytest.raises(ConfigError, match=f"use rank <= {limit}") as err:
@@ -107,7 +107,7 @@ def test_recompute_attention_is_a_wrap_option() -> None:
 
     assert not hasattr(engine.models, "RECOMPUTE_ATTENTION")
     for recompute in (False, True):
-        model = tiny_hf_model("qwen3", vocab=48, window=8)
+        model = tiny_models.tiny_model("qwen3", vocab_size=48, window=8)
         rp = wrap_model_to_roundpipe(model, recompute_attention=recompute)
         decoders = [layer for layer in rp.model if hasattr(layer, "recompute_attention")]
         assert len(decoders) == 2
