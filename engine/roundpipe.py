@@ -39,9 +39,11 @@ from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_op
 from .parallel.data_parallel import AUTO_GROUP, attach_data_parallel, resolve_process_group
 from .planning import one_device
 from .planning.memory_plan import check_engine_allocation
+from .planning.search import group_param_cap
+from .planning.simulate import publish_wait_ms_per_gb
 from .run import Act, RunState, backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
-from .scheduler import ModelExecutePlan, RunType, group_param_cap, publish_wait_ms_per_gb
+from .scheduler import ModelExecutePlan, RunType
 from .threads import AnnotatedEvent
 from .timer import ModelTimer
 from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers
