@@ -58,7 +58,7 @@ def _caller_label(prefix: str) -> Callable[..., str]:
 
 def install() -> None:
     """Patch the engine (idempotent); spans are recorded only between start() and stop()."""
-    from engine import device, roundpipe, run, transfer
+    from engine import device, roundpipe, roundpipe_base, run, transfer
     from engine.optim import Adam
 
     if getattr(run, "_host_timeline", False):
@@ -77,8 +77,8 @@ def install() -> None:
         if hasattr(roundpipe, name):
             setattr(roundpipe, name, wrapped)
     run.download_param_grads = _wrap(run.download_param_grads, "download_param_grads")  # type: ignore[assignment]
-    roundpipe._publish_weights_take_grads = _wrap(  # type: ignore[assignment]
-        roundpipe._publish_weights_take_grads, "optim:publish+fold"
+    roundpipe_base.publish_weights_take_grads = _wrap(  # type: ignore[assignment]
+        roundpipe_base.publish_weights_take_grads, "optim:publish+fold"
     )
     Adam.step = _wrap(Adam.step, "optim:adam")  # type: ignore[method-assign]
 

@@ -19,8 +19,8 @@ from typing import Any
 from torch import nn
 
 from . import models
+from .call_site import get_call_location
 from .memory import get_model_size
-from .roundpipe import get_call_location
 from .run_config import RoundPipeRunConfig
 
 __all__ = ["get_call_location", "wrap_model_recursive", "wrap_model_to_roundpipe"]
