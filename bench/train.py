@@ -894,7 +894,7 @@ def self_check(
             problems.append(f"frozen base weight {n} changed")
         changed += moved
     if lora:
-        from engine.adapters.lora import adapter_state_dict
+        from engine.adapters.peft_format import adapter_state_dict
 
         if all(not v.any() for k, v in adapter_state_dict(model).items() if "lora_B" in k):
             problems.append("no LoRA adapter moved from its zero initialisation")

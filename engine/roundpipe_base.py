@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .accel.weight_buffers import publish_param
+from .adapters.peft_format import save_adapter
 from .attribute import ParamAttribute
 from .call_site import get_call_location
 from .context import OptimizerCtx, doing_optimizer
@@ -265,11 +266,15 @@ class RoundPipeBase(nn.Module):
                 p.grad = None
 
     def save_adapter(self, path: str | os.PathLike[str], *, merged_path: Any = None) -> None:
-        """Write the LoRA adapters in peft's format (see `engine.adapters.lora.save_adapter`);
-        `merged_path`: also the model with the adapters folded in, HF format."""
-        from .adapters.lora import save_adapter
-
+        """Write the LoRA adapters in peft's format (see
+        `engine.adapters.peft_format.save_adapter`); `merged_path`: also the model with the
+        adapters folded in, HF format."""
         save_adapter(self, path, merged_path=merged_path)
+
+    def rp_unwrap(self) -> tuple[nn.Module, nn.Module]:
+        """(the module this wrapper runs, the user's model behind it): how code the wrappers
+        import (engine.adapters) looks through one without importing them."""
+        return self.model, self.original_model or self.model
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every gradient: pending host gradients, optimizer-side and model `.grad`."""

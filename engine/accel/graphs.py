@@ -58,6 +58,7 @@ from torch import Tensor, nn
 
 from ..context import ForwardCtx, RecomputeCtx
 from ..errors import RoundPipeError
+from ..transfer import AFTER_UPLOAD_HOOK
 
 if TYPE_CHECKING:
     from ..device import DeviceManager
@@ -133,8 +134,6 @@ def layer_may_replay(layer: nn.Module) -> bool:
     Layers with an after-upload hook (LoRA folds its adapters into the uploaded weight
     there) are left out: the fold would have to be part of the upload into a slot.
     """
-    from ..transfer import AFTER_UPLOAD_HOOK
-
     if not callable(getattr(layer, "rp_replay_key", None)):
         return False
     return not any(hasattr(m, AFTER_UPLOAD_HOOK) for m in layer.modules())

@@ -30,6 +30,7 @@ from typing import Any
 
 from torch import nn
 
+from ..roundpipe import RoundPipe
 from ._common import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     DEFAULT_MLP_CHUNK_SIZE,
@@ -163,10 +164,6 @@ def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> nn.Module:
     Raises:
         NotImplementedError: As `to_sequential`.
     """
-    # Imported here: engine/__init__ imports the wrapper (and through it this package)
-    # before roundpipe is needed.
-    from ..roundpipe import RoundPipe
-
     seq = to_sequential(model)
     log.info("wrapping %s with its preset: %d layers", type(model).__name__, len(seq))
     rp = RoundPipe(seq, **roundpipe_kwargs)
