@@ -31,10 +31,9 @@ from typing import Any
 from torch import nn
 
 from ..roundpipe import RoundPipe
-from ._common import (
+from ._common import DEFAULT_MLP_CHUNK_SIZE, DEFAULT_MLP_CHUNK_TOKENS
+from .loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
-    DEFAULT_MLP_CHUNK_SIZE,
-    DEFAULT_MLP_CHUNK_TOKENS,
     IGNORE_INDEX,
     causal_lm_loss,
     causal_lm_loss_fn,
