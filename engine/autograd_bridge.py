@@ -16,8 +16,8 @@ from torch.utils import _pytree as pytree
 
 from .batch import TensorChunkSpec, _Replicate
 from .errors import ConfigError
-from .run import Act, RunState
 from .run_config import FullRoundPipeRunConfig
+from .run_state import Act, RunState
 
 if TYPE_CHECKING:
     from .roundpipe import RoundPipe

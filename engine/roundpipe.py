@@ -43,8 +43,9 @@ from .planning.memory_plan import check_engine_allocation
 from .planning.search import group_param_cap
 from .planning.simulate import publish_wait_ms_per_gb
 from .roundpipe_base import RoundPipeBase, publish_weights_take_grads
-from .run import Act, RunState, backward_job, forward_job, fused_job
+from .run import backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+from .run_state import Act, RunState
 from .scheduler import ModelExecutePlan, RunType
 from .timer import ModelTimer
 from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers

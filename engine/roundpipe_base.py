@@ -30,7 +30,7 @@ from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_op
 from .threads import AnnotatedEvent
 
 if TYPE_CHECKING:
-    from .run import RunState
+    from .run_state import RunState
 
 __all__ = ["RoundPipeBase", "publish_weights_take_grads"]
 

@@ -1,10 +1,13 @@
 """Replayed layer work: CUDA graphs of a job's layers, captured once, replayed per micro-batch.
 
+Over ~600 lines only with this docstring: the replay contract, the slots and the Replayer
+that captures and replays are one mechanism.
+
 Why: one process issues the work of every GPU it drives, and a decoder layer's call through
-torch.compile and autograd costs the host ~0.8 ms (no-grad forward) and ~2.1 ms
-(recompute and backward) on the H100 box whatever the layer's size, where replaying a
-captured CUDA graph of the same work costs ~0.01 ms (bench/layer_issue.py). With many GPUs
-or many micro-batches that host time, not the GPUs, bounded a step (bench/RESULTS.md).
+torch.compile and autograd costs the host a fixed time whatever the layer's size, about a
+hundred times what replaying a captured CUDA graph of the same work costs
+(bench/layer_issue.py; the figures are in bench/RESULTS.md). With many GPUs or many
+micro-batches that host time, not the GPUs, bounded a step.
 
 Which calls replay: a layer opts in with a method `rp_replay_key(carry)`, called on the
 layer's input in the context the call runs in (grad mode, autocast, the engine's
