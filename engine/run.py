@@ -452,9 +452,9 @@ class _LazyRecomputeData(Sequence[tuple[Any, ...] | None]):
     """The saved data of layers `sub` in micro-batch `mb`, each uploaded when first read.
 
     An upload makes the compute stream wait for it: reading a layer's data just before its
-    recompute lets its upload run under the recompute of the layer before (at 131,072 tokens
-    a layer's saved attention is 0.5 GB; uploading a 6-layer group's up front cost 1.5% of
-    the step). A replayed span reads its layers' data together, as its graph needs it.
+    recompute lets its upload run under the recompute of the layer before (at long
+    sequences a layer's saved attention is large; uploading a whole group's up front cost
+    time: bench/RESULTS.md). A replayed span reads its layers' data together, as its graph needs it.
     """
 
     def __init__(self, run: RunState, dev: DeviceManager, sub: range, mb: int) -> None:

@@ -88,10 +88,9 @@ log = logging.getLogger(__name__)
 ENABLED: bool = True
 # Micro-batches whose state has more tokens (its elements over the last dimension) than
 # this run as they are: their GPU time dwarfs the host's, and a graph keeps its
-# activations in a pool of its own, beside the allocator's memory. Measured on the H100
-# with Qwen3-1.7B, 131,072 tokens a step: at 4 micro-batches (32,768 tokens each) replay
-# gave the same tokens/s on one GPU (37,008 vs 37,139) for +5.9 GiB of GPU memory; from 8
-# micro-batches (16,384 tokens) up, the host's issue time is what grows. None: no limit.
+# activations in a pool of its own, beside the allocator's memory. At 32,768 tokens a
+# micro-batch replay gained nothing on one GPU and cost GPU memory; from 16,384 tokens down
+# the host's issue time is what grows (bench/RESULTS.md). None: no limit.
 REPLAY_MAX_TOKENS: int | None = 16384
 # Distinct graphs per device (slots x layer keys x passes); past it, new ones run as they are.
 MAX_GRAPHS_PER_DEVICE = 64
