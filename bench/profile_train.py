@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import host_timeline
-from bench.train import SHAPES, build_model, make_batches
+from bench.shapes import SHAPES, build_model
+from bench.train import make_batches
 
 
 def stream_busy(prof: torch.profiler.profile) -> dict[str, float]:

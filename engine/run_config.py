@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
+from .device import get_num_devices
 from .errors import ConfigError
 from .planning.memory_plan import default_num_microbatch
-
-if TYPE_CHECKING:
-    from .scheduler import ModelExecutePlan
+from .scheduler import ModelExecutePlan
 
 __all__ = ["FullRoundPipeRunConfig", "RoundPipeRunConfig"]
 
@@ -78,14 +77,11 @@ class RoundPipeRunConfig:
                 raise ConfigError(
                     f"run_config.output_device must name a torch device, got {self.output_device!r}"
                 ) from exc
-        if self.execute_plan is not None:
-            from .scheduler import ModelExecutePlan
-
-            if not isinstance(self.execute_plan, ModelExecutePlan):
-                raise ConfigError(
-                    "run_config.execute_plan must be a ModelExecutePlan, "
-                    f"got {type(self.execute_plan).__name__}"
-                )
+        if self.execute_plan is not None and not isinstance(self.execute_plan, ModelExecutePlan):
+            raise ConfigError(
+                "run_config.execute_plan must be a ModelExecutePlan, "
+                f"got {type(self.execute_plan).__name__}"
+            )
 
     def over(self, base: RoundPipeRunConfig) -> RoundPipeRunConfig:
         """This config, with unset fields taken from `base`."""
@@ -123,8 +119,6 @@ class FullRoundPipeRunConfig:
         num_devices: int | None = None,
     ) -> None:
         if num_devices is None:
-            from .device import get_num_devices
-
             num_devices = get_num_devices()
         c = function_run_config.over(model_run_config)
         self.requires_grad: bool = (

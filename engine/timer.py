@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from .accel import graphs
 from .device import profiler_setting
 
 __all__ = ["PROFILER_TYPE", "IterTimer", "ModelTimer", "annotate"]
@@ -149,8 +150,6 @@ class ModelTimer:
 def _compiled_graphs() -> int:
     """How many graphs torch.compile has built and engine.accel.graphs has captured in this
     process so far (either makes an iteration's timings a measure of the building)."""
-    from .accel import graphs
-
     dynamo_utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled
     compiled = 0 if dynamo_utils is None else int(dynamo_utils.counters["stats"]["unique_graphs"])
     return compiled + graphs.stats()["captures"]

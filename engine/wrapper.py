@@ -19,8 +19,11 @@ from typing import Any
 from torch import nn
 
 from . import models
+from .adapters.lora import apply_lora
+from .call_site import get_call_location
+from .device import get_num_devices
 from .memory import get_model_size
-from .roundpipe import get_call_location
+from .roundpipe import AutoRoundPipe, RoundPipe
 from .run_config import RoundPipeRunConfig
 
 __all__ = ["get_call_location", "wrap_model_recursive", "wrap_model_to_roundpipe"]
@@ -32,10 +35,7 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def _roundpipe_classes() -> tuple[type[nn.Module], type[nn.Module]]:
-    # Imported on use: engine/__init__ imports this module, and roundpipe pulls in the
-    # runtime; tests of the split logic replace this function.
-    from .roundpipe import AutoRoundPipe, RoundPipe
-
+    # A function: tests of the split logic replace it with light stand-ins.
     return RoundPipe, AutoRoundPipe
 
 
@@ -143,8 +143,6 @@ def wrap_model_to_roundpipe(
     if name is None:
         name = get_call_location(1)
     if lora_config is not None:
-        from .adapters.lora import apply_lora
-
         apply_lora(model, lora_config)
     # None falls back to the auto-split when no preset fits; True lets wrap_model raise.
     if use_sequential_preset or (use_sequential_preset is None and models.has_preset(model)):
@@ -156,8 +154,6 @@ def wrap_model_to_roundpipe(
             **roundpipe_kwargs,
         )
     if upper_threshold is None:
-        from .device import get_num_devices
-
         upper_threshold = get_model_size(model) // (get_num_devices() + 1)
     wrapped = wrap_model_recursive(
         model,

@@ -31,10 +31,10 @@ from typing import Any
 from torch import nn
 
 from ..catalog import FAMILIES
-from ._common import (
+from ..roundpipe import RoundPipe
+from ._common import DEFAULT_MLP_CHUNK_SIZE, DEFAULT_MLP_CHUNK_TOKENS
+from .loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
-    DEFAULT_MLP_CHUNK_SIZE,
-    DEFAULT_MLP_CHUNK_TOKENS,
     IGNORE_INDEX,
     causal_lm_loss,
     causal_lm_loss_fn,
@@ -162,10 +162,6 @@ def wrap_model(
     Raises:
         NotImplementedError: As `to_sequential`.
     """
-    # Imported here: engine/__init__ imports the wrapper (and through it this package)
-    # before roundpipe is needed.
-    from ..roundpipe import RoundPipe
-
     seq = to_sequential(model, recompute_attention=recompute_attention)
     log.info("wrapping %s with its preset: %d layers", type(model).__name__, len(seq))
     rp = RoundPipe(seq, **roundpipe_kwargs)

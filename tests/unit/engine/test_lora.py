@@ -22,12 +22,11 @@ from engine.adapters.lora import (
     DEFAULT_TARGET_MODULES,
     LoraConfig,
     LoraLinear,
-    adapter_state_dict,
     apply_lora,
     count_parameters,
-    load_adapter_state_dict,
     lora_modules,
 )
+from engine.adapters.peft_format import adapter_state_dict, load_adapter_state_dict
 from engine.attribute import ParamAttribute
 from engine.models import causal_lm_loss_fn
 from engine.optim import Adam
