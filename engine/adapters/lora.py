@@ -36,6 +36,7 @@ from torch.nn import functional as F
 
 from ..catalog import LORA_TARGET_MODULES, max_lora_rank
 from ..errors import ConfigError
+from ..memory import packed_form
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -320,6 +321,9 @@ class LoraLinear(nn.Module):
         a = self.lora_A.weight if a is None else a
         b = self.lora_B.weight if b is None else b
         w = self.base_layer.weight
+        packed = packed_form(w)  # a 4-bit base: the parameter's own storage is a stand-in
+        if packed is not None:
+            w = packed.dequantize()
         delta = (b.detach().float() @ a.detach().float()) * self.scaling
         return (w.detach().float() + delta.to(w.device)).to(w.dtype)
 
