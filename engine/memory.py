@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import mmap
 import weakref
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -13,10 +13,13 @@ from torch import nn
 from .errors import ConfigError
 
 __all__ = [
+    "PACKED_ATTR",
     "PinMode",
     "get_model_active_size",
     "get_model_size",
     "host_block",
+    "host_tensors",
+    "packed_form",
     "pin_module",
     "pin_module_alloc",
     "pin_module_arena",
@@ -38,6 +41,23 @@ def arena_slot_bytes(nbytes: int) -> int:
     return -(-nbytes // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
 
 
+# A frozen parameter stored packed in host memory (engine.adapters.nf4) carries its packed
+# form under this attribute; its own storage is a broadcast stand-in of a few bytes. Pinning
+# and the memory checks use the packed tensors, the upload decodes them on the device.
+PACKED_ATTR = "rp_packed"
+
+
+def packed_form(t: torch.Tensor) -> Any:
+    """The packed form of a parameter stored packed (an `NF4Weight`), else None."""
+    return getattr(t, PACKED_ATTR, None)
+
+
+def host_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The host tensors that hold `t`'s value: its packed tensors, else `t` itself."""
+    packed = packed_form(t)
+    return packed.tensors() if packed is not None else [t]
+
+
 def _pinning_possible() -> bool:
     return torch.cuda.is_available()
 
@@ -55,7 +75,7 @@ def _module_tensors(mod: nn.Module) -> list[torch.Tensor]:
     for t in [*mod.parameters(), *mod.buffers()]:
         if id(t) not in seen:
             seen.add(id(t))
-            out.append(t)
+            out.extend(host_tensors(t))
     return out
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
+from .device import get_num_devices
 from .errors import ConfigError
-
-if TYPE_CHECKING:
-    from .scheduler import ModelExecutePlan
+from .planning.memory_plan import default_num_microbatch
+from .scheduler import ModelExecutePlan
 
 __all__ = ["FullRoundPipeRunConfig", "RoundPipeRunConfig"]
 
@@ -77,14 +77,11 @@ class RoundPipeRunConfig:
                 raise ConfigError(
                     f"run_config.output_device must name a torch device, got {self.output_device!r}"
                 ) from exc
-        if self.execute_plan is not None:
-            from .scheduler import ModelExecutePlan
-
-            if not isinstance(self.execute_plan, ModelExecutePlan):
-                raise ConfigError(
-                    "run_config.execute_plan must be a ModelExecutePlan, "
-                    f"got {type(self.execute_plan).__name__}"
-                )
+        if self.execute_plan is not None and not isinstance(self.execute_plan, ModelExecutePlan):
+            raise ConfigError(
+                "run_config.execute_plan must be a ModelExecutePlan, "
+                f"got {type(self.execute_plan).__name__}"
+            )
 
     def over(self, base: RoundPipeRunConfig) -> RoundPipeRunConfig:
         """This config, with unset fields taken from `base`."""
@@ -122,8 +119,6 @@ class FullRoundPipeRunConfig:
         num_devices: int | None = None,
     ) -> None:
         if num_devices is None:
-            from .device import get_num_devices
-
             num_devices = get_num_devices()
         c = function_run_config.over(model_run_config)
         self.requires_grad: bool = (
@@ -134,7 +129,7 @@ class FullRoundPipeRunConfig:
             True if c.preserve_rng_state is None else c.preserve_rng_state
         )
         self.recompute_grain: RecomputeGrain = c.recompute_grain or "stage"
-        self.num_microbatch: int = c.num_microbatch or num_devices + 1
+        self.num_microbatch: int = c.num_microbatch or default_num_microbatch(num_devices)
         self.split_input: Any = c.split_input
         self.split_label: Any = c.split_label
         self.merge_output: Any = True if c.merge_output is None else c.merge_output

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .device import DeviceManager
+from .memory import packed_form
 
 if TYPE_CHECKING:
     from .accel.graphs import Slot
@@ -129,6 +130,19 @@ def _copy_to(dev: DeviceManager, src: torch.Tensor) -> torch.Tensor:
     return src.detach().clone()
 
 
+def _upload_param(
+    dev: DeviceManager, host: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A parameter's value on `dev` (into `out` if given): a packed one (engine.memory.
+    PACKED_ATTR) is copied packed and decoded there, on the current (upload) stream."""
+    packed = packed_form(host)
+    if packed is not None:
+        return packed.to_device(dev.device, non_blocking=dev.is_cuda, out=out)
+    if out is None:
+        return _copy_to(dev, host.detach())
+    return out.copy_(host.detach(), non_blocking=dev.is_cuda)
+
+
 def upload_layers(
     dev: DeviceManager,
     replicas: Sequence[LayerReplica],
@@ -157,7 +171,7 @@ def upload_layers(
             for host, ph in rep.params:
                 d = group.device_tensors.get(id(host))
                 if d is None:
-                    d = _copy_to(dev, host.detach())
+                    d = _upload_param(dev, host)
                     group.device_tensors[id(host)] = d
                 ph.data = d
                 ph.grad = None
@@ -196,7 +210,7 @@ def _upload_into_slot(
     parameter upload stream, which waits until the slot's last job no longer reads it)."""
     dev.wait_event(dev.param_upstream, slot.weights_free)
     for (host, ph), d in zip(rep.params, slot.params, strict=True):
-        d.copy_(host.detach(), non_blocking=dev.is_cuda)
+        _upload_param(dev, host, d)
         ph.data = d
         ph.grad = None
     for (host, bh), d in zip(rep.buffers, slot.buffers, strict=True):

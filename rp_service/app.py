@@ -23,7 +23,7 @@ from rp_service.api import ROUTERS, dashboard
 from rp_service.api import openai as openai_api
 from rp_service.api.deps import Services
 from rp_service.api.metrics import build_registry
-from rp_service.errors import ServiceError
+from rp_service.errors import InvalidRequest, JobFailure, ServiceError
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.files import FileService
 from rp_service.jobs.orchestrator import Orchestrator
@@ -195,6 +195,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 401:
             headers = {"www-authenticate": "Bearer"}
         return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(JobFailure)
+    async def _job_failure(request: Request, exc: JobFailure) -> JSONResponse:
+        # A spec this daemon cannot run, found at submission: InvalidRequest's 422, with
+        # the failure's figures beside its field in the details.
+        details = (
+            [{"param": exc.param, "message": exc.message, **exc.details}]
+            if exc.param is not None
+            else exc.details or None
+        )
+        refusal = InvalidRequest(exc.message, code=exc.code, param=exc.param, details=details)
+        return JSONResponse(refusal.envelope(), status_code=refusal.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

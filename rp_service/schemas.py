@@ -13,8 +13,9 @@ from pydantic import (
     model_validator,
 )
 
+from engine import catalog
+
 __all__ = [
-    "LORA_TARGET_MODULES",
     "TERMINAL_STATUSES",
     "Checkpoint",
     "DataSection",
@@ -72,7 +73,7 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """The model to train: a preset with random initialisation, or a local HF directory."""
 
-    preset: Literal["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss"] | None = Field(
+    preset: Literal[catalog.PRESET_NAMES] | None = Field(  # type: ignore[valid-type]
         None, description="Architecture preset, randomly initialised (exactly one of preset/path)."
     )
     config: dict[str, ConfigValue] = Field(
@@ -188,18 +189,6 @@ class EngineSection(_Section):
     async_step: bool = True
 
 
-LORA_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-"""Projections LoRA can adapt, by their Hugging Face name (the engine's default: all)."""
-
-
 class LoraSection(_Section):
     """LoRA adapters of a `train.method: lora` job (peft's LoraConfig names)."""
 
@@ -207,7 +196,7 @@ class LoraSection(_Section):
     alpha: float = Field(32.0, gt=0, le=1e6, description="Scale: updates are alpha/rank * BA.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
     target_modules: list[str] = Field(
-        default_factory=lambda: list(LORA_TARGET_MODULES),
+        default_factory=lambda: list(catalog.LORA_TARGET_MODULES),
         min_length=1,
         description="Projections to adapt; default all attention and MLP projections.",
     )
@@ -218,11 +207,11 @@ class LoraSection(_Section):
     @field_validator("target_modules")
     @classmethod
     def _known_modules(cls, names: list[str]) -> list[str]:
-        unknown = [n for n in names if n not in LORA_TARGET_MODULES]
+        unknown = [n for n in names if n not in catalog.LORA_TARGET_MODULES]
         if unknown:
             raise ValueError(
                 f"unknown target module(s) {', '.join(map(repr, unknown))}; use any of "
-                f"{', '.join(LORA_TARGET_MODULES)}"
+                f"{', '.join(catalog.LORA_TARGET_MODULES)}"
             )
         if len(set(names)) != len(names):
             raise ValueError(f"a target module is listed twice in {names}; list each once")

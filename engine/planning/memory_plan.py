@@ -32,7 +32,8 @@ avoids it), the activations kept for the backward (each backward group's input, 
 micro-batch; from 64 MiB up pinned in power-of-two pieces, so not rounded), the saved
 attention outputs (on CUDA unless attention is recomputed; pieces as well) and
 the runtime itself (CUDA context, libraries). Frozen parameters (LoRA bases) have only
-the model copy.
+the model copy; with base_quantization='nf4' the projections' copy is packed (half a byte
+a parameter plus a 4-byte absmax per 64: engine.adapters.nf4).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from ..catalog import LORA_TARGET_MODULES, projection_shapes_of
 from ..errors import ConfigError, HostMemoryError
 
 __all__ = [
@@ -53,7 +55,9 @@ __all__ = [
     "check_engine_allocation",
     "compact_state_bytes",
     "default_budget_bytes",
+    "default_num_microbatch",
     "format_gib",
+    "nf4_tensor_bytes",
     "parse_bytes",
     "plan_host_memory",
     "process_rss_bytes",
@@ -249,12 +253,21 @@ class ModelShape:
             raise ConfigError(f"the model config's {', '.join(bad)} must be in 1..{_MAX_DIM}")
         return shape
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """`{name: (in_features, out_features)}` of a decoder layer's projections."""
+        return projection_shapes_of(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+        )
+
     def layer_tensors(self) -> list[int]:
         """Element counts of one decoder layer's parameters."""
         h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        out = [h * q, h * kv, h * kv, q * h]  # q, k, v, o projections
-        out += [h * self.intermediate_size] * 3  # gate, up, down
+        # q, k, v, o, gate, up, down projections
+        out = [fan_in * fan_out for fan_in, fan_out in self.projection_shapes().values()]
         out += [h, h]  # input and post-attention norms
         if self.qk_norm:
             out += [d, d]
@@ -270,13 +283,12 @@ class ModelShape:
     def num_params(self) -> int:
         return sum(self.param_tensors())
 
-    def lora_params(self, rank: int) -> int:
-        """Trainable parameters of rank-`rank` adapters on all seven projections."""
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        inter = self.intermediate_size
-        pairs = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
-        return rank * sum(a + b for a, b in pairs) * self.num_hidden_layers
+    def lora_params(self, rank: int, target_modules: Iterable[str] = LORA_TARGET_MODULES) -> int:
+        """Trainable parameters of rank-`rank` adapters (A: in x r, B: r x out) on the
+        `target_modules` projections of every layer (default: all seven)."""
+        shapes = self.projection_shapes()
+        per_layer = sum(sum(shapes[m]) for m in target_modules if m in shapes)
+        return rank * per_layer * self.num_hidden_layers
 
     def backward_groups(self, grain: str) -> int:
         """How many backward groups (each keeps its input) the automatic plan makes."""
@@ -286,6 +298,12 @@ class ModelShape:
         head = self.vocab_size * self.hidden_size
         per_group = max(1, int(_GROUP_THRESHOLD * head / layer))
         return math.ceil(self.num_hidden_layers / per_group)
+
+
+def default_num_microbatch(num_devices: int) -> int:
+    """Micro-batches per call when a run config leaves `num_microbatch` unset: the
+    devices + 1 (the seeds' default). RoundPipeRunConfig and the daemon's plan use it."""
+    return num_devices + 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -307,6 +325,8 @@ class RunShape:
     optimizer_state: bool = True  # count Adam's moments
     double_buffer_weights: bool = False  # a second model copy per trainable parameter
     optim_memory: Literal["default", "compact"] = "default"  # compact: see the module doc
+    # "nf4": the frozen projections are held packed (engine.adapters.nf4), LoRA only.
+    base_quantization: Literal["none", "nf4"] = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,7 +449,22 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
     mbytes = run.model_dtype_bytes
     pin, cuda = run.pin_model, run.cuda
     parts: dict[str, int] = {}
+    if run.base_quantization not in ("none", "nf4"):
+        raise ConfigError(
+            f"base_quantization must be 'none' or 'nf4', got {run.base_quantization!r}"
+        )
+    packed: list[int] = []
+    if run.base_quantization == "nf4":
+        if run.trainable_params is None:
+            raise ConfigError(
+                "base_quantization='nf4' needs a frozen base: train adapters (LoRA), "
+                "not the full model"
+            )
+        projections = shape.layer_tensors()[:7] * shape.num_hidden_layers
+        packed = [b for n in projections for b in nf4_tensor_bytes(n)]
+        tensors = _without(tensors, projections)
     model = sum(_pinned_bytes(n * mbytes, pin, cuda) for n in tensors)
+    model += sum(_pinned_bytes(b, pin, cuda) for b in packed)
     if run.trainable_params is None:
         grads = sum(
             _pinned_bytes(n * mbytes, pin, cuda)
@@ -483,6 +518,20 @@ def compact_state_bytes(numels: Iterable[int]) -> tuple[int, int]:
     return codes, scales
 
 
+def nf4_tensor_bytes(numel: int, block: int = 64) -> tuple[int, int]:
+    """Bytes of an NF4 weight of `numel` values: its packed codes (half a byte a value)
+    and its fp32 absmax (one per block); engine.adapters.nf4 holds them as two tensors."""
+    return (numel + 1) // 2, 4 * -(-numel // block)
+
+
+def _without(tensors: list[int], removed: list[int]) -> list[int]:
+    """`tensors` less one occurrence of each element of `removed` (a multiset difference)."""
+    left = list(tensors)
+    for n in removed:
+        left.remove(n)
+    return left
+
+
 def check_engine_allocation(
     model: Any,
     *,
@@ -506,6 +555,7 @@ def check_engine_allocation(
 
     from ..accel.weight_buffers import takes_second_copy
     from ..device import host_memory_budget_setting  # imports torch: only on this path
+    from ..memory import host_tensors
 
     cuda = torch.cuda.is_available()
     seen: set[int] = set()
@@ -518,7 +568,10 @@ def check_engine_allocation(
     }
     for p in _unique(model.parameters(), seen):
         nbytes = p.numel() * p.element_size()
-        parts["model"] += _pinned_bytes(nbytes, pin_model, cuda)
+        # A packed frozen weight (NF4) is held as its packed tensors, pinned one by one.
+        parts["model"] += sum(
+            _pinned_bytes(t.numel() * t.element_size(), pin_model, cuda) for t in host_tensors(p)
+        )
         if not p.requires_grad:
             continue
         opt_dtype = optim_dtype or p.dtype

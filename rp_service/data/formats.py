@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from rp_service.errors import JobFailure
+
 __all__ = [
     "CHAT_ROLES",
     "FORMATS",
@@ -32,13 +34,16 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _MAX_SHOWN = 80  # characters of a bad value quoted back in an error message
 
 
-class DataFormatError(ValueError):
-    """A dataset line is malformed; `line` is its 1-based line number (0: the whole file)."""
+class DataFormatError(JobFailure, ValueError):
+    """A dataset line is malformed; `line` is its 1-based line number (0: the whole file).
+
+    `param` is None: the caller knows which of data.train / data.valid it read.
+    """
 
     def __init__(self, message: str, *, line: int) -> None:
-        super().__init__(f"line {line}: {message}" if line else message)
+        super().__init__("invalid_data", message, line=line)
+        self.args = (f"line {line}: {message}" if line else message,)
         self.line = line
-        self.message = message
 
 
 # ---------------------------------------------------------------- parsing and validation

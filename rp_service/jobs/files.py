@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import IO
 
 from rp_service.errors import InvalidRequest, NotFound, RequestTooLarge
-from rp_service.jobs.store import FileRecord, OpenAIStore, Store
+from rp_service.jobs.openai_store import OpenAIStore
+from rp_service.jobs.store import FileRecord, Store
 
 __all__ = ["FORMATS", "RETRY_WINDOW_S", "FileService"]
 

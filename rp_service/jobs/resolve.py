@@ -12,21 +12,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from engine.catalog import FAMILIES, max_lora_rank, projection_shapes
 from rp_service.errors import InvalidRequest
 from rp_service.jobs.hostmem import budget_bytes, check_spec
 from rp_service.jobs.store import Store
-from rp_service.schemas import JobSpec
+from rp_service.schemas import JobSpec, LoraSection
 from rp_service.settings import Settings
-from rp_service.shapes import PRESET_DEFAULTS, check_lora_rank
 
-__all__ = ["PRESET_MAX_POSITIONS", "SpecResolver"]
-
-# Context length of a preset when `model.config` does not override
-# max_position_embeddings: Qwen3's released configs use 40960, Llama 3's 8192.
-PRESET_MAX_POSITIONS = {"qwen3": 40960, "llama": 8192}
-# The other families: Qwen2.5's and Mistral 7B v0.3's 32768, Qwen3-30B-A3B's 40960,
-# gpt-oss's 131072.
-PRESET_MAX_POSITIONS.update(qwen2=32768, mistral=32768, qwen3_moe=40960, gpt_oss=131072)
+__all__ = ["SpecResolver", "check_lora_rank", "config_max_positions"]
 
 
 def _under_roots(raw: str, roots: list[Path], *, param: str, env: str) -> Path:
@@ -64,6 +57,25 @@ def _under_roots(raw: str, roots: list[Path], *, param: str, env: str) -> Path:
     )
 
 
+def check_lora_rank(lora: LoraSection, config: dict[str, Any]) -> None:
+    """Raise InvalidRequest (param ``lora.rank``) when the rank is above an adapted layer's
+    `engine.catalog.max_lora_rank` (the engine refuses it as well, later)."""
+    shapes = projection_shapes(config)
+    if shapes is None:
+        return
+    limits = {name: max_lora_rank(*shapes[name]) for name in lora.target_modules}
+    narrowest = min(limits, key=lambda name: limits[name])
+    limit = limits[narrowest]
+    if lora.rank > limit:
+        fan_in, fan_out = shapes[narrowest]
+        raise InvalidRequest(
+            f"lora.rank: {lora.rank} is above the width of the model's {narrowest} layers "
+            f"({fan_in} -> {fan_out} features); use a rank of at most {limit}",
+            code="lora_rank_too_large",
+            param="lora.rank",
+        )
+
+
 def config_max_positions(config: dict[str, Any] | None) -> int | None:
     """A config.json's `max_position_embeddings` when it is a positive integer, else None."""
     value = config.get("max_position_embeddings") if config is not None else None
@@ -78,7 +90,8 @@ class SpecResolver:
         self.store = store
 
     def check(self, spec: JobSpec, *, gpu_count: int) -> None:
-        """Raise InvalidRequest, naming the field, for what this daemon cannot run."""
+        """Raise InvalidRequest or JobFailure, naming the field, for what this daemon
+        cannot run."""
         path_config = self._path_config(spec)  # config.json of a model folder, read once
         max_positions = self._max_positions(spec, path_config)
         if max_positions is not None and spec.data.seq_len > max_positions:
@@ -156,7 +169,7 @@ class SpecResolver:
             override = spec.model.config.get("max_position_embeddings")
             if isinstance(override, int) and not isinstance(override, bool) and override > 0:
                 return override
-            return PRESET_MAX_POSITIONS[spec.model.preset]
+            return FAMILIES[spec.model.preset].max_positions
         return config_max_positions(path_config)
 
     def _path_config(self, spec: JobSpec) -> dict[str, Any] | None:
@@ -179,7 +192,7 @@ class SpecResolver:
     ) -> dict[str, Any] | None:
         """The model's HF config fields: a preset's defaults with the overrides, or config.json."""
         if spec.model.preset is not None:
-            defaults = PRESET_DEFAULTS.get(spec.model.preset)
+            defaults = FAMILIES[spec.model.preset].config_defaults
             if defaults is None:
                 return None  # no shape defaults here: the worker checks the rank (invalid_lora)
             return {**defaults, **spec.model.config}

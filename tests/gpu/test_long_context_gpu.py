@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from tests.tiny_models import tiny_model
+
 pytestmark = pytest.mark.gpu
 
 transformers = pytest.importorskip("transformers")
@@ -26,7 +28,8 @@ HIDDEN = 1024
 
 
 def qwen3(num_layers: int, vocab: int = 256) -> nn.Module:
-    config = transformers.Qwen3Config(
+    return tiny_model(
+        "qwen3",
         vocab_size=vocab,
         hidden_size=HIDDEN,
         intermediate_size=3072,
@@ -35,10 +38,7 @@ def qwen3(num_layers: int, vocab: int = 256) -> nn.Module:
         num_key_value_heads=8,
         head_dim=64,
         max_position_embeddings=TOKENS,
-        use_cache=False,
     )
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(config).train()
 
 
 def close(got: Tensor, expected: Tensor, name: str) -> None:

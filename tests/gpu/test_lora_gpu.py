@@ -20,6 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.tiny_models import tiny_model
+
 pytestmark = pytest.mark.gpu
 
 transformers = pytest.importorskip("transformers")
@@ -31,21 +33,17 @@ WEIGHT_ATOL = 5e-5  # see test_models_gpu.WEIGHT_ATOL
 
 
 def tiny_qwen3(dtype: torch.dtype = torch.float32) -> nn.Module:
-    config = transformers.Qwen3Config(
+    return tiny_model(
+        "qwen3",
+        dtype=dtype,
+        attn="sdpa",
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
         max_position_embeddings=256,
-        use_cache=False,
     )
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
-    return model.to(dtype).train()
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +112,7 @@ def test_fp32_lora_trains_like_peft_on_cuda(
     cuda_devices: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import engine.models
-    from engine.adapters.lora import adapter_state_dict, load_adapter_state_dict
+    from engine.adapters.peft_format import adapter_state_dict, load_adapter_state_dict
     from engine.attribute import ParamAttribute
     from engine.models import causal_lm_loss_fn
     from engine.optim import Adam
@@ -163,7 +161,7 @@ def test_fp32_lora_trains_like_peft_on_cuda(
 
 def test_fp16_lora_compiled_on_cuda_against_peft(cuda_devices: int) -> None:
     import engine.models
-    from engine.adapters.lora import load_adapter_state_dict
+    from engine.adapters.peft_format import load_adapter_state_dict
     from engine.models import _common, causal_lm_loss_fn
 
     assert not engine.models.DISABLE_TORCH_COMPILE

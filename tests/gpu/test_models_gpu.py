@@ -22,6 +22,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests import tiny_models
+
 pytestmark = pytest.mark.gpu
 
 transformers = pytest.importorskip("transformers")
@@ -52,25 +54,15 @@ def cuda_devices() -> Iterator[None]:
 
 
 def tiny_model(kind: str, *, tie: bool, attn: str = "sdpa") -> nn.Module:
-    common: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": tie,
-        "use_cache": False,
-    }
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    model.config._attn_implementation = attn
-    return model.float().train()
+    return tiny_models.tiny_model(
+        kind,
+        attn=attn,
+        vocab_size=VOCAB,
+        num_hidden_layers=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        **tiny_models.WIDE,
+    )
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +288,8 @@ def test_compiled_chunked_loss_on_cuda(dtype: torch.dtype) -> None:
     largest entry (an fp32 exp that differs in its last bit can flip a rounding).
     """
     import engine.models
-    from engine.models import _common, chunked_cross_entropy_sum
+    from engine.models import chunked_cross_entropy_sum
+    from engine.models import loss as loss_module
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens, hidden_size, vocab = 1001, 128, 5003
@@ -304,7 +297,7 @@ def test_compiled_chunked_loss_on_cuda(dtype: torch.dtype) -> None:
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.05).to(dtype)
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     targets[::7] = -100
-    assert _common._fused_loss_kernels(hidden) is not None
+    assert loss_module._fused_loss_kernels(hidden) is not None
 
     def run(disable: bool):
         engine.models.DISABLE_TORCH_COMPILE = disable
@@ -338,20 +331,16 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
     from engine.models import _attention, causal_lm_loss_fn
     from engine.wrapper import wrap_model_to_roundpipe
 
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
+    base = tiny_models.tiny_model(
+        "qwen3",
+        attn="sdpa",
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=512,
-        use_cache=False,
     )
-    config._attn_implementation = "sdpa"
-    base = transformers.Qwen3ForCausalLM(config).train()
     # The availability probe runs once per GPU, lazily, and calls the kernel itself: run it
     # on every GPU the engine uses now, so the count below sees the layers' calls only.
     for index in range(torch.cuda.device_count()):
@@ -372,7 +361,6 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
     )
     results = {}
     for recompute, compile_ in ((True, False), (False, False), (False, True)):
-        engine.models.RECOMPUTE_ATTENTION = recompute
         engine.models.DISABLE_TORCH_COMPILE = not compile_
         cudnn_calls.clear()
         try:
@@ -381,6 +369,7 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
                 model,
                 optim_dtype=torch.float32,
                 model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+                recompute_attention=recompute,
             )
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(_attention, "_cudnn_forward", counting_forward)
@@ -391,7 +380,6 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
                 )
             rp.synchronize()
         finally:
-            engine.models.RECOMPUTE_ATTENTION = False
             engine.models.DISABLE_TORCH_COMPILE = False
         results[(recompute, compile_)] = (loss.float(), hf_grads(model))
         if not compile_:

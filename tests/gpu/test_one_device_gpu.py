@@ -15,7 +15,7 @@ import torch
 
 from engine import ModelExecutePlan
 from engine.planning import one_device
-from tests.unit.engine._models import tiny_hf_model
+from tests import tiny_models
 from tests.unit.engine.conftest import use_devices
 from tests.unit.engine.test_one_device import VOCAB, train_lm
 
@@ -39,8 +39,8 @@ def train(model: torch.nn.Module) -> tuple[list[float], dict[str, torch.Tensor],
 
 
 def tiny_model() -> torch.nn.Module:
-    return tiny_hf_model(
-        "qwen3", vocab=VOCAB, window=4, num_hidden_layers=6, tie_word_embeddings=False
+    return tiny_models.tiny_model(
+        "qwen3", vocab_size=VOCAB, num_hidden_layers=6, tie_word_embeddings=False
     )
 
 

@@ -23,6 +23,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests import tiny_models
+
 pytestmark = pytest.mark.gpu
 
 transformers = pytest.importorskip("transformers")
@@ -34,46 +36,19 @@ MOE = ("qwen3_moe", "gpt_oss")
 
 def tiny_model(kind: str, **overrides: Any) -> nn.Module:
     """A random 3-layer model of `kind` (hidden 64), windows of 16 tokens, fp32."""
-    common: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 256,
-        "use_cache": False,
-    }
-    common.update(overrides)
-    torch.manual_seed(0)
-    if kind == "qwen2":
-        config = transformers.Qwen2Config(
-            use_sliding_window=True, sliding_window=16, max_window_layers=1, **common
-        )
-        model = transformers.Qwen2ForCausalLM(config)
-    elif kind == "mistral":
-        common.setdefault("sliding_window", 16)
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
-    elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            output_router_logits=True,
-            **common,
-        )
-        model = transformers.Qwen3MoeForCausalLM(config)
-    else:
-        config = transformers.GptOssConfig(
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            sliding_window=16,
-            output_router_logits=True,
-            **common,
-        )
-        model = transformers.GptOssForCausalLM(config)
-    return model.float().train()
+    moe: dict[str, Any] = {}
+    if kind == "qwen3_moe":
+        moe = {"num_experts": 8, "moe_intermediate_size": 32, "output_router_logits": True}
+    elif kind == "gpt_oss":
+        moe = {"num_local_experts": 8, "output_router_logits": True}
+    return tiny_models.tiny_model(
+        kind,
+        window=16,
+        vocab_size=VOCAB,
+        num_hidden_layers=3,
+        max_position_embeddings=256,
+        **{**tiny_models.WIDE, **moe, **overrides},
+    )
 
 
 def batch(seed: int) -> dict[str, torch.Tensor]:
@@ -186,7 +161,6 @@ def test_mistral_saves_attention_when_the_window_covers_the_sequence(
 ) -> None:
     """A window at least as long as the sequence is plain causal attention: the cuDNN
     output is kept for the recompute; a shorter one takes HF's masked attention."""
-    import engine.models
     from engine import ModelExecutePlan
     from engine.models import _attention
 
@@ -208,19 +182,21 @@ def test_mistral_saves_attention_when_the_window_covers_the_sequence(
 
     results = []
     for recompute in (True, False):
-        engine.models.RECOMPUTE_ATTENTION = recompute
-        try:
-            model = copy.deepcopy(ref)
-            rp = wrap(model, num_microbatch=2, optim_dtype=torch.float32, execute_plan=plan)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(_attention, "_cudnn_forward", counting_forward)
-                loss = rp.forward_backward(
-                    input_kwargs={"input_ids": ids, "labels": ids},
-                    loss_fn=lambda out, _: out.loss / 2,
-                )
-            rp.synchronize()
-        finally:
-            engine.models.RECOMPUTE_ATTENTION = False
+        model = copy.deepcopy(ref)
+        rp = wrap(
+            model,
+            num_microbatch=2,
+            optim_dtype=torch.float32,
+            execute_plan=plan,
+            recompute_attention=recompute,
+        )
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_attention, "_cudnn_forward", counting_forward)
+            loss = rp.forward_backward(
+                input_kwargs={"input_ids": ids, "labels": ids},
+                loss_fn=lambda out, _: out.loss / 2,
+            )
+        rp.synchronize()
         results.append((loss.float().cpu(), grads(model)))
     covers = window >= SEQ
     # With saving on: one kernel call per decoder layer and micro-batch, or none.

@@ -39,23 +39,21 @@ def _jsonl(records: list[dict[str, Any]]) -> bytes:
 
 def _tiny_model(root: Path) -> None:
     """A random tiny Qwen3 with the built-in byte tokenizer, saved as a Hugging Face folder."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from rp_service.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+    from tests.tiny_models import tiny_model
 
     folder = root / MODEL
-    config = Qwen3Config(
+    model = tiny_model(
+        "qwen3",
+        seed=None,
         vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
-    Qwen3ForCausalLM(config).save_pretrained(folder)
+    model.save_pretrained(folder)
     build_byte_tokenizer().save_pretrained(folder)
 
 

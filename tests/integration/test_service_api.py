@@ -132,6 +132,8 @@ def _error(r: httpx.Response, status: int) -> dict:
         ({"model": {"path": "/etc"}}, "model.path", "RP_MODEL_ROOTS"),
         ({"train": {"steps": 5, "epochs": 1}}, "train", "exactly one"),
         ({"engine": {"gpus": 0, "colour": "red"}}, "engine.colour", "Extra inputs"),
+        # more micro-batches than the 8 sequences of a step (train.batch_size's default)
+        ({"engine": {"gpus": 0, "num_microbatch": 9}}, "engine.num_microbatch", "at most 8"),
     ],
 )
 def test_bad_job_specs_are_422_naming_the_field(

@@ -153,8 +153,9 @@ def test_a_rank_the_model_cannot_take_fails_the_job_naming_the_field(tmp_path: P
     # it trains (in-process here: the failure comes before any device is used).
     import threading
 
+    from rp_service.errors import JobFailure
     from rp_service.schemas import JobSpec
-    from rp_service.worker.training import JobFailure, JobPaths, run_job
+    from rp_service.worker.training import JobPaths, run_job
 
     job_dir = make_job(tmp_path / "wide", {**SMALL_LORA, "lora": {"rank": 40}})
     payload = json.loads((job_dir / "spec.json").read_text())
@@ -170,15 +171,13 @@ def test_a_rank_the_model_cannot_take_fails_the_job_naming_the_field(tmp_path: P
 
 def _base_model_dir(root: Path) -> Path:
     """A small Qwen3 saved as a Hugging Face directory, with the built-in tokenizer."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from rp_service.data.tokenizer import load_tokenizer
+    from tests.tiny_models import tiny_model
 
     tokenizer = load_tokenizer(None)
-    torch.manual_seed(1)
-    config = Qwen3Config(**MODEL_CONFIG, vocab_size=VOCAB, tie_word_embeddings=False)
+    model = tiny_model("qwen3", seed=1, **MODEL_CONFIG, vocab_size=VOCAB, tie_word_embeddings=False)
     model_dir = root / "base"
-    Qwen3ForCausalLM(config).save_pretrained(str(model_dir), safe_serialization=True)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
     tokenizer.save(model_dir)
     assert tokenizer.vocab_size <= VOCAB
     return model_dir

@@ -21,8 +21,9 @@ from rp_service.api.openai.schemas import (
     ResolvedHyperparameters,
 )
 from rp_service.errors import BadRequest
+from rp_service.jobs.openai_store import OpenAIJobRecord
 from rp_service.jobs.results import result_file_id
-from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, OpenAIJobRecord
+from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord
 from rp_service.schemas import (
     TERMINAL_STATUSES,
     DataSection,

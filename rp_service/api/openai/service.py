@@ -12,6 +12,7 @@ import secrets
 import time
 from pathlib import Path
 
+from engine.catalog import FAMILIES
 from rp_service.api.deps import Services
 from rp_service.api.openai.mapping import (
     openai_checkpoint,
@@ -26,10 +27,11 @@ from rp_service.api.openai.schemas import (
     FineTuningJobCreate,
     FineTuningJobEvent,
 )
-from rp_service.errors import BadRequest, Conflict, InvalidRequest
+from rp_service.errors import BadRequest, Conflict, InvalidRequest, JobFailure
 from rp_service.jobs.files import RETRY_WINDOW_S
-from rp_service.jobs.resolve import PRESET_MAX_POSITIONS, config_max_positions
-from rp_service.jobs.store import FileRecord, JobRecord, OpenAIJobRecord, OpenAIStore
+from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
+from rp_service.jobs.resolve import config_max_positions
+from rp_service.jobs.store import FileRecord, JobRecord
 from rp_service.schemas import ModelSection
 
 __all__ = ["FineTuning"]
@@ -107,7 +109,7 @@ class FineTuning:
             job, created = await self.orchestrator.submit(plan.spec, idempotency_key=key)
         except BadRequest:
             raise
-        except InvalidRequest as exc:  # the resolver's 422, in OpenAI's terms: a 400
+        except (InvalidRequest, JobFailure) as exc:  # the resolver's 422, in OpenAI's terms: a 400
             param = _PARAMS.get(exc.param or "", exc.param)
             raise BadRequest(exc.message, code=exc.code, param=param) from None
         if created:
@@ -119,8 +121,8 @@ class FineTuning:
 
     def _model(self, name: str) -> tuple[ModelSection, int | None]:
         """A preset, or a model folder under RP_MODEL_ROOTS; blocking."""
-        if name in PRESET_MAX_POSITIONS:
-            return ModelSection(preset=name), PRESET_MAX_POSITIONS[name]  # type: ignore[arg-type]
+        if name in FAMILIES:
+            return ModelSection(preset=name), FAMILIES[name].max_positions  # type: ignore[arg-type]
         relative = Path(name)
         if not relative.is_absolute() and ".." not in relative.parts:
             for root in self.settings.model_roots:

@@ -1,10 +1,12 @@
-"""Small models shared by the engine tests."""
+"""Small models shared by the engine tests (the Hugging Face ones: tests/tiny_models.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from tests.tiny_models import tiny_model
 
 
 class CausalSelfAttention(nn.Module):
@@ -65,56 +67,6 @@ def make_batch(batch: int = 20, seq: int = 5, seed: int = 1) -> tuple[torch.Tens
     )
 
 
-def tiny_hf_model(
-    kind: str, *, vocab: int, window: int, intermediate_size: int = 64, **overrides: object
-) -> nn.Module:
-    """A random 2-layer fp32 `*ForCausalLM` of `kind` (hidden 32, 4 heads of 8, 2 kv heads).
-
-    `window` is the sliding window where the family has one (short, so the sliding masks
-    matter at the tests' lengths); MoE families get 4 experts, 2 per token.
-    """
-    import transformers
-
-    common: dict[str, object] = {
-        "vocab_size": vocab,
-        "hidden_size": 32,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "max_position_embeddings": 64,
-        "use_cache": False,
-        **overrides,
-    }
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    elif kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(
-            use_sliding_window=True, sliding_window=window, max_window_layers=1, **common
-        )
-        model = transformers.Qwen2ForCausalLM(config)
-    elif kind == "mistral":
-        config = transformers.MistralConfig(**{"sliding_window": window, **common})
-        model = transformers.MistralForCausalLM(config)
-    elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, **common
-        )
-        model = transformers.Qwen3MoeForCausalLM(config)
-    elif kind == "gpt_oss":
-        config = transformers.GptOssConfig(
-            num_local_experts=4, num_experts_per_tok=2, sliding_window=window, **common
-        )
-        model = transformers.GptOssForCausalLM(config)
-    else:
-        raise ValueError(kind)
-    return model.float().train()
-
-
 def tied_qwen3_roundpipe(
     dtype: torch.dtype = torch.float32, **rp_kwargs: object
 ) -> tuple[nn.Module, nn.Module]:
@@ -123,7 +75,7 @@ def tied_qwen3_roundpipe(
     the HF model and the RoundPipe (`rp_kwargs` go to wrap_model_to_roundpipe)."""
     from engine import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe
 
-    model = tiny_hf_model("qwen3", vocab=64, window=64, num_hidden_layers=4).to(dtype)
+    model = tiny_model("qwen3", vocab_size=64, num_hidden_layers=4, dtype=dtype)
     model.config.tie_word_embeddings = True
     model.tie_weights()
     n = 6  # embedding, 4 decoder layers, head

@@ -16,7 +16,8 @@ import engine.optim as eo
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from engine.errors import ConfigError
 from engine.planning.memory_plan import GIB, ModelShape, RunShape, plan_host_memory
-from tests.unit.engine._models import make_batch, make_model, tiny_hf_model
+from tests.tiny_models import tiny_model
+from tests.unit.engine._models import make_batch, make_model
 
 STEPS = 4
 
@@ -112,7 +113,7 @@ def test_resume_is_bit_identical(cpu3) -> None:
 
 
 def test_plan_predicts_the_optimizer_bytes() -> None:
-    model = tiny_hf_model("qwen3", vocab=1000, window=16).bfloat16()
+    model = tiny_model("qwen3", vocab_size=1000, dtype=torch.bfloat16)
     config = model.config
     params = list(model.parameters())
     opt = eo.Adam(params, lr=1e-3, state_dtype=torch.uint8)

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 import engine.optim as eo
@@ -23,6 +22,7 @@ from engine.planning.memory_plan import (
     parse_bytes,
     plan_host_memory,
 )
+from tests.tiny_models import tiny_model
 from tests.unit.engine._models import make_batch, make_model
 
 STEPS = 3
@@ -130,31 +130,31 @@ def test_unsupported_grad_dtype_is_refused() -> None:
 
 
 def _qwen3(tie: bool) -> nn.Module:
-    config = transformers.Qwen3Config(
+    return tiny_model(
+        "qwen3",
+        seed=None,
+        dtype=torch.float16,
         vocab_size=264,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
+        max_position_embeddings=None,
         tie_word_embeddings=tie,
-        use_cache=False,
     )
-    return transformers.Qwen3ForCausalLM(config).half()
 
 
 def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
+    # head_dim=None: hidden / heads = 12
+    return tiny_model(
+        "llama",
+        seed=None,
         vocab_size=300,
         hidden_size=48,
         intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
+        head_dim=None,
+        max_position_embeddings=None,
     )
-    return transformers.LlamaForCausalLM(config)
 
 
 @pytest.mark.parametrize("model_fn", [lambda: _qwen3(True), lambda: _qwen3(False), _llama])

@@ -22,7 +22,7 @@ from engine import RoundPipeRunConfig
 from engine.models import _common, count_loss_tokens, to_sequential
 from engine.models._common import DecoderLayer, HeadOptions
 from engine.wrapper import wrap_model_to_roundpipe
-from tests.unit.engine._models import tiny_hf_model
+from tests import tiny_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +36,9 @@ DENSE = ["qwen3", "llama", "mistral", "qwen2"]
 def tiny_model(kind: str, **overrides: Any) -> nn.Module:
     """A random 2-layer fp32 `*ForCausalLM` (intermediate 96 = 3 x hidden), with 6-token
     windows where the family has them, so sliding masks matter at SEQ tokens."""
-    return tiny_hf_model(kind, vocab=VOCAB, window=6, intermediate_size=96, **overrides)
+    return tiny_models.tiny_model(
+        kind, vocab_size=VOCAB, window=6, intermediate_size=96, **overrides
+    )
 
 
 def padding_mask() -> Tensor:

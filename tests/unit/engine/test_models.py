@@ -20,6 +20,7 @@ from engine.models import (
     causal_lm_loss_fn,
     to_sequential,
 )
+from tests import tiny_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,27 +31,15 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def tiny_model(kind: str, *, tie: bool = False, layers: int = 2, attn: str = "sdpa") -> nn.Module:
     """A random tiny `*ForCausalLM` (hidden 64, 4 heads, 2 kv heads, vocab 256), fp32."""
-    common: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": tie,
-        "use_cache": False,
-    }
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        config = transformers.Qwen3Config(**common)
-        model = transformers.Qwen3ForCausalLM(config)
-    else:
-        config = transformers.LlamaConfig(**common)
-        model = transformers.LlamaForCausalLM(config)
-    model.config._attn_implementation = attn
-    return model.float().train()
+    return tiny_models.tiny_model(
+        kind,
+        attn=attn,
+        vocab_size=VOCAB,
+        num_hidden_layers=layers,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        **tiny_models.WIDE,
+    )
 
 
 def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,8 +19,7 @@ from engine.models import count_loss_tokens
 from engine.planning.one_device import ActivationMeter, DeviceRoom, widen_tail, with_tail_start
 from engine.timer import IterTimer, ModelTimer
 from engine.wrapper import wrap_model_to_roundpipe
-
-from ._models import tiny_hf_model
+from tests.tiny_models import tiny_model
 
 GIB = 1 << 30
 
@@ -208,9 +207,7 @@ def train_lm(
 
 
 def test_a_widened_tail_trains_bit_for_bit_as_the_head_alone() -> None:
-    model = tiny_hf_model(
-        "qwen3", vocab=VOCAB, window=4, num_hidden_layers=4, tie_word_embeddings=False
-    )
+    model = tiny_model("qwen3", vocab_size=VOCAB, num_hidden_layers=4, tie_word_embeddings=False)
     # [embedding, decoder 1-4, head]
     narrow = ModelExecutePlan.from_ranges(
         [range(0, 3), range(3, 5), range(5, 6)], [range(3, 5), range(0, 3)]

@@ -21,7 +21,7 @@ from torch import nn
 from engine import RoundPipeRunConfig
 from engine.models import count_loss_tokens
 from engine.wrapper import wrap_model_to_roundpipe
-from tests.unit.engine._models import tiny_hf_model
+from tests import tiny_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +33,7 @@ RTOL, ATOL = 1e-5, 1e-6
 def tiny_model(kind: str, **overrides: Any) -> nn.Module:
     """A random 2-layer `*ForCausalLM` of `kind`, fp32, with 4-token windows where the
     family has them, so the sliding-window masks matter at SEQ tokens."""
-    return tiny_hf_model(kind, vocab=VOCAB, window=4, **overrides)
+    return tiny_models.tiny_model(kind, vocab_size=VOCAB, window=4, **overrides)
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

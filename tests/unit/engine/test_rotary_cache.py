@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -15,14 +14,11 @@ from engine import RoundPipeRunConfig
 from engine.models import _rotary
 from engine.models._rotary import DefaultRotaryCache, default_rotary, rotary_fingerprint
 from engine.wrapper import wrap_model_to_roundpipe
-from tests.unit.engine._models import tiny_hf_model
+from tests.tiny_models import tiny_config, tiny_model
 
 
 def _rotary_module(**overrides: Any) -> nn.Module:
-    config = transformers.Qwen3Config(
-        hidden_size=32, num_attention_heads=4, head_dim=8, max_position_embeddings=64, **overrides
-    )
-    return Qwen3RotaryEmbedding(config)
+    return Qwen3RotaryEmbedding(tiny_config("qwen3", **overrides))
 
 
 def _count_calls(module: nn.Module) -> list[int]:
@@ -126,8 +122,8 @@ def test_inference_mode_neither_reads_nor_fills_the_cache() -> None:
 def test_a_wrapped_model_builds_each_length_once_and_matches_hf(cpu3: int) -> None:
     """Every decoder layer of every micro-batch reads the same tables, and the outputs are
     HF's; caller-given positions still go through the rotary module each call."""
-    model = tiny_hf_model("qwen3", vocab=64, window=4)
-    reference = tiny_hf_model("qwen3", vocab=64, window=4)
+    model = tiny_model("qwen3", vocab_size=64)
+    reference = tiny_model("qwen3", vocab_size=64)
     calls = [0]
 
     def hook(*_: Any) -> None:

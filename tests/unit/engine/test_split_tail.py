@@ -18,10 +18,11 @@ import torch
 from engine import ModelExecutePlan, RoundPipeRunConfig
 from engine.errors import ConfigError
 from engine.models import count_loss_tokens
-from engine.scheduler import pipeline_makespan, plan_from_times, simulate_plan
+from engine.planning.simulate import pipeline_makespan, simulate_plan
+from engine.scheduler import plan_from_times
 from engine.wrapper import wrap_model_to_roundpipe
+from tests.tiny_models import tiny_model
 
-from ._models import tiny_hf_model
 from .conftest import use_devices
 
 transformers = pytest.importorskip("transformers")
@@ -37,8 +38,8 @@ def cpu8() -> Iterator[int]:
 
 def tiny_qwen3() -> torch.nn.Module:
     """A 2-decoder-layer Qwen3 with tied embeddings, fp32."""
-    return tiny_hf_model(
-        "qwen3", vocab=VOCAB, window=4, max_position_embeddings=32, tie_word_embeddings=True
+    return tiny_model(
+        "qwen3", vocab_size=VOCAB, max_position_embeddings=32, tie_word_embeddings=True
     )
 
 

@@ -264,9 +264,9 @@ def test_the_host_memory_checks_count_the_second_copy() -> None:
     assert plain.parts["model_second_copy"] == 0
     assert double.parts["model_second_copy"] >= half_bytes
     assert double.total_bytes - plain.total_bytes == double.parts["model_second_copy"]
-    from tests.unit.engine._models import tiny_hf_model
+    from tests.tiny_models import tiny_config
 
-    shape = ModelShape.from_config(tiny_hf_model("qwen3", vocab=64, window=64).config)
+    shape = ModelShape.from_config(tiny_config("qwen3", vocab_size=64))
     run = RunShape(tokens_per_step=64, seq_len=16)
     base = plan_host_memory(shape, run)
     more = plan_host_memory(shape, replace(run, double_buffer_weights=True))

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine import wrapper
+from engine import models, wrapper
 from engine.run_config import RoundPipeRunConfig
+from tests.tiny_models import WIDE, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,31 +37,16 @@ class FakeAutoRoundPipe(FakeRoundPipe):
     pass
 
 
-# `models.wrap_model` imports RoundPipe from engine.roundpipe; point it at the fake.
+# `models.wrap_model` builds the RoundPipe it imported from engine.roundpipe; point it at
+# the fake, and the auto-split at both fakes.
 @pytest.fixture(autouse=True)
 def _fake_roundpipe_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-    import types
-
-    fake = types.ModuleType("engine.roundpipe")
-    fake.RoundPipe = FakeRoundPipe  # type: ignore[attr-defined]
-    fake.AutoRoundPipe = FakeAutoRoundPipe  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engine.roundpipe", fake)
+    monkeypatch.setattr(models, "RoundPipe", FakeRoundPipe)
     monkeypatch.setattr(wrapper, "_roundpipe_classes", lambda: (FakeRoundPipe, FakeAutoRoundPipe))
 
 
 def tiny_qwen3() -> nn.Module:
-    config = transformers.Qwen3Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        use_cache=False,
-    )
-    return transformers.Qwen3ForCausalLM(config)
+    return tiny_model("qwen3", seed=None, max_position_embeddings=None, **WIDE)
 
 
 class Net(nn.Module):

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.catalog import FAMILIES, LORA_TARGET_MODULES, projection_shapes
 from rp_service.app import create_app
 from rp_service.jobs.pipe import WorkerHandle
 from rp_service.jobs.store import SCHEMA_VERSION, JobRecord, Store
-from rp_service.schemas import LORA_TARGET_MODULES, Job, JobSpec
+from rp_service.schemas import Job, JobSpec
 from rp_service.settings import Settings
-from rp_service.shapes import PRESET_DEFAULTS, projection_shapes
 
 BASE = {
     "model": {"preset": "qwen3", "config": {"hidden_size": 64, "head_dim": 16}},
@@ -127,7 +127,8 @@ def test_preset_defaults_are_transformers_defaults() -> None:
 
     for preset, class_name in (("qwen3", "Qwen3Config"), ("llama", "LlamaConfig")):
         config = getattr(transformers, class_name)()
-        got = projection_shapes(PRESET_DEFAULTS[preset])
+        assert FAMILIES[preset].config_class == class_name
+        got = projection_shapes(FAMILIES[preset].config_defaults)
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         assert got == {
@@ -143,7 +144,8 @@ def test_preset_defaults_are_transformers_defaults() -> None:
 
 def test_projection_shapes_match_the_hf_modules() -> None:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.tiny_models import tiny_model
 
     fields = {
         "hidden_size": 24,
@@ -155,7 +157,7 @@ def test_projection_shapes_match_the_hf_modules() -> None:
         "vocab_size": 16,
     }
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3Config(**fields))
+        model = tiny_model("qwen3", seed=None, **fields)
     layer = model.model.layers[0]
     modules = {**dict(layer.self_attn.named_children()), **dict(layer.mlp.named_children())}
     want = {

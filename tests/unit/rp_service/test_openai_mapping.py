@@ -26,15 +26,9 @@ from rp_service.api.openai.mapping import (
 )
 from rp_service.api.openai.schemas import FineTuningJobCreate
 from rp_service.errors import BadRequest
+from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
 from rp_service.jobs.results import ResultFiles, is_result_file_id, result_file_id
-from rp_service.jobs.store import (
-    CheckpointRecord,
-    EventRecord,
-    JobRecord,
-    OpenAIJobRecord,
-    OpenAIStore,
-    Store,
-)
+from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
 from rp_service.schemas import JobSpec, JobStatus, ModelSection
 
 FOLDER = ModelSection(path="/models/tiny")
