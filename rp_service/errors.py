@@ -7,11 +7,13 @@ from typing import Any
 __all__ = [
     "BadRequest",
     "Conflict",
+    "DiskFull",
     "InvalidRequest",
     "NotFound",
     "NotReady",
     "RequestTooLarge",
     "ServiceError",
+    "TooManyRequests",
     "Unauthorized",
 ]
 
@@ -114,3 +116,19 @@ class NotReady(ServiceError):
     status_code = 503
     error_type = "server_error"
     default_code = "not_ready"
+
+
+class TooManyRequests(ServiceError):
+    """A limit of this daemon is reached (the queue, concurrent uploads): retry later (429)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "too_many_requests"
+
+
+class DiskFull(ServiceError):
+    """The data directory has less free space than RP_MIN_FREE_BYTES (507)."""
+
+    status_code = 507
+    error_type = "server_error"
+    default_code = "disk_full"
