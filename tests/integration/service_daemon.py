@@ -37,8 +37,19 @@ class Daemon:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def token(self) -> str | None:
+        """RP_TOKEN when given; else the token the daemon made in its data directory (None
+        before it has, or with RP_AUTH=none)."""
+        if self.env.get("RP_TOKEN"):
+            return self.env["RP_TOKEN"]
+        try:
+            return (self.data_dir / "token").read_text().strip() or None
+        except OSError:
+            return None
+
     def headers(self) -> dict[str, str]:
-        token = self.env.get("RP_TOKEN")
+        token = self.token
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     def client(self, **kwargs: Any) -> httpx.Client:
