@@ -61,6 +61,7 @@ class DataDir:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock_fd: int | None = None
+        self._umask: int | None = None
 
     @property
     def lock_path(self) -> Path:
@@ -78,7 +79,8 @@ class DataDir:
         """Private modes, the lock, stale partial uploads removed. Raises DataDirLocked."""
         if self.held:
             return
-        os.umask(_PRIVATE_UMASK)  # process-wide: the store, uploads and job files are 0600
+        # Process-wide: the store, uploads and job files are 0600 (restored by release()).
+        self._umask = os.umask(_PRIVATE_UMASK)
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.path, 0o700)  # an existing directory of an older daemon was 0755
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -87,6 +89,7 @@ class DataDir:
         except BlockingIOError:
             pid = _read_pid(fd)
             os.close(fd)
+            os.umask(self._umask)
             holder = f"pid {pid}" if pid is not None else "another process"
             raise DataDirLocked(
                 f"the data directory {self.path} is in use by another daemon ({holder}, "
@@ -106,6 +109,9 @@ class DataDir:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
             os.close(fd)  # closing the last descriptor drops the flock
+        if self._umask is not None:
+            os.umask(self._umask)
+            self._umask = None
 
     def token(self) -> str:
         """The stored token, made (and stored) on the first start."""

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,16 @@ def free_port() -> int:
 class Daemon:
     """One daemon process; `restart()` keeps its data dir, `kill()` is `kill -9`."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        env: dict[str, str],
+        *,
+        preexec: Callable[[], None] | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.env = env
+        self.preexec = preexec  # run in the child before exec (e.g. a lower open-file limit)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"daemon-{self.port}.log"
@@ -68,7 +76,12 @@ class Daemon:
         }
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rp_service"], cwd=REPO, env=env, stdout=log, stderr=log
+            [sys.executable, "-m", "rp_service"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=log,
+            preexec_fn=self.preexec,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
