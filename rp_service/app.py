@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -102,6 +104,14 @@ def _host_name(value: str) -> str:
     return name if sep and port.isdigit() else value
 
 
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 class _Guard:
     """Pure ASGI: Host and Origin checks, bearer token, body size limits, concurrent
     uploads, request latency. Streams stay streams."""
@@ -116,7 +126,10 @@ class _Guard:
         self.max_uploads = settings.max_concurrent_uploads
         self.uploads = 0  # uploads in progress: only the event loop changes it
         self.any_host = "*" in settings.allowed_hosts
-        self.hosts = set(settings.allowed_hosts)
+        # This machine's own names work without configuration; other DNS names (aliases)
+        # go in RP_ALLOWED_HOSTS.
+        self.hosts = {*settings.allowed_hosts, socket.gethostname().lower()}
+        self.hosts.add(socket.getfqdn().lower())
         if settings.host.lower() not in _WILDCARD_HOSTS:
             self.hosts.add(_host_name(settings.host))
         self.latency = latency
@@ -173,7 +186,8 @@ class _Guard:
         if host is None or self.any_host:  # no Host: not a browser, so no DNS rebinding
             return True
         name = _host_name(host.decode("latin-1"))
-        return is_loopback(name) or name in self.hosts
+        # DNS rebinding needs a name the attacker controls: an address literal never is one.
+        return is_loopback(name) or name in self.hosts or _is_address(name)
 
     def _refuse(self, scope: Scope) -> JSONResponse | None:
         headers = dict(scope["headers"])
