@@ -379,3 +379,27 @@ def test_stale_partial_uploads_are_removed_at_start(make_daemon, tmp_path: Path)
     kept.write_bytes(b'{"text": "a"}\n')
     make_daemon(RP_TOKEN=TOKEN)
     assert sorted(p.name for p in files.iterdir()) == ["file-kept.jsonl"]
+
+
+def test_openai_model_paths_check_the_roots_before_reading(make_daemon, tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    root.mkdir()
+    outside = tmp_path / "private-model"
+    outside.mkdir()
+    (outside / "config.json").write_text('{"max_position_embeddings": 64}')
+    daemon: Daemon = make_daemon(RP_TOKEN=TOKEN, RP_MODEL_ROOTS=str(root))
+    with daemon.client() as c:
+        up = c.post("/v1/files", files={"file": ("d.jsonl", b'{"text": "a"}\n')}).json()
+        errors = []
+        for model in (str(outside), str(root / "missing"), "../private-model"):
+            r = c.post("/v1/fine_tuning/jobs", json={"model": model, "training_file": up["id"]})
+            assert r.status_code == 400, r.text
+            errors.append(r.json()["error"])
+    assert {e["code"] for e in errors} == {"model_not_found"}
+    messages = {
+        e["message"].replace(repr(m), "M")
+        for e, m in zip(
+            errors, (str(outside), str(root / "missing"), "../private-model"), strict=True
+        )
+    }
+    assert len(messages) == 1  # outside and missing read alike
