@@ -257,12 +257,13 @@ def _disk_full_phase(daemon: Daemon) -> dict[str, Any]:
     daemon.start()
     refused = 0
     with daemon.client() as c:
-        jobs_before = c.get("/v1/jobs", params={"limit": 100}).json()["data"]
+        ids_before = [j["id"] for j in c.get("/v1/jobs", params={"limit": 100}).json()["data"]]
         for n in range(20):
             r = c.post("/v1/jobs", json=spec(name=f"refused-{n}"))
             assert r.status_code == 507 and r.json()["error"]["code"] == "disk_full", r.text
             refused += 1
-        assert c.get("/v1/jobs", params={"limit": 100}).json()["data"][:1] == jobs_before[:1]
+        ids_after = [j["id"] for j in c.get("/v1/jobs", params={"limit": 100}).json()["data"]]
+        assert ids_after == ids_before  # no refused submission left a row
     failed = daemon.wait_for(job_id, _TERMINAL, timeout_s=60)
     assert failed["status"] == "failed" and failed["error"]["code"] == "disk_full", failed
     root = daemon.data_dir / "jobs" / job_id / "checkpoints"

@@ -133,3 +133,12 @@ def test_a_worker_that_cannot_start_for_a_moment_is_requeued(
         last = store.list_events("job-e")[-1]
         assert "re-queued" in last.message and last.level == "warning"
     store.close()
+
+
+def test_the_engine_version_is_known() -> None:
+    from rp_service import __version__
+    from rp_service.system import SystemProbe
+
+    versions = SystemProbe(probe_cuda=False).versions
+    assert versions["engine"] == __version__  # the engine ships in this distribution
+    assert versions["rp_service"] == __version__
