@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "BadRequest",
     "Conflict",
+    "DiskFull",
     "HostMemoryExceeded",
     "InvalidRequest",
     "JobFailure",
@@ -21,6 +22,7 @@ __all__ = [
     "NotReady",
     "RequestTooLarge",
     "ServiceError",
+    "TooManyRequests",
     "Unauthorized",
 ]
 
@@ -151,3 +153,19 @@ class HostMemoryExceeded(JobFailure):
 
     def __init__(self, message: str, *, param: str, **details: Any) -> None:
         super().__init__("host_memory_exceeded", message, param=param, **details)
+
+
+class TooManyRequests(ServiceError):
+    """A limit of this daemon is reached (the queue, concurrent uploads): retry later (429)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "too_many_requests"
+
+
+class DiskFull(ServiceError):
+    """The data directory has less free space than RP_MIN_FREE_BYTES (507)."""
+
+    status_code = 507
+    error_type = "server_error"
+    default_code = "disk_full"

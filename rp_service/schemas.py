@@ -16,6 +16,7 @@ from pydantic import (
 from engine import catalog
 
 __all__ = [
+    "MAX_INT64",
     "TERMINAL_STATUSES",
     "Checkpoint",
     "DataSection",
@@ -29,6 +30,7 @@ __all__ = [
     "FileFormat",
     "Health",
     "Job",
+    "JobDeleted",
     "JobError",
     "JobMetrics",
     "JobSpec",
@@ -43,6 +45,10 @@ __all__ = [
     "TokenizerSection",
     "TrainSection",
 ]
+
+# The largest integer SQLite stores: every integer a request gives is bounded by it, so a
+# larger one is a 4xx, never an overflow (a 500) further in.
+MAX_INT64 = 2**63 - 1
 
 JobStatus = Literal[
     "validating",
@@ -232,6 +238,19 @@ class JobSpec(_Section):
         None, description="With train.method lora; null there means the defaults."
     )
 
+    @field_validator("name")
+    @classmethod
+    def _printable_name(cls, name: str | None) -> str | None:
+        # A name is printed by `rp jobs` and the dashboard: no terminal escape sequences,
+        # line breaks or invisible characters.
+        bad = next((ch for ch in name or "" if not ch.isprintable()), None)
+        if bad is not None:
+            raise ValueError(
+                f"the name holds the control or invisible character {bad!r}; use printable "
+                "characters only"
+            )
+        return name
+
     @field_validator("lora")
     @classmethod
     def _lora_needs_the_method(
@@ -340,6 +359,12 @@ class File(BaseModel):
 class FileDeleted(BaseModel):
     id: str
     object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class JobDeleted(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
     deleted: bool = True
 
 

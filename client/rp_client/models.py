@@ -19,6 +19,7 @@ __all__ = [
     "File",
     "FileDeleted",
     "Job",
+    "JobDeleted",
     "JobError",
     "JobMetrics",
     "JobProgress",
@@ -121,6 +122,12 @@ class File(_Model):
 class FileDeleted(_Model):
     id: str
     object: str = "file"
+    deleted: bool = True
+
+
+class JobDeleted(_Model):
+    id: str
+    object: str = "job"
     deleted: bool = True
 
 

@@ -143,6 +143,11 @@ def iter_records(
             raise DataFormatError(
                 f"not valid JSON ({exc.msg} at column {exc.colno})", line=number
             ) from exc
+        except RecursionError:
+            raise DataFormatError(
+                "nested too deeply to parse (JSON arrays or objects inside one another)",
+                line=number,
+            ) from None
         if not isinstance(record, dict):
             raise DataFormatError(
                 f"expected a JSON object, got a {type(record).__name__}", line=number

@@ -118,6 +118,7 @@ class OpenAIStore:
         else:
             where = ["json_extract(o.fields, ?) = ?"] * len(metadata)
             args = [a for k, v in metadata.items() for a in (f'$.metadata."{k}"', v)]
+        where.append("j.deleted_at IS NULL")  # a deleted job is gone from every listing
         if after is not None:
             where.append("j.seq < COALESCE((SELECT seq FROM jobs WHERE id = ?), -1)")
             args.append(after)

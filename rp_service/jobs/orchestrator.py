@@ -25,12 +25,13 @@ import time
 from functools import partial
 from typing import IO, Any
 
-from rp_service.errors import Conflict, InvalidRequest, NotFound
+from rp_service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.faults import MemoryWatch, classify_death
 from rp_service.jobs.journal import recover
 from rp_service.jobs.pipe import WorkerHandle, prepare_job_dir, proc_start_time
 from rp_service.jobs.resolve import SpecResolver
+from rp_service.jobs.retention import check_free_space, delete_job, prune_checkpoints
 from rp_service.jobs.store import EventRecord, JobRecord, Store
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
 from rp_service.settings import Settings
@@ -40,6 +41,10 @@ __all__ = ["Orchestrator"]
 log = logging.getLogger(__name__)
 
 _LINE_LIMIT_BYTES = 1 << 20  # longest event line read from a worker
+# A worker that cannot start for one of these reasons (out of file descriptors, processes
+# or memory for a moment) goes back to the queue and is tried again after a pause.
+_TRANSIENT_START_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
+_START_RETRY_S = 2.0
 
 
 def _spec_sha256(spec: JobSpec) -> str:
@@ -165,6 +170,13 @@ class Orchestrator:
         self, spec: JobSpec, *, idempotency_key: str | None = None
     ) -> tuple[JobRecord, bool]:
         """Check and queue a job; returns it and whether it was created by this call."""
+        await asyncio.to_thread(check_free_space, self.settings)
+        if await asyncio.to_thread(self.queue_length) >= self.settings.max_queued:
+            raise TooManyRequests(
+                f"the queue holds RP_MAX_QUEUED={self.settings.max_queued} jobs; submit again "
+                "when some have started",
+                code="queue_full",
+            )
         gpu_count = len(self.gpu_ids)
         await asyncio.to_thread(self.resolver.check, spec, gpu_count=gpu_count)
         record = JobRecord(
@@ -259,6 +271,20 @@ class Orchestrator:
         self._wake.set()
         return done
 
+    async def delete(self, job_id: str) -> JobRecord:
+        """Delete a finished job: its row marked deleted, its directory removed."""
+        job = await asyncio.to_thread(delete_job, self.settings, self.store, job_id)
+        if job is None:
+            raise NotFound(f"no job with id {job_id!r}", code="job_not_found", param="job_id")
+        return job
+
+    async def _retain(self, job_id: str) -> None:
+        """RP_KEEP_FINISHED_CHECKPOINTS, applied once a job has ended."""
+        try:
+            await asyncio.to_thread(prune_checkpoints, self.settings, self.store, job_id)
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("job %s: pruning its checkpoints failed: %s", job_id, exc)
+
     # ------------------------------------------------------------ store + fan-out
 
     def _published(self, job_id: str, event: EventRecord | None) -> None:
@@ -275,6 +301,8 @@ class Orchestrator:
         job, event = result
         log.info("job %s: %s", job_id, to)
         self._published(job_id, event)
+        if to in TERMINAL_STATUSES:
+            await self._retain(job_id)
         return job
 
     async def _event(self, job_id: str, **kwargs: Any) -> None:
@@ -400,6 +428,9 @@ class Orchestrator:
             if log_file is not None:
                 log_file.close()
             self._release(worker)
+            if exc.errno in _TRANSIENT_START_ERRNOS:
+                await self._requeue_unstarted(job, exc)
+                return
             code = "disk_full" if exc.errno == errno.ENOSPC else "worker_failed"
             await self._finish_failed(
                 job.id, f"could not start the worker: {exc}", code=code, gpus=[]
@@ -418,6 +449,22 @@ class Orchestrator:
         task = asyncio.create_task(self._watch(worker, log_file), name=f"rp-watch-{job.id}")
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
+
+    async def _requeue_unstarted(self, job: JobRecord, exc: OSError) -> None:
+        """Back to the queue, attempt unchanged, and a wake-up after a pause: the resource
+        that was short (files, processes, memory) is often free again a moment later."""
+        await self._transition(
+            job.id,
+            ["running"],
+            "queued",
+            level="warning",
+            message=f"could not start the worker ({exc.strerror or exc}): job re-queued, "
+            f"tried again in {_START_RETRY_S:g} s",
+            event_data={"reason": errno.errorcode.get(exc.errno or 0, "unknown")},
+            attempt=job.attempt,
+            gpus=[],
+        )
+        asyncio.get_running_loop().call_later(_START_RETRY_S, self._wake.set)
 
     # ------------------------------------------------------------ control
 

@@ -138,6 +138,8 @@ class JobOutputs:
 def _read_from(path: Path, offset: int, size: int) -> bytes:
     try:
         with path.open("rb") as f:
+            if offset >= os.fstat(f.fileno()).st_size:
+                return b""  # past the end (up to 2**63 - 1): nothing yet, not an error
             f.seek(offset)
             return f.read(size)
     except FileNotFoundError:

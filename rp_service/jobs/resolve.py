@@ -8,6 +8,7 @@ resolved, that `data.seq_len` fits the model, that enough GPUs exist.
 from __future__ import annotations
 
 import json
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,40 @@ from rp_service.jobs.store import Store
 from rp_service.schemas import JobSpec, LoraSection
 from rp_service.settings import Settings
 
-__all__ = ["SpecResolver", "check_lora_rank", "config_max_positions"]
+__all__ = ["SpecResolver", "check_lora_rank", "config_max_positions", "under_roots"]
+
+
+def _within(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return False
+    return True
+
+
+def under_roots(raw: str, roots: list[Path]) -> Path | None:
+    """The resolved path when `raw` is absolute, exists and lies under one of `roots`.
+
+    None otherwise, for a missing path and for one outside alike, so neither can be told
+    from the other. A path outside every root by its text is refused before the file
+    system is asked anything about it; symlinks are then resolved and checked again.
+    """
+    path = Path(raw)
+    if not path.is_absolute():
+        return None
+    lexical = Path(os.path.normpath(path))
+    bases = [Path(os.path.normpath(root.absolute())) for root in roots]
+    if not any(_within(lexical, base) for base in bases):
+        bases_resolved = [root.resolve() for root in roots]  # a root given through a symlink
+        if not any(_within(lexical, base) for base in bases_resolved):
+            return None
+    try:
+        resolved = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    if any(_within(resolved, root.resolve()) for root in roots):
+        return resolved
+    return None
 
 
 def _under_roots(raw: str, roots: list[Path], *, param: str, env: str) -> Path:
@@ -31,30 +65,22 @@ def _under_roots(raw: str, roots: list[Path], *, param: str, env: str) -> Path:
             code="path_not_allowed",
             param=param,
         )
-    path = Path(raw)
-    if not path.is_absolute():
+    if not Path(raw).is_absolute():
         raise InvalidRequest(
             f"{param}: give an absolute path under {env} ({', '.join(map(str, roots))}); got {raw!r}",
             code="path_not_allowed",
             param=param,
         )
-    try:
-        resolved = path.resolve(strict=True)
-    except (OSError, RuntimeError):
+    resolved = under_roots(raw, roots)
+    if resolved is None:
+        # One message for "missing" and "outside": which files exist is not told.
         raise InvalidRequest(
-            f"{param}: {raw!r} does not exist", code="path_not_found", param=param
-        ) from None
-    for root in roots:
-        try:
-            resolved.relative_to(root.resolve())
-            return resolved
-        except ValueError:
-            continue
-    raise InvalidRequest(
-        f"{param}: {raw!r} resolves outside the allowed roots {env}={','.join(map(str, roots))}",
-        code="path_not_allowed",
-        param=param,
-    )
+            f"{param}: {raw!r} is not an existing path under the allowed roots "
+            f"{env}={','.join(map(str, roots))}",
+            code="path_not_allowed",
+            param=param,
+        )
+    return resolved
 
 
 def check_lora_rank(lora: LoraSection, config: dict[str, Any]) -> None:
@@ -150,6 +176,7 @@ class SpecResolver:
             "tokenizer_path": tokenizer_path,
             "output_dir": str(job_dir / "output"),
             "checkpoint_dir": str(job_dir / "checkpoints"),
+            "min_free_bytes": self.settings.min_free_bytes,
         }
 
     def _model_dir(self, raw: str, *, param: str) -> Path:

@@ -102,6 +102,11 @@ _MIGRATIONS: list[str] = [
     """
     ALTER TABLE jobs ADD COLUMN parameters TEXT;
     """,
+    # 3: when a finished job was deleted (DELETE /v1/jobs/{id}): its row stays, so its id
+    # and idempotency key are never reused, but no read returns it.
+    """
+    ALTER TABLE jobs ADD COLUMN deleted_at INTEGER;
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -148,6 +153,7 @@ class JobRecord:
     worker_started: str | None = None
     seq: int = 0
     parameters: dict[str, int] | None = None
+    deleted_at: int | None = None
 
 
 @dataclass(slots=True)
@@ -360,6 +366,13 @@ class Store:
                     existing = conn.execute(
                         "SELECT * FROM jobs WHERE id = ?", (row["job_id"],)
                     ).fetchone()
+                    if existing["deleted_at"] is not None:
+                        raise Conflict(
+                            f"this Idempotency-Key made job {row['job_id']}, which has been "
+                            "deleted; use a new key for a new job",
+                            code="idempotency_key_reused",
+                            param="Idempotency-Key",
+                        )
                     return _job_from_row(existing), False, None
             conn.execute(
                 "INSERT INTO jobs (id, name, status, created_at, priority, spec) "
@@ -384,24 +397,25 @@ class Store:
             return _job_from_row(row), True, event
 
     def get_job(self, job_id: str) -> JobRecord | None:
-        row = self._conn().execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = (
+            self._conn()
+            .execute("SELECT * FROM jobs WHERE id = ? AND deleted_at IS NULL", (job_id,))
+            .fetchone()
+        )
         return _job_from_row(row) if row is not None else None
 
     def list_jobs(
         self, *, status: str | None = None, after: str | None = None, limit: int = 20
     ) -> tuple[list[JobRecord], bool]:
         """Newest first; `after` is the id of the last job of the previous page."""
-        where, args = [], []
+        where, args = ["deleted_at IS NULL"], []
         if status is not None:
             where.append("status = ?")
             args.append(status)
         if after is not None:
             where.append("seq < COALESCE((SELECT seq FROM jobs WHERE id = ?), -1)")
             args.append(after)
-        sql = "SELECT * FROM jobs"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY seq DESC LIMIT ?"
+        sql = "SELECT * FROM jobs WHERE " + " AND ".join(where) + " ORDER BY seq DESC LIMIT ?"
         rows = self._conn().execute(sql, (*args, limit + 1)).fetchall()
         return [_job_from_row(r) for r in rows[:limit]], len(rows) > limit
 
@@ -410,7 +424,8 @@ class Store:
         wanted = list(statuses)
         marks = ",".join("?" * len(wanted))
         rows = self._conn().execute(
-            f"SELECT * FROM jobs WHERE status IN ({marks}) ORDER BY priority DESC, seq ASC",
+            f"SELECT * FROM jobs WHERE status IN ({marks}) AND deleted_at IS NULL "
+            "ORDER BY priority DESC, seq ASC",
             wanted,
         )
         return [_job_from_row(r) for r in rows.fetchall()]
@@ -420,7 +435,9 @@ class Store:
         return [_job_from_row(r) for r in rows.fetchall()]
 
     def count_by_status(self) -> dict[str, int]:
-        rows = self._conn().execute("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status")
+        rows = self._conn().execute(
+            "SELECT status, COUNT(*) AS n FROM jobs WHERE deleted_at IS NULL GROUP BY status"
+        )
         return {r["status"]: r["n"] for r in rows.fetchall()}
 
     def update_job(self, job_id: str, **fields: Any) -> JobRecord | None:
@@ -484,6 +501,30 @@ class Store:
                 conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
             )
         return job, event
+
+    def mark_deleted(self, job_id: str) -> JobRecord | None:
+        """Mark a finished job deleted and drop its events and checkpoint rows, atomically.
+
+        Returns the job as it was, or None when there is no such (undeleted) job.
+        Raises Conflict when the job has not finished.
+        """
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT * FROM jobs WHERE id = ? AND deleted_at IS NULL", (job_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            if row["status"] not in TERMINAL_STATUSES:
+                raise Conflict(
+                    f"job {job_id} is {row['status']}; only a finished job (succeeded, failed "
+                    "or cancelled) can be deleted: cancel it first",
+                    code="job_not_deletable",
+                    param="job_id",
+                )
+            conn.execute("UPDATE jobs SET deleted_at = ? WHERE id = ?", (_now(), job_id))
+            conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
+            conn.execute("DELETE FROM checkpoints WHERE job_id = ?", (job_id,))
+        return _job_from_row(row)
 
     # ------------------------------------------------------------ events
 
@@ -573,6 +614,13 @@ class Store:
             "SELECT * FROM checkpoints WHERE job_id = ? ORDER BY step ASC", (job_id,)
         )
         return [_checkpoint_from_row(r) for r in rows.fetchall()]
+
+    def delete_checkpoints(self, job_id: str, steps: Iterable[int]) -> None:
+        with self._write() as conn:
+            conn.executemany(
+                "DELETE FROM checkpoints WHERE job_id = ? AND step = ?",
+                [(job_id, step) for step in steps],
+            )
 
     def get_checkpoint(self, job_id: str, step: int) -> CheckpointRecord | None:
         row = (

@@ -13,6 +13,7 @@ optimizer state, the random generators), the model's config.json and state.json.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -129,6 +130,7 @@ def write_checkpoint(
     state: dict[str, Any],
     files: dict[str, bytes] | None = None,
     keep: int,
+    min_free_bytes: int = 0,
 ) -> tuple[Path, int]:
     """Write and commit the checkpoint of `step`, then rotate; return `(path, size_bytes)`.
 
@@ -137,9 +139,18 @@ def write_checkpoint(
         state: JSON-serialisable state, written last as ``state.json``.
         files: other files (name -> bytes), e.g. ``config.json``.
         keep: how many checkpoints to keep after this one is committed.
+        min_free_bytes: refuse to start writing (ENOSPC) with less free space than this.
     """
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if free < min_free_bytes:
+        # Refused before a byte is written: a checkpoint is whole or absent, never half.
+        raise OSError(
+            errno.ENOSPC,
+            f"{free} bytes free, below RP_MIN_FREE_BYTES={min_free_bytes}",
+            str(root),
+        )
     final = root / _dir_name(step)
     tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
     if tmp.exists():

@@ -71,6 +71,8 @@ class JobPaths:
     tokenizer_path: str | None
     output_dir: Path
     checkpoint_dir: Path
+    # Free bytes a checkpoint must leave on its disk (RP_MIN_FREE_BYTES; 0: no check).
+    min_free_bytes: int = 0
 
     @classmethod
     def from_json(cls, resolved: dict[str, Any]) -> JobPaths:
@@ -81,6 +83,7 @@ class JobPaths:
             tokenizer_path=resolved.get("tokenizer_path"),
             output_dir=Path(resolved["output_dir"]),
             checkpoint_dir=Path(resolved["checkpoint_dir"]),
+            min_free_bytes=int(resolved.get("min_free_bytes") or 0),
         )
 
 
@@ -362,6 +365,7 @@ class _Run:
             },
             config_json=self.hf_model.config.to_json_string().encode(),
             keep=self.spec.train.keep_checkpoints,
+            min_free_bytes=self.paths.min_free_bytes,
         )
         data = {"step": step, "path": str(path), "metrics": metrics, "size_bytes": size_bytes}
         self.emit("checkpoint", f"checkpoint at step {step}", data)

@@ -249,7 +249,7 @@ def test_dashboard_drives_jobs_with_a_token(
 def test_new_job_page_shows_validation_errors_without_a_token(
     make_daemon: Callable[..., Daemon], browser: Any, tmp_path: Path
 ) -> None:
-    daemon = make_daemon()
+    daemon = make_daemon(RP_AUTH="none")  # no token dialog in the way
     page = browser.new_page()
     page.set_default_timeout(WAIT_S * 1000)
     console = Console(page, expected_statuses=(422,))
@@ -351,7 +351,7 @@ def _decimate(page: Any, xs: list[float], ys: list[float | None], cases: list[tu
 def test_decimation_matches_its_oracle_and_bounds_what_is_drawn(
     make_daemon: Callable[..., Daemon], browser: Any
 ) -> None:
-    daemon = make_daemon()
+    daemon = make_daemon(RP_AUTH="none")  # no token dialog in the way
     page = browser.new_page()
     page.set_default_timeout(WAIT_S * 1000)
     console = Console(page)
@@ -424,7 +424,7 @@ def test_sse_parser_reads_the_daemons_stream_however_it_is_split(
     make_daemon: Callable[..., Daemon], browser: Any
 ) -> None:
     """The page's text/event-stream parser on a real stream, cut at every possible byte."""
-    daemon = make_daemon(FAKE_STEP_S="0.01")
+    daemon = make_daemon(FAKE_STEP_S="0.01", RP_AUTH="none")  # no token dialog
     with daemon.client() as api:
         job = api.post("/v1/jobs", json=spec(train={"steps": 4, "checkpoint_interval": 2})).json()
         daemon.wait_for(job["id"], {"succeeded"})

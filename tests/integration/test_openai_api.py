@@ -76,6 +76,8 @@ def real_daemon(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> I
         tmp_path_factory.mktemp("real"),
         RP_MODEL_ROOTS=str(model_root),
         RP_WORKER_MODULE="rp_service.worker",
+        # Every checkpoint kept after the end (the default keeps the last), to page them.
+        RP_KEEP_FINISHED_CHECKPOINTS="100",
     )
     yield daemon
     daemon.stop()

@@ -25,6 +25,7 @@ from rp_service.jobs.openai_store import OpenAIJobRecord
 from rp_service.jobs.results import result_file_id
 from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord
 from rp_service.schemas import (
+    MAX_INT64,
     TERMINAL_STATUSES,
     DataSection,
     EngineSection,
@@ -276,7 +277,11 @@ def checkpoint_id(job_id: str, step: int) -> str:
 def parse_cursor(value: str, *, prefix: str, job_id: str, param: str = "after") -> int:
     """The number inside an `after` cursor of this job's events or checkpoints."""
     head, _, number = value.rpartition("-")
-    if head != f"{prefix}-{job_id.removeprefix('job-')}" or not number.isdigit():
+    if (
+        head != f"{prefix}-{job_id.removeprefix('job-')}"
+        or not (number.isascii() and number.isdigit())
+        or int(number) > MAX_INT64
+    ):
         raise BadRequest(
             f"{param}: {value[:80]!r} is not an id of this job's list (expected "
             f"{_cursor_id(prefix, job_id, 1)!r}, the id of the last item of the previous page)",

@@ -30,7 +30,7 @@ from rp_service.api.openai.schemas import (
 from rp_service.errors import BadRequest, Conflict, InvalidRequest, JobFailure
 from rp_service.jobs.files import RETRY_WINDOW_S
 from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
-from rp_service.jobs.resolve import config_max_positions
+from rp_service.jobs.resolve import config_max_positions, under_roots
 from rp_service.jobs.store import FileRecord, JobRecord
 from rp_service.schemas import ModelSection
 
@@ -124,14 +124,18 @@ class FineTuning:
         if name in FAMILIES:
             return ModelSection(preset=name), FAMILIES[name].max_positions  # type: ignore[arg-type]
         relative = Path(name)
-        if not relative.is_absolute() and ".." not in relative.parts:
-            for root in self.settings.model_roots:
-                folder = root / relative
-                if (folder / "config.json").is_file():
-                    return ModelSection(path=str(folder)), _max_positions(folder)
-        if relative.is_absolute() and (relative / "config.json").is_file():
-            # The resolver checks at submission that it lies under RP_MODEL_ROOTS.
-            return ModelSection(path=str(relative)), _max_positions(relative)
+        roots = self.settings.model_roots
+        # The roots first: nothing outside them is read or even looked at (config.json).
+        if relative.is_absolute():
+            candidates = [relative]
+        elif ".." not in relative.parts:
+            candidates = [root.absolute() / relative for root in roots]
+        else:
+            candidates = []
+        for folder in candidates:
+            resolved = under_roots(str(folder), roots)
+            if resolved is not None and (resolved / "config.json").is_file():
+                return ModelSection(path=str(folder)), _max_positions(resolved)
         found = self._model_names()
         listed = ", ".join(found[:_MODELS_NAMED]) or "none"
         raise BadRequest(

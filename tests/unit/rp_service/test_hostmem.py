@@ -42,8 +42,8 @@ def _spec(**engine: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(data_dir=tmp_path, gpus="none", host_memory_budget="160GiB")
-    with TestClient(create_app(settings)) as c:
+    settings = Settings(data_dir=tmp_path, gpus="none", host_memory_budget="160GiB", auth="none")
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as c:
         yield c
 
 
@@ -81,7 +81,8 @@ def test_tiny_job_fits_and_system_reports_the_budget(client: TestClient) -> None
 def test_default_budget_is_the_available_memory_less_a_margin(tmp_path: Path) -> None:
     from engine.planning.memory_plan import available_host_bytes
 
-    with TestClient(create_app(Settings(data_dir=tmp_path, gpus="none"))) as c:
+    settings = Settings(data_dir=tmp_path, gpus="none", auth="none")
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as c:
         budget = c.get("/v1/system").json()["host_memory_budget_bytes"]
     available = available_host_bytes()
     assert 0.85 * available < budget < available

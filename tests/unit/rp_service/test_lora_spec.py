@@ -26,8 +26,10 @@ LORA = {**BASE, "train": {"method": "lora"}}
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(data_dir=tmp_path / "data", gpus="none", model_roots=[tmp_path])
-    with TestClient(create_app(settings)) as c:
+    settings = Settings(
+        data_dir=tmp_path / "data", gpus="none", model_roots=[tmp_path], auth="none"
+    )
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as c:
         yield c
 
 

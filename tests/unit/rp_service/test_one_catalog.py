@@ -34,10 +34,14 @@ def _spec(**sections: Any) -> dict[str, Any]:
     return body
 
 
+LOOPBACK = "http://127.0.0.1:8321"
+AUTH = {"Authorization": "Bearer tok"}
+
+
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(data_dir=tmp_path, gpus="none", host_memory_budget="160GiB")
-    with TestClient(create_app(settings)) as c:
+    settings = Settings(data_dir=tmp_path, gpus="none", host_memory_budget="160GiB", token="tok")
+    with TestClient(create_app(settings), base_url=LOOPBACK, headers=AUTH) as c:
         yield c
 
 
@@ -163,11 +167,13 @@ from rp_service.app import create_app
 from rp_service.jobs.hostmem import plan_for_spec
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
-settings = Settings(data_dir={str(tmp_path)!r}, gpus="none", host_memory_budget="160GiB")
+settings = Settings(
+    data_dir={str(tmp_path)!r}, gpus="none", host_memory_budget="160GiB", token="tok"
+)
 app = create_app(settings)
 spec = JobSpec.model_validate({_spec(train={"method": "lora"})!r})
 assert plan_for_spec(spec, path_config=None, cuda=False) is not None
-with TestClient(app) as client:
+with TestClient(app, base_url={LOOPBACK!r}, headers={AUTH!r}) as client:
     r = client.post("/v1/jobs", json={_spec(engine={"num_microbatch": 5})!r})
     assert r.status_code == 422, r.text
 print(sorted(m for m in ("torch", "transformers") if m in sys.modules))

@@ -328,3 +328,16 @@ def test_results_csv_has_one_row_per_metrics_event(tmp_path: Path) -> None:
     record, content = results.record(file_id)
     assert record.bytes == len(content) and record.line_count == 2 and record.format == "csv"
     store.close()
+
+
+def test_a_deleted_job_leaves_the_openai_listing(tmp_path: Path) -> None:
+    store = Store(tmp_path / "rp.sqlite3")
+    store.open()
+    openai = OpenAIStore(store)
+    store.create_job(_job("succeeded"))
+    assert [j.id for j in openai.list_jobs_by_metadata(None, after=None, limit=10)[0]] == [
+        "job-abc"
+    ]
+    assert store.mark_deleted("job-abc") is not None
+    assert openai.list_jobs_by_metadata(None, after=None, limit=10) == ([], False)
+    store.close()
