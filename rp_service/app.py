@@ -29,6 +29,7 @@ from rp_service.jobs.files import FileService
 from rp_service.jobs.orchestrator import Orchestrator
 from rp_service.jobs.outputs import JobOutputs
 from rp_service.jobs.store import Store
+from rp_service.jobs.store_io import StoreIO
 from rp_service.settings import Settings
 from rp_service.system import SystemProbe
 
@@ -239,8 +240,9 @@ def _openapi_with_bearer(app: FastAPI) -> dict[str, Any]:
 def create_app(settings: Settings) -> FastAPI:
     """Build the daemon's app; nothing starts until its lifespan runs."""
     store = Store(settings.db_path)
+    io = StoreIO(store)  # the store's own threads: event writes never queue behind uploads
     hub = EventHub()
-    orchestrator = Orchestrator(settings, store, hub)
+    orchestrator = Orchestrator(settings, store, hub, io=io)
     system = SystemProbe(
         probe_cuda=settings.gpus != "none",
         host_budget=lambda: orchestrator.resolver.host_budget_bytes,
@@ -249,7 +251,7 @@ def create_app(settings: Settings) -> FastAPI:
         settings=settings,
         store=store,
         orchestrator=orchestrator,
-        outputs=JobOutputs(settings, store, hub),
+        outputs=JobOutputs(settings, store, hub, io=io),
         files=FileService(store, settings.files_dir, max_upload_bytes=settings.max_upload_bytes),
         system=system,
     )
@@ -270,6 +272,7 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             await orchestrator.stop()
+            io.close()
             store.close()
 
     app = FastAPI(
