@@ -272,7 +272,10 @@ async def sse_stream(
     Yields encoded SSE bytes; the events a follower is behind on go out as one chunk.
     """
     with hub.subscribe(job_id) as channel:
-        yield _RETRY
+        # `retry` goes first: with the first events when they are at hand (the fill and a
+        # page read are short waits), alone before the first wait for new ones. One send
+        # fewer per connection counts when hundreds reconnect at once.
+        head = _RETRY
         last = after
         while not hub.closed:
             version = channel.version  # taken before looking: a later change wakes us
@@ -289,19 +292,25 @@ async def sse_stream(
             fresh = channel.after(last)
             if fresh is None:  # behind the ring: catch up from the store, a page at a time
                 final, last, chunk, count = await io.read(_page, io.store, job_id, last)
-                if chunk:
-                    yield chunk
                 if count < _PAGE and final is not None:
-                    yield _done(job_id, final)
+                    yield head + chunk + _done(job_id, final)
                     return
-                if count == 0:
+                if chunk or head:
+                    yield head + chunk
+                    head = b""
+                elif count == 0:
                     await channel.wait(version)
                 continue
+            chunk = b"".join(entry for _, entry in fresh)
             if fresh:
                 last = fresh[-1][0]
-                yield b"".join(chunk for _, chunk in fresh)
             if channel.final is not None and last >= channel.final[0]:
-                yield _done(job_id, channel.final[1])
+                yield head + chunk + _done(job_id, channel.final[1])
                 return
-            if not fresh:
-                await channel.wait(version)
+            if chunk or head:
+                yield head + chunk
+                head = b""
+                continue
+            await channel.wait(version)
+        if head:
+            yield head
