@@ -1,15 +1,17 @@
 """Fan-out under load: 200 followers of one job's events plus 50 concurrent submissions.
 
 Every follower must see the identical gap-free sequence ending in `done`, every submission
-must be answered, and `/healthz` on a new connection each time (as a liveness probe asks)
-must stay quick meanwhile. The probe runs in a process of its own, so its figures are the
-daemon's latency and not this test's event loop. Loopback only; bounded in count and time.
+must be answered, `/healthz` on a new connection each time (as a liveness probe asks) must
+stay quick meanwhile, and a kept-alive health client must never be dropped. The probe runs
+in a process of its own, so its figures are the daemon's latency and not this test's event
+loop. Loopback only; bounded in count and time.
 The figures are printed as one JSON line (run with `-s` to see it on success).
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import multiprocessing
 import os
@@ -34,8 +36,13 @@ HEALTHZ_MAX_MS = 500.0
 
 
 def _probe(port: int, stop: Any, out: Any) -> None:
-    """Time GET /healthz, each on a new connection, until `stop` is set; send the ms back."""
+    """Time GET /healthz, each on a new connection, until `stop` is set; send the ms back.
+
+    Between two of those, the same request on one kept-alive connection: it must never be
+    dropped (a starved loop once closed it mid-request).
+    """
     request = f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+    kept = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     times_ms: list[float] = []
     failures: list[str] = []
     while not stop.is_set():
@@ -51,7 +58,19 @@ def _probe(port: int, stop: Any, out: Any) -> None:
         except OSError as exc:
             failures.append(repr(exc))
         times_ms.append((time.perf_counter() - started) * 1000)
+        try:
+            kept.request("GET", "/healthz")
+            with kept.getresponse() as response:
+                response.read()
+                if response.status != 200 or response.will_close:
+                    failures.append(
+                        f"kept-alive: {response.status}, closing: {response.will_close}"
+                    )
+        except (OSError, http.client.HTTPException) as exc:
+            failures.append(f"kept-alive: {exc!r}")
+            kept.close()
         time.sleep(PROBE_EVERY_S)
+    kept.close()
     out.send((times_ms, failures))
 
 
@@ -110,8 +129,8 @@ async def _load(port: int, job_id: str) -> tuple[list[bytes], list[tuple[int, fl
         timeout=DEADLINE_S,
         limits=httpx.Limits(max_connections=SUBMISSIONS),
     ) as client:
-        # Submit while the followers stream: half of them connected is the starting gun.
-        while sum(e.is_set() for e in connected) < FOLLOWERS // 2:
+        # Submit while the followers stream: all of them connected is the starting gun.
+        while sum(e.is_set() for e in connected) < FOLLOWERS:
             done = [t for t in followers if t.done() and t.exception() is not None]
             if done:
                 raise done[0].exception()  # type: ignore[misc]
@@ -173,6 +192,7 @@ def test_200_followers_and_50_submissions_keep_the_daemon_responsive(make_daemon
         "healthz_p99_ms": round(_percentile(times_ms, 0.99), 1) if times_ms else None,
         "healthz_max_ms": round(max(times_ms), 1) if times_ms else None,
         "submit_max_ms": round(max(ms for _, ms in submissions), 1),
+        "probe_failures": len(failures),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
     print("FANOUT_LOAD " + json.dumps(figures))
