@@ -45,6 +45,9 @@ WAKE_EVERY_S = 0.05
 # Followers are woken this many per turn of the event loop: a request that arrives while
 # hundreds of followers send waits for one batch of them, not for all.
 _WAKE_BATCH = 32
+# New followers admitted per turn of the loop: a reconnect storm of hundreds is set up a
+# batch at a time, and requests that arrive meanwhile are answered between the batches.
+_ADMIT_BATCH = 16
 _PAGE = 500
 _RETRY = ServerSentEvent(retry=SSE_RETRY_MS).encode()
 
@@ -177,6 +180,30 @@ class EventHub:
         self.wake_every_s = wake_every_s
         self._channels: dict[str, _Channel] = {}
         self.closed = False
+        self._admitted = 0  # followers admitted in this turn of the loop
+        self._admitting: deque[asyncio.Future[None]] = deque()
+        self._turn: asyncio.Handle | None = None
+
+    async def admit(self) -> None:
+        """Return when a new follower may be set up: `_ADMIT_BATCH` per turn of the loop."""
+        loop = asyncio.get_running_loop()
+        if self._turn is None:
+            self._turn = loop.call_soon(self._next_turn, loop)
+        if self._admitted < _ADMIT_BATCH and not self._admitting:
+            self._admitted += 1
+            return
+        waiter = loop.create_future()
+        self._admitting.append(waiter)
+        await waiter
+
+    def _next_turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._admitted = 0
+        while self._admitting and self._admitted < _ADMIT_BATCH:
+            waiter = self._admitting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                self._admitted += 1
+        self._turn = loop.call_soon(self._next_turn, loop) if self._admitting else None
 
     @contextmanager
     def subscribe(self, job_id: str) -> Iterator[_Channel]:

@@ -55,6 +55,7 @@ class JobOutputs:
 
     async def event_stream(self, job_id: str, *, after: int) -> AsyncIterator[bytes]:
         """Checks the job (so a 404 comes before the stream starts), then the SSE stream."""
+        await self.hub.admit()
         await self._job(job_id)
         return sse_stream(self.io, self.hub, job_id, after=after)
 

@@ -251,3 +251,24 @@ def test_close_ends_every_stream(store) -> None:
         io.close()
 
     asyncio.run(scenario())
+
+
+def test_a_reconnect_storm_is_admitted_a_batch_per_turn_of_the_loop() -> None:
+    from rp_service.jobs import events
+
+    async def scenario() -> None:
+        hub = EventHub()
+        admitted: list[int] = []
+
+        async def follower(i: int) -> None:
+            await hub.admit()
+            admitted.append(i)
+
+        tasks = [asyncio.create_task(follower(i)) for i in range(40)]
+        await asyncio.sleep(0)  # one turn: every follower has asked once
+        first_turn = len(admitted)
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
+        assert first_turn == events._ADMIT_BATCH
+        assert admitted == list(range(40))  # in the order they came
+
+    asyncio.run(scenario())
