@@ -33,6 +33,7 @@ from rp_service.jobs.files import FileService
 from rp_service.jobs.orchestrator import Orchestrator
 from rp_service.jobs.outputs import JobOutputs
 from rp_service.jobs.store import Store
+from rp_service.jobs.store_io import StoreIO
 from rp_service.settings import Settings, is_loopback
 from rp_service.system import SystemProbe
 
@@ -362,8 +363,9 @@ def create_app(settings: Settings, *, data_dir: DataDir | None = None) -> FastAP
     """
     data = data_dir if data_dir is not None else DataDir(settings.data_dir)
     store = Store(settings.db_path)
+    io = StoreIO(store)  # the store's own threads: event writes never queue behind uploads
     hub = EventHub()
-    orchestrator = Orchestrator(settings, store, hub)
+    orchestrator = Orchestrator(settings, store, hub, io=io)
     system = SystemProbe(
         probe_cuda=settings.gpus != "none",
         host_budget=lambda: orchestrator.resolver.host_budget_bytes,
@@ -372,7 +374,7 @@ def create_app(settings: Settings, *, data_dir: DataDir | None = None) -> FastAP
         settings=settings,
         store=store,
         orchestrator=orchestrator,
-        outputs=JobOutputs(settings, store, hub),
+        outputs=JobOutputs(settings, store, hub, io=io),
         files=FileService(
             store,
             settings.files_dir,
@@ -407,6 +409,7 @@ def create_app(settings: Settings, *, data_dir: DataDir | None = None) -> FastAP
                 yield
             finally:
                 await orchestrator.stop()
+                io.close()
                 store.close()
         finally:
             if claimed_here:

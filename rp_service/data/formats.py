@@ -114,6 +114,16 @@ def _lines(source: str | Path | Iterable[str | bytes]) -> Iterator[str | bytes]:
         yield from source
 
 
+def _where(exc: json.JSONDecodeError, text: str) -> str:
+    """The decoder's message with a column inside the line: an error found where the line
+    ended (an unclosed object, say) is said to be there, not at a column past the end."""
+    line = text.rstrip("\r\n")
+    what = exc.msg.removesuffix(" at")  # "Invalid control character at"
+    if exc.pos >= len(line):
+        return f"{what} where the line ends, after column {len(line)}"
+    return f"{what} at column {exc.pos + 1}"
+
+
 def iter_records(
     source: str | Path | Iterable[str | bytes], format: str = "auto"
 ) -> Iterator[tuple[int, DataFormat, dict[str, Any]]]:
@@ -140,9 +150,7 @@ def iter_records(
         try:
             record = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataFormatError(
-                f"not valid JSON ({exc.msg} at column {exc.colno})", line=number
-            ) from exc
+            raise DataFormatError(f"not valid JSON ({_where(exc, text)})", line=number) from exc
         except RecursionError:
             raise DataFormatError(
                 "nested too deeply to parse (JSON arrays or objects inside one another)",

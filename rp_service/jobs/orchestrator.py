@@ -2,7 +2,8 @@
 
 Runs on the daemon's event loop. The store is the queue: queued jobs are started in order
 of priority, then FIFO, while their GPUs (or a CPU slot) are free. Each worker's stdout is
-its event pipe: every line is stored, then subscribers are woken. Cancel is SIGTERM to the
+its event pipe: every line is stored (on the store's writer thread), then handed to the
+job's followers from memory. Cancel is SIGTERM to the
 worker's process group (SIGKILL after a grace period), pause is SIGUSR1 (the worker
 checkpoints and exits 75). At start-up `reconcile` puts the store back in a state that no
 worker of a previous daemon can contradict.
@@ -33,6 +34,7 @@ from rp_service.jobs.pipe import WorkerHandle, prepare_job_dir, proc_start_time
 from rp_service.jobs.resolve import SpecResolver
 from rp_service.jobs.retention import check_free_space, delete_job, prune_checkpoints
 from rp_service.jobs.store import EventRecord, JobRecord, Store
+from rp_service.jobs.store_io import StoreIO
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
 from rp_service.settings import Settings
 
@@ -55,10 +57,13 @@ def _spec_sha256(spec: JobSpec) -> str:
 class Orchestrator:
     """Submits, schedules, runs and controls jobs; the service behind the jobs routes."""
 
-    def __init__(self, settings: Settings, store: Store, hub: EventHub) -> None:
+    def __init__(
+        self, settings: Settings, store: Store, hub: EventHub, *, io: StoreIO | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.hub = hub
+        self.io = io if io is not None else StoreIO(store)
         self.resolver = SpecResolver(settings, store)
         self.gpu_ids: list[int] = []
         self.ready = False
@@ -187,7 +192,7 @@ class Orchestrator:
             name=spec.name,
             priority=spec.priority,
         )
-        job, created, event = await asyncio.to_thread(
+        job, created, event = await self.io.write(
             self.store.create_job,
             record,
             idempotency_key=idempotency_key,
@@ -195,7 +200,7 @@ class Orchestrator:
         )
         if created:
             log.info("job %s queued (priority %d)", job.id, job.priority)
-            self._published(job.id, event)
+            self._published(job.id, event, status=job.status)
             self._wake.set()
         return job, created
 
@@ -276,6 +281,7 @@ class Orchestrator:
         job = await asyncio.to_thread(delete_job, self.settings, self.store, job_id)
         if job is None:
             raise NotFound(f"no job with id {job_id!r}", code="job_not_found", param="job_id")
+        self.hub.notify(job_id)  # its followers re-read the store and end
         return job
 
     async def _retain(self, job_id: str) -> None:
@@ -287,26 +293,31 @@ class Orchestrator:
 
     # ------------------------------------------------------------ store + fan-out
 
-    def _published(self, job_id: str, event: EventRecord | None) -> None:
+    # Every event write goes through the store's writer thread, so a job's events are
+    # committed, and then published, in id order.
+
+    def _published(
+        self, job_id: str, event: EventRecord | None, *, status: str | None = None
+    ) -> None:
         if event is not None:
             self.events_appended += 1
-            self.hub.notify(job_id)
+            self.hub.publish(job_id, event, status=status)
 
     async def _transition(
         self, job_id: str, from_statuses: list[str], to: str, **kwargs: Any
     ) -> JobRecord | None:
-        result = await asyncio.to_thread(self.store.transition, job_id, from_statuses, to, **kwargs)
+        result = await self.io.write(self.store.transition, job_id, from_statuses, to, **kwargs)
         if result is None:
             return None
         job, event = result
         log.info("job %s: %s", job_id, to)
-        self._published(job_id, event)
+        self._published(job_id, event, status=job.status)
         if to in TERMINAL_STATUSES:
             await self._retain(job_id)
         return job
 
     async def _event(self, job_id: str, **kwargs: Any) -> None:
-        event = await asyncio.to_thread(self.store.append_event, job_id, **kwargs)
+        event = await self.io.write(self.store.append_event, job_id, **kwargs)
         self._published(job_id, event)
 
     # ------------------------------------------------------------ scheduling

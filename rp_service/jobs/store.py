@@ -604,6 +604,19 @@ class Store:
         rows = self._conn().execute(sql, (*args, limit)).fetchall()
         return [_event_from_row(r) for r in rows]
 
+    def last_events(self, job_id: str, *, limit: int) -> list[EventRecord]:
+        """The newest `limit` events, ascending."""
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT * FROM (SELECT * FROM events WHERE job_id = ? ORDER BY id DESC LIMIT ?) "
+                "ORDER BY id ASC",
+                (job_id, limit),
+            )
+            .fetchall()
+        )
+        return [_event_from_row(r) for r in rows]
+
     def count_events(self) -> int:
         return int(self._conn().execute("SELECT COUNT(*) FROM events").fetchone()[0])
 

@@ -307,6 +307,7 @@ def save_training_checkpoint(
     progress: dict[str, Any],
     config_json: bytes,
     keep: int,
+    min_free_bytes: int = 0,
 ) -> tuple[Path, int]:
     """Commit the checkpoint of `step` (`write_checkpoint`); return `(path, size_bytes)`.
 
@@ -316,6 +317,7 @@ def save_training_checkpoint(
         progress: JSON fields of the run beside the step (total_steps, trained_tokens,
             num_blocks, data_position, metrics, method).
         config_json: the model's config.json.
+        min_free_bytes: as `write_checkpoint`.
     """
     opt_tensors, opt_meta = flatten_optimizer_state(optimizer.state_dict())
     rng_tensors, rng_meta = capture_rng()
@@ -341,6 +343,7 @@ def save_training_checkpoint(
         state=state,
         files={"config.json": config_json},
         keep=keep,
+        min_free_bytes=min_free_bytes,
     )
 
 

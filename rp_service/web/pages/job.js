@@ -138,6 +138,8 @@ export function renderJob(view, jobId) {
     job = next;
     title.textContent = job.name ? `${job.name}` : job.id;
     badge.replaceChildren(statusBadge(job.status));
+    // a finished job takes no more controls (the API would refuse each with a 409)
+    for (const button of buttons) button.disabled = TERMINAL.has(job.status);
     const m = job.metrics || {};
     const p = job.progress || {};
     const rows = [
@@ -312,7 +314,16 @@ export function renderJob(view, jobId) {
     }
   }
 
-  async function readLog() {
+  // One log read at a time: poll() and the stream's end both read the log, and two reads
+  // from one offset would append the same lines twice.
+  let logReads = Promise.resolve();
+  function readLog() {
+    const read = logReads.then(readLogOnce);
+    logReads = read.catch(() => {});
+    return read;
+  }
+
+  async function readLogOnce() {
     const response = await authFetch(`${path}/logs?offset=${logOffset}`);
     if (!response.ok) return;
     const text = await response.text();
