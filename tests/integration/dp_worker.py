@@ -252,30 +252,6 @@ def _modes(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
-def teardown_main(rank: int, world: int, store: str, out_dir: str) -> None:
-    """A whole rank process as a user writes it: asynchronous steps, synchronize, a
-    checkpoint, destroy_process_group(), then the interpreter's own exit (no os._exit)."""
-    import torch.distributed as dist
-
-    from engine.parallel.data_parallel import save_checkpoint
-
-    os.environ["RP_DEVICES"] = "cpu:1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    rp, opt = build(shard=True, microbatches=2, optimizer="engine", process_group="auto")
-    run_steps(rp, opt, 0, STEPS, sync=False)
-    rp.synchronize()
-    save_checkpoint(Path(out_dir) / "ckpt.pt", rp, opt, extra={"step": STEPS})
-    dist.destroy_process_group()
-    (Path(out_dir) / f"done-rank{rank}").write_text("ok")
-
-
 def _init(rank: int, world: int, port: int, timeout_s: float, nccl: bool = False) -> None:
     import torch.distributed as dist
 
@@ -373,7 +349,31 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
     os._exit(0)
 
 
-if __name__ == "__main__":  # python -m tests.integration.dp_worker RANK WORLD STORE OUT_DIR
+if __name__ == "__main__":
+    # python -m tests.integration.dp_worker RANK WORLD PORT OUT_DIR: a whole rank process
+    # as a user writes it, at module level: asynchronous steps, synchronize, a checkpoint,
+    # destroy_process_group(), then the interpreter's own exit (no os._exit). Exit status
+    # 0 means it ran to its end (an exception exits with 1). The model stays referenced
+    # to the exit, as a script's globals are, and nothing runs after the destroy: a model
+    # freed earlier, or a call that releases the GIL, would hide the race it is for.
     import sys
 
-    teardown_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    import torch.distributed as dist
+
+    from engine.parallel.data_parallel import save_checkpoint
+
+    _rank, _world, _port, _out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    os.environ["RP_DEVICES"] = "cpu:1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{_port}",
+        rank=_rank,
+        world_size=_world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    model, optimizer = build(shard=True, microbatches=2, optimizer="engine", process_group="auto")
+    run_steps(model, optimizer, 0, STEPS, sync=False)
+    model.synchronize()
+    save_checkpoint(Path(_out) / "ckpt.pt", model, optimizer, extra={"step": STEPS})
+    dist.destroy_process_group()
