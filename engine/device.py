@@ -172,10 +172,14 @@ class DeviceManager:
                 job.done.set()
 
     def shutdown_controller(self) -> None:
-        """Stop the controller thread after its queued jobs."""
+        """Stop the controller thread after its queued jobs (a second call does nothing)."""
+        if self.shutdown:
+            return
         self.shutdown = True
         self._jobs.put(None)
         self.controller_thread.join(timeout=10)
+        if self.controller_thread.is_alive():
+            log.warning("%s: controller thread still busy 10 s after shutdown", self.name)
 
     def throttle(self) -> None:
         """Block until fewer than MAX_INFLIGHT_JOBS earlier jobs are unfinished on the GPU."""

@@ -27,7 +27,7 @@ from .call_site import get_call_location
 from .context import OptimizerCtx, doing_optimizer
 from .errors import ConfigError
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
-from .threads import AnnotatedEvent
+from .threads import AnnotatedEvent, track_open
 
 if TYPE_CHECKING:
     from .run_state import RunState
@@ -73,6 +73,7 @@ class RoundPipeBase(nn.Module):
         # The optimizer thread's time per step, by phase (the last steps): publishing the
         # weights, folding the gradients, waiting for an overlapped call, step_fn.
         object.__setattr__(self, "step_phases", collections.deque(maxlen=64))
+        track_open(self)  # closed at interpreter exit unless closed before (weakly held)
 
     # ---- attribute shim ----------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -291,6 +292,42 @@ class RoundPipeBase(nn.Module):
             if pa.optim is not None:
                 pa.optim.grad = None
             p.grad = None
+
+    # ---- teardown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the queued steps, then stop what this model owns; a second call does nothing.
+
+        Under data parallel the engine's own process groups are destroyed and their worker
+        threads joined (engine.parallel.data_parallel: DataParallel.close), so nothing of
+        the engine outlives the user's process group. The optimizer and device threads,
+        shared by every model, stop when no open model is left (a later model starts
+        them again). It publishes nothing: call `synchronize()` first to read the latest
+        weights and `.grad`. Runs by itself at interpreter exit; `with RoundPipe(...) as
+        rp:` closes at the block's end.
+        """
+        from .device import reset_devices
+        from .optim_stream import shutdown_optim
+        from .threads import any_open, mark_closed
+
+        if not mark_closed(self):
+            return
+        try:
+            self.finish_pending()
+            synchronize_optim()  # the queued steps' collectives end on every rank
+        finally:
+            for sub in self.__dict__.get("_subs", ()):
+                sub.close()
+            if self._dp is not None:
+                self._dp.close()
+            if not any_open():
+                shutdown_optim()
+                reset_devices()
+
+    def __enter__(self) -> RoundPipeBase:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class _PhaseClock:

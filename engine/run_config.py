@@ -45,6 +45,11 @@ class RoundPipeRunConfig:
             `[out_i, ...] -> out`, True (automatic) or False (return a RoundPipePackedData
             that another RoundPipe model consumes without re-splitting). Default: automatic.
         execute_plan: A ModelExecutePlan. Default: ModelExecutePlan.auto from timings.
+        batch_is_global: Under data parallel (engine.parallel.data_parallel), whether
+            `forward_backward` is given the global batch on every rank (True: each rank
+            keeps its equal share of the rows, and the ranks check that they were given
+            the same batch) or each rank's own shard (False, as with
+            DistributedDataParallel: the inputs are used as given). Default: True.
     """
 
     requires_grad: bool | None = None
@@ -56,8 +61,13 @@ class RoundPipeRunConfig:
     split_label: Any = None
     merge_output: Any = None
     execute_plan: ModelExecutePlan | None = None
+    batch_is_global: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.batch_is_global is not None and not isinstance(self.batch_is_global, bool):
+            raise ConfigError(
+                f"run_config.batch_is_global must be True or False, got {self.batch_is_global!r}"
+            )
         if self.recompute_grain is not None and self.recompute_grain not in _GRAINS:
             raise ConfigError(
                 f"run_config.recompute_grain must be 'stage' or 'layer', got {self.recompute_grain!r}"
@@ -100,6 +110,7 @@ class FullRoundPipeRunConfig:
     """
 
     __slots__ = (
+        "batch_is_global",
         "execute_plan",
         "merge_output",
         "num_microbatch",
@@ -134,6 +145,7 @@ class FullRoundPipeRunConfig:
         self.split_label: Any = c.split_label
         self.merge_output: Any = True if c.merge_output is None else c.merge_output
         self.execute_plan: ModelExecutePlan | None = c.execute_plan
+        self.batch_is_global: bool = True if c.batch_is_global is None else c.batch_is_global
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
