@@ -326,6 +326,25 @@ class Orchestrator:
             self._cpu_jobs -= 1
         self._wake.set()
 
+    # GPUs lent to chat serving (rp_service/serving/manager.py): out of the jobs' pool
+    # until returned, so a job waits for a served model to go idle as for another job.
+
+    def lend_gpu(self) -> int | None:
+        """A GPU no job holds, taken out of the pool; None while every GPU is held."""
+        free = [g for g in self.gpu_ids if g not in self._busy_gpus]
+        if not free:
+            return None
+        self._busy_gpus.add(free[0])
+        return free[0]
+
+    def return_gpu(self, gpu: int) -> None:
+        self._busy_gpus.discard(gpu)
+        self._wake.set()
+
+    def gpu_jobs(self) -> dict[int, str]:
+        """GPU id -> the job whose worker holds it."""
+        return {g: w.job_id for w in self._workers.values() for g in w.gpus}
+
     async def _launch(self, job: JobRecord, gpus: list[int]) -> None:
         worker = WorkerHandle(job_id=job.id, gpus=gpus)
         self._claim(worker)
