@@ -69,7 +69,7 @@ class Chat:
     def _object(self, served: ServedModel | None, model: str) -> ModelObject:
         if served is None:  # a preset
             return ModelObject(id=model, created=0, owned_by="system")
-        process = self.manager.process_of(served.base)
+        process = self.manager.processes.get(served.base.key)  # a stopping one included
         serving = None
         if process is not None and process.pid is not None and process.loaded:
             serving = Serving(pid=process.pid, device=process.device)

@@ -309,9 +309,7 @@ class ServingManager:
 
     async def _stop(self, process: ServingProcess, *, grace_s: float = 5.0) -> None:
         """End the process (stdin closed, then SIGTERM, then SIGKILL) and give its GPU back."""
-        process.stopping = True
-        if self.processes.get(process.base.key) is process:
-            del self.processes[process.base.key]
+        process.stopping = True  # no new request reaches it from now on
         proc = process.proc
         if proc is not None and proc.returncode is None:
             if proc.stdin is not None:
@@ -333,6 +331,8 @@ class ServingManager:
         if process.gpu is not None:
             self.pool.return_gpu(process.gpu)
             process.gpu = None
+        if self.processes.get(process.base.key) is process:  # not a newer one for the base
+            del self.processes[process.base.key]
         log.info("serving: process %s stopped", process.pid)
 
     def _ensure_idle_watch(self) -> None:
@@ -346,6 +346,8 @@ class ServingManager:
         while self.processes:
             await asyncio.sleep(tick_s)
             for process in list(self.processes.values()):
+                if process.stopping:
+                    continue
                 dead = process.proc is not None and process.proc.returncode is not None
                 if dead or process.idle_s() >= idle_s:
                     if not dead:
