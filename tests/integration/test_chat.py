@@ -292,3 +292,36 @@ def test_an_idle_model_process_stops(tmp_path: Path, model_root: Path) -> None:
         assert _ask(client, MODEL, max_tokens=2).choices[0].finish_reason in ("stop", "length")
     finally:
         daemon.stop()
+
+
+def test_the_rp_sdk_and_rp_chat_give_the_same_answer(demo_job: Any, daemon: Daemon) -> None:
+    from typer.testing import CliRunner
+
+    from tests.integration.client_fixtures import AsyncClient, Client
+
+    expected = _ask(_sdk(daemon), demo_job.id).choices[0].message.content
+    with Client(daemon.base_url, token=TOKEN) as client:
+        reply = client.chat(demo_job.id, MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+        pieces = list(
+            client.chat.stream(demo_job.id, MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+        )
+        assert (reply.content, "".join(pieces)) == (expected, expected)
+        assert reply.model == demo_job.fine_tuned_model
+
+        from rp_client.cli import app
+
+        args = ["chat", demo_job.id, "--system", MESSAGES[0]["content"], "-t", "0"]
+        args += ["--max-tokens", str(MAX_TOKENS), "--prompt", MESSAGES[1]["content"]]
+        result = CliRunner().invoke(app, args, obj={"client": client})
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected + "\n"
+
+    async def ask_async() -> str:
+        async with AsyncClient(daemon.base_url, token=TOKEN) as client:
+            return (
+                await client.chat(demo_job.id, MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+            ).content
+
+    import asyncio
+
+    assert asyncio.run(ask_async()) == expected
