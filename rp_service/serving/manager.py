@@ -270,7 +270,7 @@ class ServingManager:
                 self.settings.serving_module,
                 process.base.to_json(),
                 "--device",
-                "cpu" if process.gpu is None else "cuda:0",
+                *(["cpu"] if process.gpu is None else ["cuda:0", "--fold-adapters"]),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log_file,

@@ -77,7 +77,11 @@ def _load_base(base: BaseModel, *, device: str, dtype: Any) -> Any:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if base.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(base.path, dtype=dtype, use_safetensors=True)
+        # Straight onto the GPU: no copy of the weights in host memory first.
+        place = {} if device == "cpu" else {"device_map": {"": device}}
+        model = AutoModelForCausalLM.from_pretrained(
+            base.path, dtype=dtype, use_safetensors=True, **place
+        )
     else:
         # A LoRA job on a preset: its random initialisation, rebuilt as the worker built it.
         from rp_service.worker.modeling import build_model
@@ -108,10 +112,54 @@ class _Stop:
         return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool)
 
 
-class Server:
-    """Holds the base, its adapters and tokenizers; answers requests one at a time."""
+class _Folded:
+    """The active adapter folded into copies of the weights it adapts, so decoding costs
+    what the base costs (no LoRA matmuls per projection per token). The base weights are
+    kept aside and put back as they were (no merge/unmerge rounding drift in bf16)."""
 
-    def __init__(self, base: BaseModel, *, device: str, out: _Out) -> None:
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.kept: list[tuple[Any, Any]] = []  # (LoRA layer, its base weight)
+
+    def fold(self, model: Any, name: str) -> None:
+        import torch
+        from peft.tuners.lora import LoraLayer
+
+        if self.name == name:
+            return
+        self.unfold()
+        with torch.no_grad():
+            for module in model.modules():
+                if not isinstance(module, LoraLayer) or name not in module.lora_A:
+                    continue
+                linear = module.get_base_layer()
+                weight = linear.weight
+                delta = module.get_delta_weight(name)  # scaling * B @ A, in the adapter's dtype
+                folded = (weight.float() + delta.float()).to(weight.dtype)
+                linear.weight = torch.nn.Parameter(folded, requires_grad=False)
+                # peft's forward then runs the base layer alone (as after its own merge)
+                module.merged_adapters = [name]
+                self.kept.append((module, weight))
+        self.name = name
+
+    def unfold(self) -> None:
+        for module, weight in self.kept:
+            module.get_base_layer().weight = weight
+            module.merged_adapters = []
+        self.kept.clear()
+        self.name = None
+
+
+class Server:
+    """Holds the base, its adapters and tokenizers; answers requests one at a time.
+
+    `fold_adapters` (on a GPU): the requested adapter is folded into the weights
+    (`_Folded`) until another adapter or the base is asked for; else peft runs it unfolded.
+    """
+
+    def __init__(
+        self, base: BaseModel, *, device: str, out: _Out, fold_adapters: bool = False
+    ) -> None:
         import torch
 
         self.device = device
@@ -120,6 +168,7 @@ class Server:
         self.base = _load_base(base, device=device, dtype=self.dtype)
         self.model: Any = self.base  # a PeftModel once an adapter is loaded
         self.adapters: OrderedDict[str, str] = OrderedDict()  # folder -> peft adapter name
+        self.folded = _Folded() if fold_adapters else None
         self.tokenizers: dict[str, Any] = {}
         self.cancelled: dict[str, threading.Event] = {}
 
@@ -137,8 +186,15 @@ class Server:
         if adapter is None:
             if self.model is self.base:
                 return self.model, nullcontext()
+            if self.folded is not None:
+                self.folded.unfold()
             return self.model, self.model.disable_adapter()
         name = self.adapters.get(adapter)
+        if name is not None and self.folded is not None and self.folded.name == name:
+            self.adapters.move_to_end(adapter)
+            return self.model, nullcontext()  # folded already (set_adapter would unmerge it)
+        if self.folded is not None:
+            self.folded.unfold()  # peft must see the base weights to load or switch adapters
         if name is None:
             from peft import PeftModel
 
@@ -155,6 +211,8 @@ class Server:
             log.info("adapter %s loaded as %s", adapter, name)
         self.adapters.move_to_end(adapter)
         self.model.set_adapter(name)
+        if self.folded is not None:
+            self.folded.fold(self.model, name)
         return self.model, nullcontext()
 
     # -- one request
@@ -326,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rp_service.serving")
     parser.add_argument("base", help="the BaseModel to load, as JSON")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:N")
+    parser.add_argument(
+        "--fold-adapters", action="store_true", help="fold the active adapter into the weights"
+    )
     args = parser.parse_args(argv)
     # The protocol keeps the real stdout; anything else printed goes to stderr (the log).
     out = _Out(os.fdopen(os.dup(1), "w", encoding="utf-8"))
@@ -338,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     base = BaseModel.from_json(args.base)
     try:
-        server = Server(base, device=args.device, out=out)
+        server = Server(base, device=args.device, out=out, fold_adapters=args.fold_adapters)
     except Exception as exc:
         log.exception("loading %s failed", base)
         out.send(type="failed", message=f"loading the model failed: {type(exc).__name__}: {exc}")

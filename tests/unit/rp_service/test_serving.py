@@ -182,3 +182,60 @@ def test_the_503_carries_retry_after(tmp_path: Path, monkeypatch: pytest.MonkeyP
         )
     assert r.status_code == 503 and r.headers["retry-after"] == "7"
     assert r.json()["error"]["code"] == "gpus_busy" and "job-a" in r.json()["error"]["message"]
+
+
+def _lora_folders(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A tiny model folder and two random peft adapters on it (B != 0)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("qwen3", seed=3, vocab_size=64, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    model.save_pretrained(tmp_path / "base")
+    adapters = []
+    for k in range(2):
+        torch.manual_seed(10 + k)
+        peft = get_peft_model(
+            tiny_model("qwen3", seed=3, vocab_size=64, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, tie_word_embeddings=False),
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+        )  # fmt: skip
+        with torch.no_grad():
+            for name, param in peft.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.1)
+        peft.save_pretrained(tmp_path / f"adapter{k}")
+        adapters.append(tmp_path / f"adapter{k}")
+    return tmp_path / "base", adapters
+
+
+def test_folded_adapters_match_peft_and_give_the_base_back_exactly(tmp_path: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir, adapters = _lora_folders(tmp_path)
+    server = Server(BaseModel(path=str(base_dir)), device="cpu", out=_Out(), fold_adapters=True)
+    ids = torch.tensor([[1, 5, 9, 33, 2, 17, 40]])
+
+    def logits(adapter: Path | None) -> torch.Tensor:
+        model, context = server._select(None if adapter is None else str(adapter))
+        with torch.inference_mode(), context:
+            return model(input_ids=ids).logits
+
+    weights = {n: p for n, p in server.base.named_parameters()}
+    plain = logits(None)
+    first = [logits(a) for a in adapters]
+    for adapter, got in zip(adapters, first, strict=True):
+        reference = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        expected = PeftModel.from_pretrained(reference, adapter).eval()(input_ids=ids).logits
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, plain)  # the adapter changes the answer
+    again = [logits(adapters[1]), logits(adapters[0]), logits(None)]
+    assert torch.equal(again[0], first[1]) and torch.equal(again[1], first[0])
+    assert torch.equal(again[2], plain)  # no drift: the base weights are put back as they were
+    for name, param in server.base.named_parameters():
+        if "lora_" not in name:
+            assert param is weights[name.replace(".base_layer", "")], name
