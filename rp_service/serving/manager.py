@@ -201,6 +201,9 @@ class ServingManager:
         async with lock:
             process = self.process_of(base)
             if process is None:
+                dead = self.processes.get(base.key)
+                if dead is not None and not dead.stopping:
+                    await self._stop(dead)  # it died: its GPU goes back before a new start
                 process = await self._start(base)
             process.last_used = time.monotonic()
             return process

@@ -239,3 +239,27 @@ def test_folded_adapters_match_peft_and_give_the_base_back_exactly(tmp_path: Pat
     for name, param in server.base.named_parameters():
         if "lora_" not in name:
             assert param is weights[name.replace(".base_layer", "")], name
+
+
+def test_a_dead_process_gives_its_gpu_back_before_a_new_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = _Pool([0], {})
+    manager = ServingManager(Settings(data_dir=tmp_path), pool)
+    base = BaseModel(path="/a")
+
+    async def spawn(process: ServingProcess) -> None:
+        process.proc = _Proc()  # type: ignore[assignment]
+        process.loaded = True
+
+    monkeypatch.setattr(manager, "_spawn", spawn)
+
+    async def scenario() -> list[int | None]:
+        first = await manager._process(base)
+        first.proc.returncode = -9  # type: ignore[union-attr]  (killed, e.g. out of memory)
+        second = await manager._process(base)
+        assert second is not first and manager.processes == {base.key: second}
+        await manager.stop()
+        return [first.gpu, second.gpu]
+
+    assert asyncio.run(scenario()) == [None, None] and pool.lent == []
