@@ -147,6 +147,7 @@ class _Pool:
     def __init__(self, gpus: list[int]) -> None:
         self.gpu_ids = gpus
         self.lent: set[int] = set()
+        self.gpus_wanted: Any = None
 
     def lend_gpu(self) -> int | None:
         free = [g for g in self.gpu_ids if g not in self.lent]

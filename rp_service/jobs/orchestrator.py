@@ -22,6 +22,7 @@ import signal
 import sqlite3
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import IO, Any
 
@@ -65,6 +66,9 @@ class Orchestrator:
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
+        # Set by chat serving (rp_service/serving/manager.py): called when a queued job
+        # waits for GPUs, so that idle served models return the ones they were lent.
+        self.gpus_wanted: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ start and stop
 
@@ -303,6 +307,8 @@ class Orchestrator:
             if self.gpu_ids and wanted > 0:
                 free = [g for g in self.gpu_ids if g not in self._busy_gpus]
                 if len(free) < wanted:
+                    if self.gpus_wanted is not None:
+                        self.gpus_wanted()  # idle served models give their GPUs back
                     return  # strict FIFO within a priority: nobody overtakes the head
                 gpus = free[:wanted]
             else:

@@ -22,7 +22,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -68,6 +68,7 @@ class GpuPool(Protocol):
     """What the manager needs of the orchestrator."""
 
     gpu_ids: list[int]
+    gpus_wanted: Callable[[], None] | None
 
     def lend_gpu(self) -> int | None: ...
 
@@ -176,6 +177,8 @@ class ServingManager:
         self.processes: dict[str, ServingProcess] = {}
         self._starting: dict[str, asyncio.Lock] = {}
         self._idle_task: asyncio.Task[None] | None = None
+        self._yielding: set[asyncio.Task[None]] = set()
+        pool.gpus_wanted = self.yield_gpus
 
     def process_of(self, base: BaseModel) -> ServingProcess | None:
         """The live process serving `base`, if any."""
@@ -231,6 +234,21 @@ class ServingManager:
             "ends, or pause one",
             retry_after_s=max(1, min(60, int(self.settings.serve_idle_s))),
         )
+
+    def yield_gpus(self) -> None:
+        """A queued job waits for GPUs: stop every served model that is not generating
+        (training comes first; the next chat request loads its model again)."""
+        for process in list(self.processes.values()):
+            if (
+                process.gpu is not None
+                and process.alive
+                and process.loaded
+                and not process.in_flight
+            ):
+                log.info("serving: stopping %s: a queued job wants its GPU", process.pid)
+                task = asyncio.get_running_loop().create_task(self._stop(process))
+                self._yielding.add(task)
+                task.add_done_callback(self._yielding.discard)
 
     async def _evict(self, candidates: list[ServingProcess], what: str) -> bool:
         """Stop the longest-idle process among `candidates` that is not generating."""

@@ -108,6 +108,7 @@ class _Pool:
         self.gpu_ids = gpus
         self.held = held
         self.lent: list[int] = []
+        self.gpus_wanted: Any = None
 
     def lend_gpu(self) -> int | None:
         free = [g for g in self.gpu_ids if g not in self.held and g not in self.lent]
@@ -263,3 +264,35 @@ def test_a_dead_process_gives_its_gpu_back_before_a_new_start(
         return [first.gpu, second.gpu]
 
     assert asyncio.run(scenario()) == [None, None] and pool.lent == []
+
+
+def test_a_queued_job_takes_the_gpu_of_an_idle_served_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = _Pool([0], {})
+    manager = ServingManager(Settings(data_dir=tmp_path), pool)
+
+    async def spawn(process: ServingProcess) -> None:
+        process.proc = _Proc()  # type: ignore[assignment]
+        process.loaded = True
+
+    monkeypatch.setattr(manager, "_spawn", spawn)
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        process = await manager._process(BaseModel(path="/a"))
+        process.in_flight = 1
+        assert pool.gpus_wanted is not None
+        pool.gpus_wanted()  # what the orchestrator calls while a job waits for GPUs
+        await asyncio.sleep(0.05)
+        generating = list(pool.lent)  # an answer being written keeps its GPU
+        process.in_flight = 0
+        pool.gpus_wanted()
+        for _ in range(100):
+            if not pool.lent:
+                break
+            await asyncio.sleep(0.01)
+        await manager.stop()
+        return generating, list(pool.lent)
+
+    assert asyncio.run(scenario()) == ([0], [])
+    assert manager.processes == {}
