@@ -1,8 +1,7 @@
 """Model ids: what `ft:<base>:<job-id>`, a job id or a base name resolves to, and the list.
 
-A succeeded job's model id is `ft:<base>:<job-id>`; `<base>` is the name the job was
-submitted with (a preset, or a folder under RP_MODEL_ROOTS), and only the job id after the
-last colon picks the job. The bare job id names the same model (this daemon's shorthand,
+A succeeded job's model id is `ft:<base>:<job-id>`; `<base>` is the job's preset or its
+model folder's name, and only the job id after the last colon picks the job. The bare job id names the same model (this daemon's shorthand,
 what `rp chat JOB` sends). A base is a preset (listed; a random initialisation, so nothing
 to chat with) or a Hugging Face folder under RP_MODEL_ROOTS.
 
@@ -19,11 +18,11 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from rp_service.errors import BadRequest, NotFound
-from rp_service.jobs.resolve import PRESET_MAX_POSITIONS
-from rp_service.jobs.store import JobRecord, OpenAIStore, Store
+from rp_service.jobs.store import JobRecord, Store
+from rp_service.schemas import ModelSection
 from rp_service.settings import Settings
 
 __all__ = [
@@ -35,6 +34,7 @@ __all__ = [
     "has_chat_template",
     "job_id_of",
     "list_models",
+    "preset_names",
     "resolve_model",
 ]
 
@@ -99,19 +99,23 @@ class ModelEntry:
     job_id: str | None = None
 
 
-def base_name(job: JobRecord, submitted_as: str | None) -> str:
-    """The `<base>` of a job's model id: the model name it was submitted with."""
+def preset_names() -> tuple[str, ...]:
+    """The presets a JobSpec's `model.preset` accepts."""
+    annotation = ModelSection.model_fields["preset"].annotation  # Literal[...] | None
+    return tuple(name for arg in get_args(annotation) for name in get_args(arg))
+
+
+def base_name(job: JobRecord) -> str:
+    """The `<base>` of a job's model id: its preset, or its model folder's name."""
     model = job.spec.get("model", {})
-    name = submitted_as or model.get("preset") or model.get("path") or "model"
-    # An absolute path (native jobs, or an OpenAI create naming one) reads as its folder.
-    return Path(name).name if name.startswith("/") else name
+    return model.get("preset") or Path(model.get("path") or "model").name
 
 
-def fine_tuned_id(job: JobRecord, submitted_as: str | None) -> str | None:
+def fine_tuned_id(job: JobRecord) -> str | None:
     """`ft:<base>:<job-id>` of a succeeded job; None before it succeeded."""
     if job.status != "succeeded" or not job.output_model_path:
         return None
-    return f"{FT_PREFIX}{base_name(job, submitted_as)}:{job.id}"
+    return f"{FT_PREFIX}{base_name(job)}:{job.id}"
 
 
 def job_id_of(model: str) -> str | None:
@@ -155,8 +159,7 @@ def _job_model(store: Store, model: str, job_id: str) -> ServedModel:
     job = store.get_job(job_id)
     if job is None:
         raise _not_found(model, f"no job {job_id!r}")
-    extra = OpenAIStore(store).get_jobs([job_id]).get(job_id)
-    canonical = fine_tuned_id(job, extra.fields.get("model") if extra else None)
+    canonical = fine_tuned_id(job)
     if canonical is None:
         raise _not_found(model, f"job {job_id} is {job.status}; its model exists once it succeeded")
     if model.startswith(FT_PREFIX) and model != canonical:
@@ -203,7 +206,7 @@ def resolve_model(
     job_id = job_id_of(model)
     if job_id is not None:
         served = _job_model(store, model, job_id)
-    elif model in PRESET_MAX_POSITIONS:
+    elif model in preset_names():
         if not chat:
             return None
         raise BadRequest(
@@ -245,19 +248,16 @@ def _mtime(path: Path) -> int:
 
 def list_models(settings: Settings, store: Store) -> list[ModelEntry]:
     """Presets, folders under RP_MODEL_ROOTS, then fine-tuned models newest first; blocking."""
-    entries = [ModelEntry(id=p, created=0, owned_by="system") for p in PRESET_MAX_POSITIONS]
+    entries = [ModelEntry(id=p, created=0, owned_by="system") for p in preset_names()]
     for name, folder in _base_folders(settings).items():
         entries.append(
             ModelEntry(id=name, created=_mtime(folder / "config.json"), owned_by="system")
         )
-    openai = OpenAIStore(store)
     after: str | None = None
     while True:
         jobs, has_more = store.list_jobs(status="succeeded", after=after, limit=_LIST_PAGE)
-        extras = openai.get_jobs([j.id for j in jobs])
         for job in jobs:
-            extra = extras.get(job.id)
-            model_id = fine_tuned_id(job, extra.fields.get("model") if extra else None)
+            model_id = fine_tuned_id(job)
             if model_id is not None:
                 created = job.finished_at or job.created_at
                 entries.append(

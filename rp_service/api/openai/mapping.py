@@ -240,7 +240,7 @@ def openai_job(
         error=error,
         # The id chat.completions takes (rp_service/serving/models.py); the native job
         # keeps the output folder's path in output_model_path.
-        fine_tuned_model=fine_tuned_id(job, fields["model"]),
+        fine_tuned_model=fine_tuned_id(job),
         finished_at=job.finished_at if job.status in TERMINAL_STATUSES else None,
         hyperparameters=hyperparameters,
         method={"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},

@@ -248,7 +248,7 @@ def test_an_openai_job_shows_the_fields_it_was_created_with() -> None:
     job = openai_job(_job("succeeded", output_model_path="/out"), extra)
     assert (job.model, job.suffix, job.metadata) == ("tiny", "mine", {"team": "a"})
     # The model id chat.completions takes; the folder stays on the native job.
-    assert job.fine_tuned_model == f"ft:tiny:{job.id}"
+    assert job.fine_tuned_model == f"ft:llama:{job.id}"
     assert job.method.supervised.hyperparameters.n_epochs == 3
 
 

@@ -15,7 +15,7 @@ from rp_service.api.openai.chat_schemas import ChatCompletionCreate
 from rp_service.app import create_app
 from rp_service.jobs.store import JobRecord
 from rp_service.serving.manager import ServingBusy, ServingManager, ServingProcess
-from rp_service.serving.models import BaseModel, base_name, fine_tuned_id, job_id_of
+from rp_service.serving.models import BaseModel, base_name, fine_tuned_id, job_id_of, preset_names
 from rp_service.serving.process import Server
 from rp_service.settings import Settings
 
@@ -31,11 +31,11 @@ def _job(status: str = "succeeded", **spec: Any) -> JobRecord:
 
 
 def test_model_ids_name_the_job_after_the_last_colon() -> None:
-    assert fine_tuned_id(_job(), None) == "ft:qwen3:job-abc"
-    assert fine_tuned_id(_job(path="/models/Qwen3-0.6B"), None) == "ft:Qwen3-0.6B:job-abc"
-    assert fine_tuned_id(_job(path="/m/x"), "org/Qwen3-8B") == "ft:org/Qwen3-8B:job-abc"
-    assert fine_tuned_id(_job("running"), None) is None
-    assert base_name(_job(path="/models/a"), "/models/a") == "a"
+    assert fine_tuned_id(_job()) == "ft:qwen3:job-abc"
+    assert fine_tuned_id(_job(path="/models/Qwen/Qwen3-0.6B")) == "ft:Qwen3-0.6B:job-abc"
+    assert fine_tuned_id(_job("running")) is None
+    assert base_name(_job(path="/models/a")) == "a"
+    assert {"qwen3", "llama", "qwen2"} <= set(preset_names())
     assert job_id_of("ft:org/Qwen3-8B:job-abc") == "job-abc"
     assert job_id_of("job-abc") == "job-abc"
     assert job_id_of("ft:qwen3:nothing") is None and job_id_of("Qwen3-8B") is None
@@ -175,8 +175,10 @@ def test_the_503_carries_retry_after(tmp_path: Path, monkeypatch: pytest.MonkeyP
         raise ServingBusy("every GPU is in use (GPU 0: job job-a)", retry_after_s=7)
 
     monkeypatch.setattr(Chat, "open", busy)
-    settings = Settings(data_dir=tmp_path, gpus="none")
-    with TestClient(create_app(settings)) as client:
+    settings = Settings(data_dir=tmp_path, gpus="none", token="tok")
+    app = create_app(settings)
+    headers = {"Authorization": "Bearer tok"}
+    with TestClient(app, base_url="http://127.0.0.1", headers=headers) as client:
         r = client.post(
             "/v1/chat/completions",
             json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
