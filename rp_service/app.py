@@ -301,6 +301,9 @@ def _install_error_handlers(app: FastAPI) -> None:
             headers = {"www-authenticate": "Bearer"}
         elif exc.status_code == 429:
             headers = {"retry-after": "5"}
+        retry_after_s = getattr(exc, "retry_after_s", None)  # e.g. serving.ServingBusy (503)
+        if retry_after_s is not None:
+            headers = {"retry-after": str(int(retry_after_s))}
         return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(JobFailure)

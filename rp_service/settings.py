@@ -90,6 +90,11 @@ class Settings(BaseSettings):
     # Host bytes a job may use (bytes or with a unit: 96GiB, 100G); unset: the available
     # memory at start-up less a margin (engine.planning.memory_plan). Over it a submission gets 422.
     host_memory_budget: str | None = None
+    # Chat serving (rp_service/serving, docs/CHAT.md): a model's process stops after this
+    # many seconds without a request, and must load within the second limit.
+    serve_idle_s: float = Field(600.0, gt=0)
+    serve_load_timeout_s: float = Field(600.0, gt=0)
+    serving_module: str = "rp_service.serving"
 
     @field_validator("model_roots", "dataset_roots", mode="before")
     @classmethod

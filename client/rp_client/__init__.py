@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._base import DEFAULT_BASE_URL
+from ._chat import ChatReply, ChatUsage
 from ._client import AsyncClient, Client
 from .errors import (
     APIConnectionError,
@@ -45,6 +46,8 @@ __all__ = [
     "APIStatusError",
     "APITimeoutError",
     "AsyncClient",
+    "ChatReply",
+    "ChatUsage",
     "Checkpoint",
     "Client",
     "Conflict",

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from ._base import DEFAULT_TIMEOUT_S, _BaseClient
+from ._chat import AsyncChat, Chat
 from ._files import AsyncCheckpoints, AsyncFiles, Checkpoints, Files
 from ._jobs import AsyncJobs, Jobs
 from .models import System
@@ -61,6 +62,7 @@ class Client(_BaseClient):
         self.jobs = Jobs(self)
         self.files = Files(self)
         self.checkpoints = Checkpoints(self)
+        self.chat = Chat(self)
 
     def close(self) -> None:
         self._http.close()
@@ -171,6 +173,7 @@ class AsyncClient(_BaseClient):
         self.jobs = AsyncJobs(self)
         self.files = AsyncFiles(self)
         self.checkpoints = AsyncCheckpoints(self)
+        self.chat = AsyncChat(self)
 
     async def close(self) -> None:
         await self._http.aclose()

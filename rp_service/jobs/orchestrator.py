@@ -23,6 +23,7 @@ import signal
 import sqlite3
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import IO, Any
 
@@ -75,6 +76,9 @@ class Orchestrator:
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
+        # Set by chat serving (rp_service/serving/manager.py): called when a queued job
+        # waits for GPUs, so that idle served models return the ones they were lent.
+        self.gpus_wanted: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ start and stop
 
@@ -342,6 +346,8 @@ class Orchestrator:
             if self.gpu_ids and wanted > 0:
                 free = [g for g in self.gpu_ids if g not in self._busy_gpus]
                 if len(free) < wanted:
+                    if self.gpus_wanted is not None:
+                        self.gpus_wanted()  # idle served models give their GPUs back
                     return  # strict FIFO within a priority: nobody overtakes the head
                 gpus = free[:wanted]
             else:
@@ -364,6 +370,25 @@ class Orchestrator:
         else:
             self._cpu_jobs -= 1
         self._wake.set()
+
+    # GPUs lent to chat serving (rp_service/serving/manager.py): out of the jobs' pool
+    # until returned, so a job waits for a served model to go idle as for another job.
+
+    def lend_gpu(self) -> int | None:
+        """A GPU no job holds, taken out of the pool; None while every GPU is held."""
+        free = [g for g in self.gpu_ids if g not in self._busy_gpus]
+        if not free:
+            return None
+        self._busy_gpus.add(free[0])
+        return free[0]
+
+    def return_gpu(self, gpu: int) -> None:
+        self._busy_gpus.discard(gpu)
+        self._wake.set()
+
+    def gpu_jobs(self) -> dict[int, str]:
+        """GPU id -> the job whose worker holds it."""
+        return {g: w.job_id for w in self._workers.values() for g in w.gpus}
 
     async def _launch(self, job: JobRecord, gpus: list[int]) -> None:
         worker = WorkerHandle(job_id=job.id, gpus=gpus)

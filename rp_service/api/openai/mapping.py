@@ -33,6 +33,7 @@ from rp_service.schemas import (
     ModelSection,
     TrainSection,
 )
+from rp_service.serving.models import fine_tuned_id
 
 __all__ = [
     "AUTO_BATCH_SIZE",
@@ -239,7 +240,9 @@ def openai_job(
         id=job.id,
         created_at=job.created_at,
         error=error,
-        fine_tuned_model=job.output_model_path if job.status == "succeeded" else None,
+        # The id chat.completions takes (rp_service/serving/models.py); the native job
+        # keeps the output folder's path in output_model_path.
+        fine_tuned_model=fine_tuned_id(job),
         finished_at=job.finished_at if job.status in TERMINAL_STATUSES else None,
         hyperparameters=hyperparameters,
         method={"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},

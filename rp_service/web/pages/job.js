@@ -15,6 +15,7 @@ import {
   statusBadge,
   time,
 } from "../format.js";
+import { chatPanel } from "./chat.js";
 
 const POLL_MS = 2000;
 export const DRAFT_KEY = "rp.draft";
@@ -84,6 +85,7 @@ export function renderJob(view, jobId) {
   const eventsList = el("ol", { id: "events", class: "events", reversed: true });
   const showMetrics = el("input", { type: "checkbox", id: "show-metrics" });
   const log = el("pre", { id: "worker-log", class: "log" });
+  const chat = chatPanel(jobId); // shown once the job succeeded (pages/chat.js)
 
   view.append(
     el(
@@ -126,6 +128,7 @@ export function renderJob(view, jobId) {
       ),
       el("div", {}, el("h2", {}, "Worker log"), log),
     ),
+    chat.node,
   );
 
   let job = null;
@@ -162,6 +165,7 @@ export function renderJob(view, jobId) {
       rows.push(["error", el("span", { class: "error" }, `${job.error.code}: ${job.error.message}`)]);
     summary.replaceChildren(...rows.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
     if (!specText.textContent) specText.textContent = dump(job.spec, { lineWidth: 100 });
+    chat.update(job);
   }
 
   async function refreshJob() {
@@ -374,5 +378,6 @@ export function renderJob(view, jobId) {
     stopped = true;
     clearTimeout(pollTimer);
     stream.close();
+    chat.close();
   };
 }

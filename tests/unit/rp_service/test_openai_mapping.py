@@ -241,7 +241,8 @@ def test_an_openai_job_shows_the_fields_it_was_created_with() -> None:
     extra = OpenAIJobRecord(job_id="job-abc", body_sha256="x", created_at=100, fields=fields)
     job = openai_job(_job("succeeded", output_model_path="/out"), extra)
     assert (job.model, job.suffix, job.metadata) == ("tiny", "mine", {"team": "a"})
-    assert job.fine_tuned_model == "/out"
+    # The model id chat.completions takes; the folder stays on the native job.
+    assert job.fine_tuned_model == f"ft:llama:{job.id}"
     assert job.method.supervised.hyperparameters.n_epochs == 3
 
 
