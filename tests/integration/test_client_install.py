@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,9 @@ def test_client_installs_and_imports_without_torch(tmp_path):
         "assert importlib.util.find_spec('rp_service') is None\n"
         "print(rp_client.__version__)\n"
     )
+    # The venv's own path only: a PYTHONPATH pointing at a checkout would make rp_service
+    # importable and hide what the client's install alone brings.
+    clean_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
         [str(python), "-c", probe],
         capture_output=True,
@@ -52,18 +56,31 @@ def test_client_installs_and_imports_without_torch(tmp_path):
         timeout=120,
         check=False,
         cwd=tmp_path,
+        env=clean_env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
     rp = env_dir / "bin" / "rp"
     help_text = subprocess.run(
-        [str(rp), "--help"], capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path
+        [str(rp), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+        env=clean_env,
     )
     assert help_text.returncode == 0 and "demo" in help_text.stdout
 
     # Without the server, `rp serve` says how to install it instead of a traceback.
     serve = subprocess.run(
-        [str(rp), "serve"], capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path
+        [str(rp), "serve"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+        env=clean_env,
     )
     assert serve.returncode == 1
     assert serve.stderr.startswith("error: the RoundPipe server is not installed")

@@ -209,7 +209,11 @@ def test_lora_job_through_the_daemon_loads_with_peft(make_daemon, tmp_path: Path
     from transformers import AutoModelForCausalLM
 
     model_dir = _base_model_dir(tmp_path)
-    daemon: Daemon = make_daemon(RP_WORKER_MODULE="rp_service.worker", RP_MODEL_ROOTS=str(tmp_path))
+    daemon: Daemon = make_daemon(
+        RP_WORKER_MODULE="rp_service.worker",
+        RP_MODEL_ROOTS=str(tmp_path),
+        RP_KEEP_FINISHED_CHECKPOINTS="100",  # the test lists every checkpoint after the end
+    )
     spec = {
         "name": "lora",
         "model": {"path": str(model_dir)},
