@@ -1,5 +1,9 @@
 """Data parallel over torch.distributed: one RoundPipe per rank, ZeRO-1 state on the host.
 
+Over ~600 lines: the shard layout, the gradient reduce, the step's all-gather and the
+engine's own process groups (with their teardown) are one protocol that every rank must
+run in the same order; split, the order would be spread over files.
+
 Every rank (process) runs one RoundPipe over its own devices. `RoundPipe` turns this on
 when a process group is in effect: the one passed as `process_group=`, else the default
 group when `torch.distributed` is initialised with more than one rank

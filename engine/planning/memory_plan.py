@@ -1,5 +1,9 @@
 """Host-memory plan: what a model and run config will need, checked against a budget.
 
+Over ~600 lines: every part of the footprint (weights, packed bases, gradients, masters,
+moments, activations, saved attention) and the options that would fit are one account;
+the plan and the check read the same table.
+
 Computed from shapes alone, before anything is allocated: the daemon runs it at job
 submission without importing torch (this module imports nothing heavy), the engine before
 it pins a model, bench/train.py prints it beside the measured peak.

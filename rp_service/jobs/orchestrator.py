@@ -1,5 +1,9 @@
 """The job lifecycle: queue -> GPUs -> one worker process per job -> events -> final state.
 
+Over ~600 lines: the lifecycle's transitions, GPU accounting (lent to serving too) and
+worker supervision share one queue and one lock-free asyncio state; the pieces that stand
+apart (the pipe, the journal, faults, retention, resolve) live beside it.
+
 Runs on the daemon's event loop. The store is the queue: queued jobs are started in order
 of priority, then FIFO, while their GPUs (or a CPU slot) are free. Each worker's stdout is
 its event pipe: every line is stored (on the store's writer thread), then handed to the

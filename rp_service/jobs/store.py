@@ -1,5 +1,8 @@
 """All SQL: jobs, events, files, checkpoints and idempotency keys in SQLite (WAL).
 
+Over ~600 lines: one schema and its migrations, kept with the queries that read it; the
+OpenAI facade's side table lives in openai_store.py.
+
 The OpenAI-compatible API's table and reads are in `rp_service.jobs.openai_store`.
 
 One connection per thread (sqlite3 objects must not cross threads); async callers go
