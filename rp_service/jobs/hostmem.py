@@ -76,7 +76,8 @@ def plan_for_spec(
     devices = max(engine.gpus, 1)
     model_bytes = _DTYPE_BYTES[spec.model.dtype]
     run = RunShape(
-        tokens_per_step=spec.train.batch_size * spec.data.seq_len,
+        # a DPO step runs two rows (chosen, rejected) per pair of train.batch_size
+        tokens_per_step=spec.train.batch_size * spec.data.seq_len * _rows_per_item(spec),
         seq_len=spec.data.seq_len,
         num_microbatch=min(engine.num_microbatch or devices + 1, spec.train.batch_size),
         recompute_grain=engine.recompute_grain,
@@ -152,3 +153,7 @@ def parse_budget_setting(value: str | None) -> str | None:
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
     return value.strip()
+
+
+def _rows_per_item(spec: JobSpec) -> int:
+    return 2 if spec.train.objective == "dpo" else 1

@@ -200,8 +200,11 @@ class _Meter:
     speed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_SPEED_WINDOW))
     last: dict[str, Any] = field(default_factory=dict)
 
-    def record(self, step: int, loss: float, lr: float, tokens: int) -> None:
-        """Note step `step` (1-based) as done on the main thread."""
+    def record(
+        self, step: int, loss: float, lr: float, tokens: int, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Note step `step` (1-based) as done on the main thread; `extra`: the objective's
+        own metrics (DPO's rewards and log-probabilities)."""
         now = time.perf_counter()
         # this step's wall time: since the previous step, or since this attempt started
         step_seconds = now - (self.speed[-1][0] if self.speed else self.start_time)
@@ -228,6 +231,7 @@ class _Meter:
                 "trained_tokens": self.trained_tokens,
                 "gpu_mem_bytes": _gpu_mem_bytes(),
                 "eta_seconds": None if eta is None else round(eta, 3),
+                **(extra or {}),
             }
         )
 
@@ -271,15 +275,24 @@ class _Run:
         train = spec.train
 
         self.tokenizer = _load_tokenizer(spec, paths)
-        self.blocks = _load_blocks(
-            paths.train_path, "data.train", spec, self.tokenizer, valid=False
-        )
         valid_source = paths.valid_path or (SYNTHETIC if spec.data.valid == SYNTHETIC else None)
-        self.valid = (
-            _load_blocks(valid_source, "data.valid", spec, self.tokenizer, valid=True)
-            if valid_source
-            else None
-        )
+        # train.objective dpo: pairs instead of blocks, its own step and evaluation
+        self.dpo: Any = None
+        if train.objective == "dpo":
+            from .objectives.dpo_job import DpoObjective
+
+            self.dpo = DpoObjective(spec, paths, self.tokenizer, valid_source=valid_source)
+            self.blocks: Any = self.dpo.train
+            self.valid: Any = self.dpo.valid
+        else:
+            self.blocks = _load_blocks(
+                paths.train_path, "data.train", spec, self.tokenizer, valid=False
+            )
+            self.valid = (
+                _load_blocks(valid_source, "data.valid", spec, self.tokenizer, valid=True)
+                if valid_source
+                else None
+            )
         self.order = BatchOrder(len(self.blocks), train.batch_size, seed=train.seed)
         self.total_steps = train.steps or self.order.steps_for_epochs(train.epochs or 1.0)
         log.info(
@@ -310,6 +323,10 @@ class _Run:
         self._check_host_memory()
         self.hf_model = self._build_model(resume_tensors)
         self.rp = self._wrap()
+        if self.dpo is not None:  # the full-tuning reference: before any step moves weights
+            self.dpo.prepare(
+                self.rp, lora=self.adapter_keys is not None, resuming=self.resume_from is not None
+            )
         self.masters = list(self.rp.optim_parameters())
         self.parameters = {
             "trainable": sum(p.numel() for p in self.masters),
@@ -514,6 +531,8 @@ class _Run:
     def _forward_backward(self, step: int) -> tuple[torch.Tensor, int]:
         from engine.models import causal_lm_loss_fn
 
+        if self.dpo is not None:
+            return self.dpo.forward_backward(self.rp, self.order.indices(step - 1))
         input_ids, labels, tokens = self.blocks.batch(self.order.indices(step - 1))
         loss_fn = causal_lm_loss_fn(labels, shifted=True)
         loss = self.rp.forward_backward(
@@ -527,6 +546,8 @@ class _Run:
         """Mean token loss over the validation sequences with the current (synced) weights."""
         from engine.models import causal_lm_loss
 
+        if self.dpo is not None:
+            return self.dpo.evaluate(self.rp)
         assert self.valid is not None
         count = min(len(self.valid), _MAX_EVAL_BLOCKS)
         # The forward returns full logits to the host: bound them to ~_EVAL_LOGITS elements.
@@ -582,6 +603,7 @@ class _Run:
             "metrics": metrics,
             "parameter_shapes": [list(p.shape) for p in self.masters],
             "method": self.spec.train.method,
+            "objective": self.spec.train.objective,
         }
         config = self.hf_model.config.to_json_string().encode()
         path, size_bytes = ckpt.write_checkpoint(
@@ -658,7 +680,8 @@ class _Run:
             self.rp.step(self._step_fn(step), is_async=async_step)
             loss = float(loss_t)  # the one host sync of a step
             lr = train.lr * self._lr_factor(step - 1)
-            self.meter.record(step, loss, lr, tokens)
+            extra = self.dpo.metrics() if self.dpo is not None else None
+            self.meter.record(step, loss, lr, tokens, extra)
             if not (sync or pausing):
                 self.meter.flush()
                 continue
