@@ -127,9 +127,11 @@ class SpecResolver:
             else None
         )
         return {
-            "train_path": self._data("data.train", spec.data.train, spec.data.format),
+            "train_path": self._data(
+                "data.train", spec.data.train, spec.data.format, spec.train.objective
+            ),
             "valid_path": (
-                self._data("data.valid", spec.data.valid, spec.data.format)
+                self._data("data.valid", spec.data.valid, spec.data.format, spec.train.objective)
                 if spec.data.valid is not None
                 else None
             ),
@@ -185,7 +187,7 @@ class SpecResolver:
             return {**defaults, **spec.model.config}
         return path_config
 
-    def _data(self, param: str, raw: str, fmt: str, objective: str = "sft") -> str:
+    def _data(self, param: str, raw: str, fmt: str, objective: str) -> str:
         if raw == "synthetic":
             return "synthetic"
         if raw.startswith("file-"):
