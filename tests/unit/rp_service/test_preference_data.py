@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
@@ -122,12 +123,12 @@ def test_rows_score_the_completion_and_keep_the_start() -> None:
     records = [(1, PLAIN), (2, {"prompt": "abc", "chosen": "defghijk", "rejected": "x"})]
     pairs = build_pairs(records, tok, seq_len=8)
     assert pairs.input_ids.shape == (2, 2, 8)
-    ids, targets, tokens = pairs.batch(pairs_idx := __import__("torch").tensor([1]))
-    assert len(pairs_idx) == 1 and ids.shape == (2, 8)
+    ids, targets, tokens = pairs.batch(torch.tensor([1]))
+    assert ids.shape == (2, 8)
     chosen_ids = tok.encode(["abcdefghijk"])[0]
     # chosen: 12 tokens with eos, cut at 9 -> inputs "abcdefgh", targets from "d" on
     assert ids[0].tolist() == chosen_ids[:8]
-    assert targets[0].tolist() == [-100, -100] + chosen_ids[3:9]
+    assert targets[0].tolist() == [-100, -100, *chosen_ids[3:9]]
     # rejected: "abcx" + eos, padded; targets "x" and eos
     assert targets[1].tolist()[:4] == [-100, -100, tok.encode(["x"])[0][0], tok.eos_id]
     assert targets[1].tolist()[4:] == [-100] * 4
