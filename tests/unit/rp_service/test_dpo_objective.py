@@ -316,3 +316,21 @@ def test_output_fn_refuses_a_forward_with_gradients() -> None:
     config = RoundPipeRunConfig(output_fn=lambda out, mb: out)
     with pytest.raises(ConfigError, match="output_fn"):
         rp.forward(input_ids=ids, return_logits=False, roundpipe_run_config=config)
+
+
+def test_the_bench_runs_tiny_on_the_cpu() -> None:
+    pytest.importorskip("peft")
+    from bench import dpo as bench
+
+    engine_dpo, engine_sft, baseline, summary = bench.main(["--tiny", "--baseline"])
+    assert [r["run"] for r in (engine_dpo, engine_sft, baseline, summary)] == [
+        "engine-dpo",
+        "engine-sft",
+        "peft-dpo",
+        "summary",
+    ]
+    assert all(r["tokens_per_s"] > 0 for r in (engine_dpo, engine_sft, baseline))
+    # the first DPO step: the adapters start at zero, the policy is the reference
+    assert engine_dpo["losses"][0] == pytest.approx(math.log(2), abs=1e-4)
+    assert baseline["losses"][0] == pytest.approx(math.log(2), abs=1e-4)
+    assert summary["vs_engine_sft"] > 0 and summary["vs_peft_dpo"] > 0
