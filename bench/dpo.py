@@ -158,8 +158,6 @@ def run_engine_dpo(args: argparse.Namespace) -> dict[str, Any]:
     elapsed, losses = _timed(args, step)
     rp.synchronize()
     out = _result(args, "engine-dpo", elapsed, losses)
-    del rp, opt
-    gc.collect()
     return out
 
 
@@ -186,8 +184,6 @@ def run_engine_sft(args: argparse.Namespace) -> dict[str, Any]:
     elapsed, losses = _timed(args, step)
     rp.synchronize()
     out = _result(args, "engine-sft", elapsed, losses)
-    del rp, opt
-    gc.collect()
     return out
 
 
@@ -239,8 +235,6 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     elapsed, losses = _timed(args, step)
     out = _result(args, "peft-dpo", elapsed, losses)
     out["micro_pairs"] = args.baseline_micro_pairs
-    del model, opt
-    gc.collect()
     return out
 
 
