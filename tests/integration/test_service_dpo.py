@@ -88,3 +88,58 @@ def test_an_sft_job_has_no_preference_columns(make_daemon) -> None:
         daemon.wait_for(job["id"], {"succeeded"})
         columns = c.get(f"/v1/jobs/{job['id']}/metrics").json()["columns"]
     assert "rewards/chosen" not in columns and "train_loss" in columns
+
+
+def test_a_lora_dpo_job_scores_its_reference_each_step(tmp_path) -> None:
+    from tests.integration.test_worker import make_job, metrics, run
+
+    job = make_job(
+        tmp_path / "lora",
+        {
+            "train.objective": "dpo",
+            "train.method": "lora",
+            "train.steps": 4,
+            "train.batch_size": 3,
+            "train.eval_interval": 2,
+            "train.checkpoint_interval": 2,
+            "train.lr": 0.01,
+            "data.format": "preference",
+            "data.seq_len": 48,
+            "dpo": {"beta": 2.0, "label_smoothing": 0.1},
+        },
+        valid_path="synthetic",
+    )
+    code, events = run(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    steps = metrics(events)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    # B = 0 at the start: the policy is the reference; async: step 2 reads the same weights
+    assert all(math.isclose(m["train_loss"], math.log(2), abs_tol=1e-6) for m in steps[:2])
+    assert steps[2]["train_loss"] != steps[0]["train_loss"]
+    assert steps[1]["valid_loss"] is not None and steps[3]["valid_loss"] is not None
+    assert not (job / "reference_logps.safetensors").exists()  # nothing stored for LoRA
+    assert (job / "output" / "adapter_model.safetensors").is_file()
+
+
+def test_a_resumed_full_job_without_its_reference_fails_rather_than_rescoring(tmp_path) -> None:
+    from tests.integration.test_worker import make_job, run
+
+    job = make_job(
+        tmp_path / "full",
+        {
+            "train.objective": "dpo",
+            "train.steps": 2,
+            "train.batch_size": 2,
+            "train.checkpoint_interval": 1,
+            "data.format": "preference",
+            "data.seq_len": 32,
+        },
+    )
+    code, _ = run(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    (job / "reference_logps.safetensors").unlink()
+    code, events = run(job)  # resumes from the step-2 checkpoint
+    assert code != 0
+    error = next(e for e in events if e["level"] == "error")
+    assert error["data"]["code"] == "reference_mismatch"
+    assert "reference" in error["message"]
