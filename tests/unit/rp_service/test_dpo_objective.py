@@ -334,3 +334,42 @@ def test_the_bench_runs_tiny_on_the_cpu() -> None:
     assert engine_dpo["losses"][0] == pytest.approx(math.log(2), abs=1e-4)
     assert baseline["losses"][0] == pytest.approx(math.log(2), abs=1e-4)
     assert summary["vs_engine_sft"] > 0 and summary["vs_peft_dpo"] > 0
+
+
+def test_dpo_on_a_4bit_base_matches_peft_on_the_decoded_base() -> None:
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes.functional")
+    from engine.adapters.nf4 import quantize_base_nf4
+    from tests.unit.engine.test_qlora import decoded_twin
+
+    beta, eps = 0.3, 0.0
+    original = tiny_qwen3()
+    hf = copy.deepcopy(original)
+    quantize_base_nf4(hf)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    oracle = peft.get_peft_model(
+        decoded_twin(hf, original),
+        peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets),
+    )
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, p in oracle.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    rp = wrap_model_to_roundpipe(
+        hf,
+        lora_config=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=tuple(targets)),
+        optim_dtype=torch.float32,
+    )
+    load_adapter_state_dict(rp, peft.get_peft_model_state_dict(oracle))
+    ids, targets_t = pair_batch(50)
+    with torch.no_grad(), oracle.disable_adapter():
+        expected_ref = plain_logps(oracle, ids, targets_t)
+    with adapters_disabled(rp):
+        ref = dpo.sequence_logps(rp, ids, targets_t, num_microbatch=3)
+    torch.testing.assert_close(ref, expected_ref, rtol=RTOL, atol=1e-5)
+    policy = plain_logps(oracle, ids, targets_t)
+    expected = plain_dpo(policy, expected_ref, beta, eps)
+    loss, _ = rp_dpo_step(rp, ids, targets_t, ref, beta, eps)
+    torch.testing.assert_close(torch.tensor(loss), expected.detach(), rtol=RTOL, atol=ATOL)
+    assert abs(loss - math.log(2)) > 1e-3
