@@ -141,3 +141,10 @@ def test_a_prompt_that_leaves_no_completion_is_refused_naming_its_line() -> None
     with pytest.raises(DataFormatError) as info:
         build_pairs(records, tok, seq_len=8)
     assert info.value.line == 7 and "data.seq_len=8" in info.value.message
+
+
+def test_sft_blocks_refuse_preference_pairs() -> None:
+    from rp_service.data.datasets import build_blocks
+
+    with pytest.raises(DataFormatError, match="train.objective dpo"):
+        build_blocks([PLAIN], "preference", load_tokenizer(None), seq_len=8, packing=True)
