@@ -9,6 +9,8 @@ import json
 import math
 import random
 
+import torch
+
 from rp_service.demo import demo_spec
 from tests.integration.service_daemon import Daemon, spec
 
@@ -143,3 +145,44 @@ def test_a_resumed_full_job_without_its_reference_fails_rather_than_rescoring(tm
     error = next(e for e in events if e["level"] == "error")
     assert error["data"]["code"] == "reference_mismatch"
     assert "reference" in error["message"]
+
+
+def test_a_paused_dpo_job_resumes_exactly_as_it_would_have_run(tmp_path) -> None:
+    import signal
+
+    from tests.integration.test_worker import EXIT_PAUSED, make_job, metrics, run, weights
+
+    overrides = {
+        "train.objective": "dpo",
+        "train.steps": 8,
+        "train.batch_size": 2,
+        "train.checkpoint_interval": 4,
+        "train.eval_interval": 0,
+        "data.format": "preference",
+        "data.seq_len": 32,
+    }
+    straight = make_job(tmp_path / "straight", overrides)
+    code, straight_events = run(straight)
+    assert code == 0, (straight / "worker.log").read_text()[-3000:]
+
+    job = make_job(tmp_path / "paused", overrides)
+
+    def pause_early(proc, event) -> None:
+        if event["type"] == "metrics" and event["data"]["step"] == 2:
+            proc.send_signal(signal.SIGUSR1)
+
+    code, first = run(job, pause_early)
+    assert code == EXIT_PAUSED, (job / "worker.log").read_text()[-3000:]
+    stored = (job / "reference_logps.safetensors").read_bytes()
+    code, second = run(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    assert (job / "reference_logps.safetensors").read_bytes() == stored
+    assert stored == (straight / "reference_logps.safetensors").read_bytes()
+    resumed = metrics(first) + metrics(second)
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    for got, want in zip(resumed, metrics(straight_events), strict=True):
+        for key in ("train_loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+            assert got[key] == want[key], (got["step"], key)
+    got, want = weights(job), weights(straight)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in got)
