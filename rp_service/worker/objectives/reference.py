@@ -21,7 +21,6 @@ from safetensors.torch import save_file
 __all__ = ["REFERENCE_FILE", "data_digest", "read_reference", "write_reference"]
 
 REFERENCE_FILE = "reference_logps.safetensors"
-_VERSION = "1"
 
 
 def data_digest(*tensors: torch.Tensor) -> str:
@@ -49,7 +48,8 @@ def write_reference(path: Path, tensors: dict[str, torch.Tensor], *, digest: str
         save_file(
             {k: v.detach().contiguous() for k, v in tensors.items()},
             str(tmp),
-            metadata={"digest": digest, "version": _VERSION},
+            # one key: safetensors writes a metadata map in no fixed order
+            metadata={"digest": digest},
         )
         _fsync(tmp)
         os.replace(tmp, path)
