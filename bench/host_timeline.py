@@ -58,13 +58,13 @@ def _caller_label(prefix: str) -> Callable[..., str]:
 
 def install() -> None:
     """Patch the engine (idempotent); spans are recorded only between start() and stop()."""
-    from engine import device, roundpipe, run, transfer
+    from engine import device, roundpipe, roundpipe_base, run, run_state, transfer
     from engine.optim import Adam
 
     if getattr(run, "_host_timeline", False):
         return
     run._host_timeline = True  # type: ignore[attr-defined]
-    run.RunState.wait = _wrap(run.RunState.wait, _caller_label("wait"))  # type: ignore[method-assign]
+    run_state.RunState.wait = _wrap(run_state.RunState.wait, _caller_label("wait"))  # type: ignore[method-assign]
     device.DeviceManager.throttle = _wrap(device.DeviceManager.throttle, "throttle")  # type: ignore[method-assign]
     for name in ("forward_job", "fused_job", "backward_job"):
         # roundpipe launches the jobs through its own imported names
@@ -77,8 +77,8 @@ def install() -> None:
         if hasattr(roundpipe, name):
             setattr(roundpipe, name, wrapped)
     run.download_param_grads = _wrap(run.download_param_grads, "download_param_grads")  # type: ignore[assignment]
-    roundpipe._publish_weights_take_grads = _wrap(  # type: ignore[assignment]
-        roundpipe._publish_weights_take_grads, "optim:publish+fold"
+    roundpipe_base.publish_weights_take_grads = _wrap(  # type: ignore[assignment]
+        roundpipe_base.publish_weights_take_grads, "optim:publish+fold"
     )
     Adam.step = _wrap(Adam.step, "optim:adam")  # type: ignore[method-assign]
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench.train import SHAPES
+    from bench.shapes import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(SHAPES), default="tiny28")
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_group(args: argparse.Namespace) -> tuple[list[torch.nn.Module], int]:
     """The preset's first `--layers` decoder layers on the GPU in fp16, compiled."""
-    from bench.train import build_model
+    from bench.shapes import build_model
     from engine.models import _common, to_sequential
 
     model = build_model(args.model, torch.float16, "sdpa", 0, layers=args.layers)

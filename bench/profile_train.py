@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import host_timeline
-from bench.train import SHAPES, build_model, make_batches
+from bench.shapes import SHAPES, build_model
+from bench.train import make_batches
 
 
 def stream_busy(prof: torch.profiler.profile) -> dict[str, float]:
@@ -65,20 +66,19 @@ def main() -> None:
     p.add_argument("--recompute-attention", action="store_true")
     args = p.parse_args()
 
-    import engine.models
     from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
     from engine.adapters.lora import LoraConfig
     from engine.models import causal_lm_loss_fn
     from engine.optim import Adam
 
     dtype = torch.float16
-    engine.models.RECOMPUTE_ATTENTION = args.recompute_attention
     model = build_model(args.model, dtype, "sdpa", 0)
     rp = wrap_model_to_roundpipe(
         model,
         optim_dtype=torch.float32,
         model_run_config=RoundPipeRunConfig(num_microbatch=args.num_microbatch),
         lora_config=LoraConfig(rank=16, alpha=32.0) if args.lora else None,
+        recompute_attention=args.recompute_attention,
         pin_model=args.pin_model,
     )
     tokens = args.seq_len * args.seqs_per_step

@@ -30,7 +30,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.train import SHAPES, TINY_DEFAULTS  # noqa: E402
+from bench.shapes import SHAPES  # noqa: E402
+from bench.train import TINY_DEFAULTS  # noqa: E402
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 

@@ -62,15 +62,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.scheduler import (
-    ModelExecutePlan,
+from engine.planning.simulate import (
     default_handoff,
-    plan_from_times,
     plan_job_costs,
     publish_wait_ms_per_gb,
     simulate_plan,
 )
-from engine.scheduler import rotation_calls as scheduler_rotation_calls
+from engine.planning.simulate import rotation_calls as scheduler_rotation_calls
+from engine.scheduler import ModelExecutePlan, plan_from_times
 
 
 @dataclass
@@ -197,7 +196,7 @@ def parse_plan(text: str) -> ModelExecutePlan:
 
 def rotation_calls(plan: ModelExecutePlan, devices: int, m: int) -> int:
     """Calls after which the engine's device rotation starts over for `plan`
-    (`engine.scheduler.rotation_calls`; a split tail runs on at most `m` devices)."""
+    (`engine.planning.simulate.rotation_calls`; a split tail runs on at most `m` devices)."""
     jobs = len(plan.fwd_plan) - 1 + min(plan.tail_split, m) + len(plan.bwd_plan)
     return scheduler_rotation_calls(jobs, devices)
 

@@ -1,5 +1,8 @@
 """Training throughput of a Qwen3 shape with RoundPipe, and the GPU-resident baseline.
 
+Over ~600 lines: one script's options (each checked before a model is built), its two
+runs and the result line they share; the shapes it builds are in bench/shapes.py.
+
 Prints one JSON line per result (system = roundpipe | pytorch-baseline): tokens/s (median
 of the measured steps after warm-up), model TFLOP/s (6N + causal attention, the ANCHORS.md
 convention), peak GPU memory (torch.cuda.max_memory_allocated) and peak host memory
@@ -29,16 +32,14 @@ memory; NCCL on GPUs, gloo on CPU ranks (`RP_DEVICES=cpu:1 torchrun ... --model 
 Each result also carries `plan_host_gib`: engine.planning.memory_plan's prediction of the peak host
 memory, made (and checked against the budget) before the model is built.
 
-The model is randomly initialised on the host (no download): weights are allocated
-without HF's initialisers and filled with normal(0, 0.02) in place, so the 1.7B shape is
-built in seconds. `--model tiny` also checks itself: the first step's loss against the HF
+The model is randomly initialised on the host (no download, bench/shapes.py), so the 1.7B
+shape is built in seconds. `--model tiny` also checks itself: the first step's loss against the HF
 model's own loss on the same batch, finite losses, and trained weights in the HF model.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import logging
@@ -48,7 +49,6 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,102 +58,17 @@ from torch import nn
 # Run as a script from a checkout: make `engine` importable without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.shapes import (
+    SHAPES,
+    build_model,
+    count_active_params,
+    count_base_params,
+    count_params,
+    flops_per_token,
+)
+
 log = logging.getLogger("bench.train")
 
-_QWEN3_30B_A3B: dict[str, Any] = {
-    "family": "qwen3_moe",
-    "hidden_size": 2048,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "vocab_size": 151936,
-    "tie_word_embeddings": False,
-}
-
-_TINY: dict[str, Any] = {
-    "hidden_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-    "tie_word_embeddings": True,
-}
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-1.7b": {
-        "hidden_size": 2048,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 6144,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    "qwen3-4b": {
-        "hidden_size": 2560,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 9728,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    # ~8.2 B parameters: ~165 GB of host memory with the fp32 optimizer (the 8-GPU machine)
-    "qwen3-8b": {
-        "hidden_size": 4096,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 12288,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-    },
-    # Mixture of experts (Qwen3MoeForCausalLM, "family" picks the class). Qwen3-30B-A3B:
-    # 30.5 B parameters, 3.3 B active per token (8 of 128 experts per layer); a full
-    # fine-tune needs ~512 GiB of host memory at 18 bytes per parameter (fp16/bf16 copy,
-    # fp32 master, Adam m and v, fp32 gradient), so on the 125 GiB box it needs --lora.
-    "qwen3-30b-a3b": _QWEN3_30B_A3B,
-    # The same decoder layers (and routing), 6 of the 48: 4.36 B parameters, 0.96 B active
-    # per token (embedding and head included); a full fine-tune at 18 bytes per parameter
-    # is ~73 GiB of host memory.
-    "qwen3-30b-a3b-6l": {**_QWEN3_30B_A3B, "num_hidden_layers": 6},
-    "tiny-moe": {
-        **_TINY,
-        "family": "qwen3_moe",
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-    },
-    # hidden 5120, 64 layers, 64 query / 8 kv heads of 128, intermediate 25600: ~33 B
-    # parameters, 66 GB in fp16 (LoRA only: the fp32 optimizer would need ~530 GB)
-    "qwen3-32b": {
-        "hidden_size": 5120,
-        "num_hidden_layers": 64,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 25600,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-    },
-    # Qwen3-1.7B's structure (28 decoder layers, the same kernels per layer and micro-batch)
-    # with tiny matrices: its step time is the host's time to issue the work
-    # (bench/simulate.py --dispatch).
-    "tiny28": {**_TINY, "num_hidden_layers": 28, "intermediate_size": 192},
-    "tiny": _TINY,
-}
 # `--model tiny` runs on a CPU in seconds: shorter sequences, fewer of them.
 TINY_DEFAULTS = {"seq_len": 32, "seqs_per_step": 8, "steps": 3, "warmup": 1}
 
@@ -195,13 +110,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--recompute-attention",
         action="store_true",
-        help="recompute attention in the backward (engine.models.RECOMPUTE_ATTENTION)",
+        help="recompute attention in the backward (wrap_model_to_roundpipe's recompute_attention)",
     )
     p.add_argument(
         "--optim-state-dtype",
         choices=["float32", "bfloat16"],
         default="float32",
         help="Adam's exp_avg / exp_avg_sq dtype (engine.optim.Adam state_dtype)",
+    )
+    p.add_argument(
+        "--optim-memory",
+        choices=["default", "compact"],
+        default="default",
+        help="compact: bf16 weights as the masters, 8-bit Adam moments, the bf16 gradient in "
+        "place (~6 bytes a parameter; needs --dtype bfloat16; RoundPipe optim_memory)",
+    )
+    p.add_argument(
+        "--text",
+        action="store_true",
+        help="train on generated text (the demo's stories as bytes) instead of random ids",
     )
     p.add_argument(
         "--optim-grad-dtype",
@@ -326,80 +253,6 @@ def _history_breaks_chunked_mlp(args: argparse.Namespace) -> bool:
     return bool(limit) and micro_batch_tokens > limit
 
 
-@contextlib.contextmanager
-def _no_hf_init() -> Iterator[None]:
-    """Skip HF's and torch's weight initialisers (the weights are filled afterwards)."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older 5.x releases keep it in modeling_utils
-        from transformers.modeling_utils import no_init_weights
-    with no_init_weights():
-        yield
-
-
-def build_model(
-    name: str,
-    dtype: torch.dtype,
-    attn: str,
-    seed: int,
-    *,
-    layers: int | None = None,
-    seq_len: int = 0,
-) -> nn.Module:
-    """A randomly initialised Qwen3ForCausalLM (Qwen3MoeForCausalLM for a MoE shape) of the
-    named shape, on the host, in `dtype`; `layers` keeps the first N decoder layers, and
-    the position limit covers `seq_len`."""
-    import transformers
-
-    shape = dict(SHAPES[name])
-    if layers is not None:
-        shape["num_hidden_layers"] = layers
-    family = shape.pop("family", "qwen3")
-    prefix = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}[family]
-    config_cls = getattr(transformers, f"{prefix}Config")
-    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
-    positions = max(40960, seq_len)
-    config = config_cls(**shape, max_position_embeddings=positions, rope_theta=1e6, use_cache=False)
-    config._attn_implementation = attn
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # allocate straight in the model dtype
-    try:
-        with _no_hf_init():
-            model = model_cls(config)
-    finally:
-        torch.set_default_dtype(previous)
-    _fill_random(model, seed)
-    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
-        model.tie_weights()
-    return model.train()
-
-
-# Random values are drawn once into a pool of prime length and copied into the weights
-# (a different offset for each): a copy runs at memory speed where drawing 1.7B normals
-# took over a minute on the host; a prime period never aligns with a weight's rows.
-_POOL_LEN = 16_777_259
-
-
-def _fill_random(model: nn.Module, seed: int) -> None:
-    """Fill weights with normal(0, 0.02) values from a shared pool; norm weights with 1."""
-    gen = torch.Generator().manual_seed(seed)
-    pool: torch.Tensor | None = None
-    offset = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            if pool is None or pool.dtype != p.dtype:
-                pool = (torch.randn(_POOL_LEN, generator=gen) * 0.02).to(p.dtype)
-            flat, pos = p.view(-1), 0
-            while pos < flat.numel():
-                start = offset % _POOL_LEN
-                take = min(flat.numel() - pos, _POOL_LEN - start)
-                flat[pos : pos + take].copy_(pool[start : start + take])
-                pos, offset = pos + take, offset + take
-
-
 # fp16/bf16 model copy, fp32 master, Adam m and v, fp32 gradient: a full fine-tune's host
 # bytes per parameter.
 _FULL_FINETUNE_BYTES_PER_PARAM = 18
@@ -434,37 +287,19 @@ def _compiled_graphs() -> int:
     return graphs()
 
 
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
-
-
-def count_base_params(model: nn.Module) -> int:
-    """Parameters without LoRA adapters (peft's and engine.adapters.lora's are named lora_*)."""
-    return sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
-
-
-def count_active_params(model: nn.Module) -> int:
-    """Base parameters a token goes through: an MoE layer's experts count top_k / num_experts."""
-    c = model.config
-    experts = getattr(c, "num_experts", 0)
-    if not experts:
-        return count_base_params(model)
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    idle = expert_params * (experts - c.num_experts_per_tok) // experts
-    return count_base_params(model) - idle
-
-
-def flops_per_token(model: nn.Module, seq_len: int, lora: bool = False) -> float:
-    """6N for the matmuls (forward + backward; N the active parameters of an MoE) + 6 L S h
-    d for causal attention scores; LoRA: 4N (no weight gradients of the frozen base) + the
-    same attention term."""
-    c = model.config
-    attention = 6 * c.num_hidden_layers * seq_len * c.num_attention_heads * c.head_dim
-    return (4 if lora else 6) * count_active_params(model) + attention
-
-
 def make_batches(args: argparse.Namespace, vocab: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(args.seed + 1)
+    if getattr(args, "text", False):  # the demo's generated stories, one byte a token
+        from rp_service.demo import synthetic_records
+
+        count = args.seqs_per_step * args.seq_len * (args.warmup + args.steps) // 150 + 64
+        data = " ".join(r["text"] for r in synthetic_records(count, seed=args.seed)).encode()
+        ids = torch.tensor(list(data), dtype=torch.long) % vocab
+        rows = ids[: len(ids) // args.seq_len * args.seq_len].view(-1, args.seq_len)
+        picks = torch.randint(
+            0, rows.shape[0], (args.warmup + args.steps, args.seqs_per_step), generator=gen
+        )
+        return [rows[p] for p in picks]
     return [
         torch.randint(0, vocab, (args.seqs_per_step, args.seq_len), generator=gen)
         for _ in range(args.warmup + args.steps)
@@ -592,6 +427,7 @@ def host_plan(args: argparse.Namespace) -> Any:
         recompute_grain=args.recompute_grain,
         optim_grad_dtype="optim" if args.optim_grad_dtype == "float32" else "model",
         optim_state_dtype=args.optim_state_dtype,
+        optim_memory=args.optim_memory,
         pin_model=args.pin_model,
         cuda=torch.cuda.is_available(),
         saved_attention=not args.recompute_attention,
@@ -599,6 +435,16 @@ def host_plan(args: argparse.Namespace) -> Any:
         double_buffer_weights=_double_buffer(args),
     )
     return plan_host_memory(shape, run)
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors (the plan's optim_state parts count these)."""
+    return sum(
+        t.nbytes
+        for state in optimizer.state.values()
+        for key, t in state.items()
+        if torch.is_tensor(t) and key != "step"
+    )
 
 
 def _double_buffer(args: argparse.Namespace) -> bool:
@@ -636,7 +482,6 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     expected_first = reference_loss(model, batches[0]) if args.check else None
     initial = {n: p.detach().clone() for n, p in model.named_parameters()} if args.check else {}
 
-    engine.models.RECOMPUTE_ATTENTION = args.recompute_attention
     if args.replay_max_tokens is not None:
         engine.accel.graphs.ENABLED = args.replay_max_tokens > 0
         engine.accel.graphs.REPLAY_MAX_TOKENS = args.replay_max_tokens or None
@@ -644,6 +489,17 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         engine.models.MLP_CHUNK_TOKENS = args.mlp_chunk_tokens or None
     engine.planning.one_device.WIDEN_TAIL = not args.no_widen_tail
     engine.planning.one_device.GROUP_BY_SIZE = not args.timed_groups
+    compact = args.optim_memory == "compact"
+    dtypes: dict[str, Any] = (
+        {"optim_memory": "compact"}
+        if compact
+        else {
+            "optim_dtype": torch.float32,
+            "optim_grad_dtype": (
+                getattr(torch, args.dtype) if args.optim_grad_dtype == "model" else None
+            ),
+        }
+    )
     t0 = time.perf_counter()
     rp = wrap_model_to_roundpipe(
         model,
@@ -653,10 +509,10 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
             recompute_grain=args.recompute_grain,
             execute_plan=grouped_plan(model.config.num_hidden_layers + 2, args.group_layers),
         ),
-        optim_dtype=torch.float32,
-        optim_grad_dtype=getattr(torch, args.dtype) if args.optim_grad_dtype == "model" else None,
+        **dtypes,
         name=f"bench-{args.model}",
         lora_config=lora_config(args) if args.lora else None,
+        recompute_attention=args.recompute_attention,
         pin_model=args.pin_model if torch.cuda.is_available() else "alloc",
         shard_optimizer=args.shard_optimizer,
         overlap_calls=args.overlap_calls,
@@ -664,9 +520,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     )
     wrap_s = time.perf_counter() - t0
     dp = getattr(rp, "_dp", None)
-    optimizer, optimizer_name = _make_optimizer(
-        rp.optim_parameters(), args.lr, getattr(torch, args.optim_state_dtype)
-    )
+    state_dtype = torch.uint8 if compact else getattr(torch, args.optim_state_dtype)
+    optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr, state_dtype)
 
     adam_s: list[float] = []
 
@@ -724,8 +579,11 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         optimizer_s_median=round(statistics.median(adam_s[args.warmup :] or adam_s), 4),
         model_dtype=args.dtype,
         experts_implementation=getattr(model.config, "_experts_implementation", None),
-        optim_dtype="float32",
-        optim_state_dtype=args.optim_state_dtype,
+        optim_dtype="bfloat16" if compact else "float32",
+        optim_state_dtype="uint8" if compact else args.optim_state_dtype,
+        optim_memory=args.optim_memory,
+        optimizer_state_bytes=_state_bytes(optimizer),
+        loss_tail_mean=round(statistics.fmean(losses[-20:]), 5),
         optim_grad_dtype=args.optim_grad_dtype,
         pin_model=args.pin_model,
         plan_host_gib=round(plan.total_bytes / 2**30, 2) if plan is not None else None,
@@ -894,7 +752,7 @@ def self_check(
             problems.append(f"frozen base weight {n} changed")
         changed += moved
     if lora:
-        from engine.adapters.lora import adapter_state_dict
+        from engine.adapters.peft_format import adapter_state_dict
 
         if all(not v.any() for k, v in adapter_state_dict(model).items() if "lora_B" in k):
             problems.append("no LoRA adapter moved from its zero initialisation")

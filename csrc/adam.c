@@ -20,6 +20,10 @@
  * Low-precision modes: a fp16/bf16 gradient is widened exactly before the first operation;
  * bf16 moments are widened on load and stored with stochastic rounding (f32_to_bf16_sr),
  * the same bits on every ISA path, so the paths still agree bit for bit.
+ * Compact mode (issue 35): a bf16 parameter is widened, updated as above and stored with
+ * the same stochastic rounding (its own seed); 8-bit moments (RP_DTYPE_Q8) are decoded as
+ * map value * block absmax, updated in fp32 and re-encoded against the block's new absmax
+ * (kernel_q8_scalar; engine/optim/_q8.py describes the maps).
  * The library is compiled with -ffp-contract=off so the compiler adds no fma of its own:
  * every ISA path performs exactly these roundings and the paths agree bit for bit.
  */
@@ -35,8 +39,6 @@
  * enough that claiming costs nothing, small enough to even out late starters. A multiple
  * of 16 floats, so chunks of a tensor that starts on a cache line never share one. */
 #define RP_CHUNK ((int64_t)1 << 18)
-/* No thread gets less than one chunk: starting it would cost more than it saves. */
-#define RP_MIN_ELEMS_PER_THREAD RP_CHUNK
 #define RP_MAX_THREADS 1024
 
 typedef void (*rp_kernel_fn)(const rp_adam_tensor *, const rp_adam_hyper *, int64_t, int64_t,
@@ -137,48 +139,119 @@ static uint16_t f32_to_bf16_sr(float f, int64_t index, uint32_t which, uint32_t 
     return (uint16_t)((f32_to_bits(f) + r) >> 16);
 }
 
+/* The update of one element in fp32 (the header comment's sequence); `vm` is touched only
+ * with amsgrad. */
+static void adam_elem(const rp_adam_hyper *h, float *p_io, float g, float *m_io, float *v_io,
+                      float *vm) {
+    const float w = h->beta1_weight;
+    float p = *p_io, m = *m_io, v = *v_io;
+    if (h->maximize) g = -g;
+    if (h->use_l2) g = fmaf(p, h->l2_weight_decay, g);
+    if (h->use_decoupled) p = p * h->decoupled_decay;
+    float diff = g - m;
+    m = fabsf(w) < 0.5f ? fmaf(w, diff, m) : fmaf(w - 1.0f, diff, g);
+    v = v * h->beta2;
+    v = fmaf(h->one_minus_beta2 * g, g, v);
+    float s = v;
+    if (h->amsgrad) {
+        float old = *vm;
+        old = old > v ? old : v; /* maxps semantics: a NaN in v propagates */
+        *vm = old;
+        s = old;
+    }
+    float denom = sqrtf(s) * h->inv_bias_correction2_sqrt + h->eps;
+    *p_io = p + (h->neg_step_size * m) / denom;
+    *m_io = m;
+    *v_io = v;
+}
+
+static float load_grad_scalar(const rp_adam_tensor *t, int64_t i) {
+    const uint16_t *g16 = (const uint16_t *)t->grad;
+    if (t->grad_dtype == RP_DTYPE_FP16) return f16_to_f32(g16[i]);
+    if (t->grad_dtype == RP_DTYPE_BF16) return bf16_to_f32(g16[i]);
+    return ((const float *)t->grad)[i];
+}
+
+/* The 8-bit code of x (normalised to [-1, 1]): how many thresholds lie below it, by a
+ * binary search in eight fixed steps (the vector paths do the same steps with gathers).
+ * `floor1`: a positive x never gets code 0 (the unsigned map's zero), see rp_q8_encode's
+ * callers. */
+static uint8_t q8_encode(float x, const float *thresholds, int floor1) {
+    int idx = 0;
+    for (int step = 128; step > 0; step >>= 1)
+        if (thresholds[idx + step - 1] < x) idx += step;
+    if (floor1 && idx == 0 && x > 0.0f) idx = 1;
+    return (uint8_t)idx;
+}
+
+/* Q8 moments: per block, decode m and v (map value * the block's absmax), update, then
+ * quantise the new m and v against the new block absmax (the largest |value|, NaN
+ * ignored). A positive v is never stored as zero: m / (sqrt(0) + eps) would blow up. */
+static void kernel_q8_scalar(const rp_adam_tensor *t, const rp_adam_hyper *h, int64_t begin,
+                             int64_t end) {
+    const float *qmap = (const float *)h->qmap;
+    uint8_t *cm = (uint8_t *)t->exp_avg;
+    uint8_t *cv = (uint8_t *)t->exp_avg_sq;
+    float *am_blocks = (float *)t->exp_avg_absmax;
+    float *av_blocks = (float *)t->exp_avg_sq_absmax;
+    float *param = (float *)t->param;
+    uint16_t *param16 = (uint16_t *)t->param;
+    const int bf16_param = t->param_dtype == RP_DTYPE_BF16;
+    float bm[RP_QBLOCK], bv[RP_QBLOCK];
+    for (int64_t b0 = begin; b0 < end; b0 += RP_QBLOCK) {
+        int64_t b1 = b0 + RP_QBLOCK < end ? b0 + RP_QBLOCK : end;
+        int64_t blk = b0 / RP_QBLOCK;
+        float am_old = am_blocks[blk], av_old = av_blocks[blk];
+        float am = 0.0f, av = 0.0f;
+        for (int64_t i = b0; i < b1; ++i) {
+            float p = bf16_param ? bf16_to_f32(param16[i]) : param[i];
+            float m = qmap[RP_QMAP_SIGNED + cm[i]] * am_old;
+            float v = qmap[RP_QMAP_UNSIGNED + cv[i]] * av_old;
+            adam_elem(h, &p, load_grad_scalar(t, i), &m, &v, NULL);
+            if (bf16_param) param16[i] = f32_to_bf16_sr(p, i, 0u, h->param_sr_seed);
+            else param[i] = p;
+            float am_i = fabsf(m), av_i = fabsf(v);
+            am = am_i > am ? am_i : am;
+            av = av_i > av ? av_i : av;
+            bm[i - b0] = m;
+            bv[i - b0] = v;
+        }
+        for (int64_t i = b0; i < b1; ++i) {
+            float xm = am > 0.0f ? bm[i - b0] / am : 0.0f;
+            float xv = av > 0.0f ? bv[i - b0] / av : 0.0f;
+            cm[i] = q8_encode(xm, qmap + RP_QMAP_SIGNED_THRESHOLDS, 0);
+            cv[i] = q8_encode(xv, qmap + RP_QMAP_UNSIGNED_THRESHOLDS, 1);
+        }
+        am_blocks[blk] = am;
+        av_blocks[blk] = av;
+    }
+}
+
 void rp_adam_kernel_scalar(const rp_adam_tensor *t, const rp_adam_hyper *h,
                            int64_t begin, int64_t end, int prefetch) {
     (void)prefetch; /* the hardware prefetchers keep up with the scalar loop */
+    if (t->state_dtype == RP_DTYPE_Q8) {
+        kernel_q8_scalar(t, h, begin, end);
+        return;
+    }
     float *param = (float *)t->param;
-    const float *grad = (const float *)t->grad;
-    const uint16_t *grad16 = (const uint16_t *)t->grad;
+    uint16_t *param16 = (uint16_t *)t->param;
     float *exp_avg = (float *)t->exp_avg;
     float *exp_avg_sq = (float *)t->exp_avg_sq;
     uint16_t *exp_avg16 = (uint16_t *)t->exp_avg;
     uint16_t *exp_avg_sq16 = (uint16_t *)t->exp_avg_sq;
     float *max_sq = (float *)t->max_exp_avg_sq;
     uint16_t *copy = (uint16_t *)t->model_copy;
-    const float w = h->beta1_weight;
-    const int small_weight = fabsf(w) < 0.5f;
-    const float w_big = w - 1.0f;
     const int copy_dtype = copy ? t->copy_dtype : RP_COPY_NONE;
-    const int grad_dtype = t->grad_dtype;
     const int bf16_state = t->state_dtype == RP_DTYPE_BF16;
+    const int bf16_param = t->param_dtype == RP_DTYPE_BF16;
     for (int64_t i = begin; i < end; ++i) {
-        float p = param[i];
-        float g = grad_dtype == RP_DTYPE_FP16   ? f16_to_f32(grad16[i])
-                  : grad_dtype == RP_DTYPE_BF16 ? bf16_to_f32(grad16[i])
-                                                : grad[i];
+        float p = bf16_param ? bf16_to_f32(param16[i]) : param[i];
         float m = bf16_state ? bf16_to_f32(exp_avg16[i]) : exp_avg[i];
         float v = bf16_state ? bf16_to_f32(exp_avg_sq16[i]) : exp_avg_sq[i];
-        if (h->maximize) g = -g;
-        if (h->use_l2) g = fmaf(p, h->l2_weight_decay, g);
-        if (h->use_decoupled) p = p * h->decoupled_decay;
-        float diff = g - m;
-        m = small_weight ? fmaf(w, diff, m) : fmaf(w_big, diff, g);
-        v = v * h->beta2;
-        v = fmaf(h->one_minus_beta2 * g, g, v);
-        float s = v;
-        if (h->amsgrad) {
-            float vm = max_sq[i];
-            vm = vm > v ? vm : v; /* maxps semantics: a NaN in v propagates */
-            max_sq[i] = vm;
-            s = vm;
-        }
-        float denom = sqrtf(s) * h->inv_bias_correction2_sqrt + h->eps;
-        p = p + (h->neg_step_size * m) / denom;
-        param[i] = p;
+        adam_elem(h, &p, load_grad_scalar(t, i), &m, &v, h->amsgrad ? &max_sq[i] : NULL);
+        if (bf16_param) param16[i] = f32_to_bf16_sr(p, i, 0u, h->param_sr_seed);
+        else param[i] = p;
         if (bf16_state) {
             exp_avg16[i] = f32_to_bf16_sr(m, i, 0u, h->sr_seed);
             exp_avg_sq16[i] = f32_to_bf16_sr(v, i, 1u, h->sr_seed);
@@ -236,36 +309,32 @@ static const rp_kernel_fn rp_kernels[3] = {
     rp_adam_kernel_avx512,
 };
 
-/* One call's shared work list: threads claim chunks of RP_CHUNK elements of the
- * concatenated tensors from an atomic counter, so a thread that started late (threads are
- * created one after the other) simply takes fewer chunks. The split cannot change
- * results: every element is updated independently, with the same operations. */
+/* One call's shared work list: every tensor is cut into chunks of RP_CHUNK elements from
+ * its own element 0 (so a chunk of Q8 state starts on a block), and threads claim chunks
+ * from an atomic counter, so a thread that started late (threads are created one after
+ * the other) simply takes fewer. The split cannot change results: every element (every
+ * Q8 block) is updated independently, with the same operations. */
 typedef struct {
     const rp_adam_tensor *tensors;
     int n_tensors;
     const rp_adam_hyper *hypers;
     rp_kernel_fn kernel;
-    int64_t total;
+    const int64_t *first_chunk; /* n_tensors + 1 prefix sums of the tensors' chunk counts */
     int prefetch;
     int64_t next_chunk; /* claimed with atomic adds */
 } rp_work;
 
 static void run_chunks(rp_work *w) {
-    int ti = 0;         /* first tensor that ends after the chunk's start; only moves on */
-    int64_t offset = 0; /* global index of element 0 of tensors[ti] */
+    int ti = 0; /* the tensor of the last claimed chunk; claims only grow */
+    const int64_t total = w->first_chunk[w->n_tensors];
     for (;;) {
-        int64_t begin = __atomic_fetch_add(&w->next_chunk, 1, __ATOMIC_RELAXED) * RP_CHUNK;
-        if (begin >= w->total) return;
-        int64_t end = begin + RP_CHUNK < w->total ? begin + RP_CHUNK : w->total;
-        while (offset + w->tensors[ti].numel <= begin) offset += w->tensors[ti++].numel;
-        int64_t start = offset;
-        for (int i = ti; i < w->n_tensors && start < end; ++i) {
-            const rp_adam_tensor *t = &w->tensors[i];
-            int64_t lo = begin > start ? begin - start : 0;
-            int64_t hi = end - start < t->numel ? end - start : t->numel;
-            if (lo < hi) w->kernel(t, &w->hypers[t->hyper], lo, hi, w->prefetch);
-            start += t->numel;
-        }
+        int64_t chunk = __atomic_fetch_add(&w->next_chunk, 1, __ATOMIC_RELAXED);
+        if (chunk >= total) return;
+        while (w->first_chunk[ti + 1] <= chunk) ++ti;
+        const rp_adam_tensor *t = &w->tensors[ti];
+        int64_t lo = (chunk - w->first_chunk[ti]) * RP_CHUNK;
+        int64_t hi = lo + RP_CHUNK < t->numel ? lo + RP_CHUNK : t->numel;
+        w->kernel(t, &w->hypers[t->hyper], lo, hi, w->prefetch);
     }
 }
 
@@ -277,16 +346,23 @@ static void *run_chunks_thread(void *arg) {
 int rp_adam_step(const rp_adam_tensor *tensors, int n_tensors,
                  const rp_adam_hyper *hypers, int n_threads, int isa) {
     if (isa < 0 || isa > RP_ISA_AVX512 || !rp_adam_isa_supported(isa)) return -1;
-    int64_t total = 0;
-    for (int i = 0; i < n_tensors; ++i) total += tensors[i].numel;
-    if (total == 0) return 0;
+    int64_t stack_first[65];
+    int64_t *first = n_tensors < 65 ? stack_first : malloc(sizeof *first * (size_t)(n_tensors + 1));
+    if (!first) return -2;
+    first[0] = 0;
+    for (int i = 0; i < n_tensors; ++i)
+        first[i + 1] = first[i] + (tensors[i].numel + RP_CHUNK - 1) / RP_CHUNK;
+    int64_t chunks = first[n_tensors];
+    if (chunks == 0) {
+        if (first != stack_first) free(first);
+        return 0;
+    }
 
-    int64_t by_size = (total + RP_MIN_ELEMS_PER_THREAD - 1) / RP_MIN_ELEMS_PER_THREAD;
     int n = n_threads < 1 ? 1 : n_threads;
     if (n > RP_MAX_THREADS) n = RP_MAX_THREADS;
-    if (n > by_size) n = (int)by_size;
+    if (n > chunks) n = (int)chunks; /* no thread gets less than one chunk */
 
-    rp_work work = {tensors, n_tensors, hypers, rp_kernels[isa], total, rp_prefetch_pays(), 0};
+    rp_work work = {tensors, n_tensors, hypers, rp_kernels[isa], first, rp_prefetch_pays(), 0};
     pthread_t stack_ids[16];
     pthread_t *ids = n > 16 ? malloc(sizeof *ids * (size_t)n) : stack_ids;
     int started = 0; /* threads 1..started are running */
@@ -297,6 +373,7 @@ int rp_adam_step(const rp_adam_tensor *tensors, int n_tensors,
     }
     run_chunks(&work); /* a thread that failed to start leaves its chunks to the others */
     for (int k = 1; k <= started; ++k) pthread_join(ids[k], NULL);
-    if (ids != stack_ids) free(ids);
+    if (ids && ids != stack_ids) free(ids);
+    if (first != stack_first) free(first);
     return 0;
 }

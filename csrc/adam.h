@@ -4,9 +4,12 @@
  * max_exp_avg_sq) and optionally writes the fp16/bf16 model copy of each param in the same
  * pass. The gradient may be fp32, fp16 or bf16 (read and widened exactly: no fp32 gradient
  * buffer is needed); the moments fp32 or bf16 (computed in fp32, stored with stochastic
- * rounding driven by a hash of the element index and the step, so it is reproducible). The work is split over threads by element range; every element goes
- * through the same sequence of fp32 operations on every ISA path, so results are
- * bit-identical whatever the ISA or the thread count.
+ * rounding driven by a hash of the element index and the step, so it is reproducible) or
+ * 8-bit with one fp32 absmax per block of RP_QBLOCK elements (block-wise dynamic
+ * quantization, RP_DTYPE_Q8). The parameter itself may be bf16 (the master: computed in
+ * fp32, stored with the same stochastic rounding). The work is split over threads in chunks
+ * of each tensor; every element goes through the same sequence of fp32 operations on every
+ * ISA path, so results are bit-identical whatever the ISA or the thread count.
  *
  * Keep this header free of preprocessor directives and includes: cffi's cdef parses it.
  */
@@ -27,22 +30,27 @@ typedef struct {
     int use_decoupled;
     int amsgrad;
     uint32_t sr_seed;         /* mixes the step into the bf16 moments' rounding bits */
+    uint32_t param_sr_seed;   /* the same for a bf16 parameter's rounding bits */
+    uintptr_t qmap;           /* const float[4 * 256]: the 8-bit maps (RP_QMAP_*), 0 unless Q8 */
 } rp_adam_hyper;
 
 /* One tensor to update. Addresses are plain integers (torch's data_ptr()) so Python can
  * fill the array without a cast per pointer. */
 typedef struct {
-    uintptr_t param;          /* float*, read and written */
+    uintptr_t param;          /* float*, or uint16_t* bf16 (param_dtype), read and written */
     uintptr_t grad;           /* const float*, or const uint16_t* (fp16 / bf16) */
-    uintptr_t exp_avg;        /* float*, or uint16_t* bf16 */
-    uintptr_t exp_avg_sq;     /* float*, or uint16_t* bf16 */
+    uintptr_t exp_avg;        /* float*, uint16_t* bf16, or uint8_t* codes (Q8) */
+    uintptr_t exp_avg_sq;     /* float*, uint16_t* bf16, or uint8_t* codes (Q8) */
+    uintptr_t exp_avg_absmax;    /* float* per RP_QBLOCK block, Q8 only */
+    uintptr_t exp_avg_sq_absmax; /* float* per RP_QBLOCK block, Q8 only */
     uintptr_t max_exp_avg_sq; /* float*, 0 unless amsgrad */
     uintptr_t model_copy;     /* uint16_t* fp16 or bf16, 0: none */
     int64_t numel;
     int32_t copy_dtype;       /* RP_COPY_NONE / RP_COPY_FP16 / RP_COPY_BF16 */
     int32_t hyper;            /* index into the hyper array */
     int32_t grad_dtype;       /* RP_DTYPE_FP32 / RP_DTYPE_FP16 / RP_DTYPE_BF16 */
-    int32_t state_dtype;      /* RP_DTYPE_FP32 / RP_DTYPE_BF16 (m and v; amsgrad: fp32 only) */
+    int32_t state_dtype;      /* RP_DTYPE_FP32 / BF16 / Q8 (m and v; amsgrad: fp32 only) */
+    int32_t param_dtype;      /* RP_DTYPE_FP32 / RP_DTYPE_BF16 (bf16: no model copy) */
 } rp_adam_tensor;
 
 #define RP_ISA_SCALAR 0
@@ -54,7 +62,17 @@ typedef struct {
 #define RP_DTYPE_FP32 0
 #define RP_DTYPE_FP16 1
 #define RP_DTYPE_BF16 2
-#define RP_ADAM_ABI_VERSION 3
+#define RP_DTYPE_Q8 3
+/* Elements per 8-bit block: one absmax each for exp_avg and exp_avg_sq. */
+#define RP_QBLOCK 256
+/* Offsets of the four 256-float tables in rp_adam_hyper.qmap: the signed map's values
+ * (exp_avg, sorted), its thresholds (midpoints of neighbours; entry 255 is +inf), then the
+ * unsigned map's (exp_avg_sq). A code is the index of the value in its sorted map. */
+#define RP_QMAP_SIGNED 0
+#define RP_QMAP_SIGNED_THRESHOLDS 256
+#define RP_QMAP_UNSIGNED 512
+#define RP_QMAP_UNSIGNED_THRESHOLDS 768
+#define RP_ADAM_ABI_VERSION 4
 
 /* RP_ADAM_ABI_VERSION of the compiled library (a stale build is rebuilt). */
 int rp_adam_abi_version(void);
@@ -71,7 +89,8 @@ int rp_adam_best_isa(void);
 int rp_adam_step(const rp_adam_tensor *tensors, int n_tensors,
                  const rp_adam_hyper *hypers, int n_threads, int isa);
 
-/* The per-ISA kernels: update elements [begin, end) of one tensor; `prefetch` asks the
+/* The per-ISA kernels: update elements [begin, end) of one tensor (with Q8 state, `begin`
+ * is a multiple of RP_QBLOCK and `end` one or the tensor's end); `prefetch` asks the
  * vector paths for software prefetches (rp_prefetch_pays() in adam.c). Each ISA file always
  * defines its kernel (a stub where the compiler cannot target the ISA), so the library
  * links on every architecture; rp_adam_isa_supported() says which ones may run. */

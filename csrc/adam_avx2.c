@@ -1,5 +1,6 @@
 /* The AVX2 path (with FMA and F16C): 8 floats per vector, the same roundings as the
- * scalar path (adam.c), fp16/bf16 gradients and bf16 moments included.
+ * scalar path (adam.c), fp16/bf16 gradients, bf16 moments and parameters, and 8-bit
+ * moments included.
  *
  * Functions carry a target attribute instead of the file being built with -mavx2, so one
  * build runs on any x86-64 CPU; adam.c calls this kernel only when the CPU has the ISA.
@@ -27,8 +28,9 @@ static inline const char *rp_ahead(const float *p) {
 
 typedef struct {
     __m256 l2, decay, w, w_big, beta2, c2, inv_bc2, eps, nss, sign;
-    int small_weight, maximize, use_l2, use_decoupled, amsgrad, copy, grad_dtype, bf16_state;
-    uint32_t sr_seed;
+    int small_weight, maximize, use_l2, use_decoupled, amsgrad, copy, grad_dtype, bf16_state,
+        bf16_param;
+    uint32_t sr_seed, param_sr_seed;
 } rp_consts;
 
 /* 8 lanes of 32-bit values <= 0xFFFF -> 8 uint16. The unsigned-saturating pack is exact
@@ -82,15 +84,21 @@ RP_TARGET static inline __m256 load_grad(const rp_consts *c, const void *p) {
     return _mm256_loadu_ps((const float *)p);
 }
 
-/* One vector of the update at element index `idx`; `max_sq` is touched only with amsgrad.
- * Pointers are already offset to `idx`. */
-RP_TARGET static inline __m128i update(const rp_consts *c, float *param, const void *grad,
-                                       void *exp_avg, void *exp_avg_sq, float *max_sq,
-                                       int64_t idx) {
-    __m256 p = _mm256_loadu_ps(param);
-    __m256 g = load_grad(c, grad);
-    __m256 m = c->bf16_state ? load_bf16(exp_avg) : _mm256_loadu_ps((const float *)exp_avg);
-    __m256 v = c->bf16_state ? load_bf16(exp_avg_sq) : _mm256_loadu_ps((const float *)exp_avg_sq);
+RP_TARGET static inline __m256 load_param(const rp_consts *c, const void *p) {
+    return c->bf16_param ? load_bf16(p) : _mm256_loadu_ps((const float *)p);
+}
+
+/* A bf16 parameter is stored with stochastic rounding (its own seed), as in adam.c. */
+RP_TARGET static inline void store_param(const rp_consts *c, void *dst, __m256 p, int64_t idx) {
+    if (c->bf16_param)
+        _mm_storeu_si128((__m128i *)dst, to_bf16_sr(p, idx, 0u, c->param_sr_seed));
+    else _mm256_storeu_ps((float *)dst, p);
+}
+
+/* adam_elem (adam.c) in 8 lanes; `max_sq` is touched only with amsgrad. */
+RP_TARGET static inline void adam_math(const rp_consts *c, __m256 *p_io, __m256 g, __m256 *m_io,
+                                       __m256 *v_io, float *max_sq) {
+    __m256 p = *p_io, m = *m_io, v = *v_io;
     if (c->maximize) g = _mm256_xor_ps(g, c->sign);
     if (c->use_l2) g = _mm256_fmadd_ps(p, c->l2, g);
     if (c->use_decoupled) p = _mm256_mul_ps(p, c->decay);
@@ -104,8 +112,22 @@ RP_TARGET static inline __m128i update(const rp_consts *c, float *param, const v
         _mm256_storeu_ps(max_sq, s);
     }
     __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(s), c->inv_bc2), c->eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->nss, m), denom));
-    _mm256_storeu_ps(param, p);
+    *p_io = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->nss, m), denom));
+    *m_io = m;
+    *v_io = v;
+}
+
+/* One vector of the update at element index `idx`; `max_sq` is touched only with amsgrad.
+ * Pointers are already offset to `idx`. */
+RP_TARGET static inline __m128i update(const rp_consts *c, void *param, const void *grad,
+                                       void *exp_avg, void *exp_avg_sq, float *max_sq,
+                                       int64_t idx) {
+    __m256 p = load_param(c, param);
+    __m256 g = load_grad(c, grad);
+    __m256 m = c->bf16_state ? load_bf16(exp_avg) : _mm256_loadu_ps((const float *)exp_avg);
+    __m256 v = c->bf16_state ? load_bf16(exp_avg_sq) : _mm256_loadu_ps((const float *)exp_avg_sq);
+    adam_math(c, &p, g, &m, &v, max_sq);
+    store_param(c, param, p, idx);
     if (c->bf16_state) {
         _mm_storeu_si128((__m128i *)exp_avg, to_bf16_sr(m, idx, 0u, c->sr_seed));
         _mm_storeu_si128((__m128i *)exp_avg_sq, to_bf16_sr(v, idx, 1u, c->sr_seed));
@@ -119,9 +141,113 @@ RP_TARGET static inline __m128i update(const rp_consts *c, float *param, const v
     return _mm_setzero_si128();
 }
 
+/* 8 codes -> map value * absmax (q8 decoding in adam.c). */
+RP_TARGET static inline __m256 q8_decode(const float *map, const uint8_t *codes, __m256 absmax) {
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
+    return _mm256_mul_ps(_mm256_i32gather_ps(map, idx, 4), absmax);
+}
+
+/* q8_encode (adam.c) in 8 lanes: the same eight search steps, thresholds gathered; the
+ * codes come back as the 8 bytes of a uint64 (lane 0 lowest). */
+RP_TARGET static inline uint64_t q8_encode(__m256 x, const float *thresholds, int floor1) {
+    __m256i idx = _mm256_setzero_si256();
+    for (int step = 128; step > 0; step >>= 1) {
+        __m256i probe = _mm256_add_epi32(idx, _mm256_set1_epi32(step - 1));
+        __m256 t = _mm256_i32gather_ps(thresholds, probe, 4);
+        __m256i below = _mm256_castps_si256(_mm256_cmp_ps(t, x, _CMP_LT_OQ));
+        idx = _mm256_add_epi32(idx, _mm256_and_si256(below, _mm256_set1_epi32(step)));
+    }
+    if (floor1) {
+        __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+        idx = _mm256_max_epi32(idx, _mm256_and_si256(pos, _mm256_set1_epi32(1)));
+    }
+    /* the low byte of each 32-bit lane, per 128-bit half */
+    __m256i bytes = _mm256_shuffle_epi8(
+        idx, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4,
+                              8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    uint32_t lo = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(bytes));
+    uint32_t hi = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(bytes, 1));
+    return (uint64_t)lo | (uint64_t)hi << 32;
+}
+
+RP_TARGET static inline float hmax(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* kernel_q8_scalar (adam.c) 8 lanes at a time; a block's last partial vector (only at the
+ * tensor's end) runs on zero-padded copies, its padded lanes left out of the absmax. */
+RP_TARGET static void kernel_q8(const rp_adam_tensor *t, const rp_adam_hyper *h,
+                                const rp_consts *c, int64_t begin, int64_t end) {
+    const float *qmap = (const float *)h->qmap;
+    char *param = (char *)t->param;
+    const char *grad = (const char *)t->grad;
+    uint8_t *cm = (uint8_t *)t->exp_avg;
+    uint8_t *cv = (uint8_t *)t->exp_avg_sq;
+    float *am_blocks = (float *)t->exp_avg_absmax;
+    float *av_blocks = (float *)t->exp_avg_sq_absmax;
+    const size_t psz = c->bf16_param ? 2 : 4;
+    const size_t gsz = c->grad_dtype == RP_DTYPE_FP32 ? 4 : 2;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    float bm[RP_QBLOCK], bv[RP_QBLOCK];
+    for (int64_t b0 = begin; b0 < end; b0 += RP_QBLOCK) {
+        int n = (int)(b0 + RP_QBLOCK < end ? RP_QBLOCK : end - b0);
+        int64_t blk = b0 / RP_QBLOCK;
+        __m256 am_old = _mm256_set1_ps(am_blocks[blk]), av_old = _mm256_set1_ps(av_blocks[blk]);
+        __m256 am = _mm256_setzero_ps(), av = _mm256_setzero_ps();
+        for (int k = 0; k < n; k += W) {
+            int64_t i = b0 + k;
+            int live = n - k < W ? n - k : W;
+            float tp[W] = {0}, tg[W] = {0};
+            uint8_t tcm[8] = {0}, tcv[8] = {0};
+            void *pp = param + i * psz;
+            const void *gp = grad + i * gsz;
+            const uint8_t *cmp = cm + i, *cvp = cv + i;
+            if (live < W) {
+                memcpy(tp, pp, psz * live);
+                memcpy(tg, gp, gsz * live);
+                memcpy(tcm, cmp, live);
+                memcpy(tcv, cvp, live);
+                pp = tp, gp = tg, cmp = tcm, cvp = tcv;
+            }
+            __m256 p = load_param(c, pp);
+            __m256 g = load_grad(c, gp);
+            __m256 m = q8_decode(qmap + RP_QMAP_SIGNED, cmp, am_old);
+            __m256 v = q8_decode(qmap + RP_QMAP_UNSIGNED, cvp, av_old);
+            adam_math(c, &p, g, &m, &v, NULL);
+            store_param(c, pp, p, i);
+            if (live < W) memcpy(param + i * psz, tp, psz * live);
+            __m256 lanes = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(live), lane));
+            /* max(|x|, acc): a NaN |x| leaves acc, as the scalar comparison does */
+            am = _mm256_blendv_ps(am, _mm256_max_ps(_mm256_and_ps(m, abs_mask), am), lanes);
+            av = _mm256_blendv_ps(av, _mm256_max_ps(_mm256_and_ps(v, abs_mask), av), lanes);
+            _mm256_storeu_ps(bm + k, m);
+            _mm256_storeu_ps(bv + k, v);
+        }
+        float am_s = hmax(am), av_s = hmax(av);
+        __m256 amv = _mm256_set1_ps(am_s), avv = _mm256_set1_ps(av_s);
+        for (int k = 0; k < n; k += W) {
+            __m256 xm = am_s > 0.0f ? _mm256_div_ps(_mm256_loadu_ps(bm + k), amv)
+                                    : _mm256_setzero_ps();
+            __m256 xv = av_s > 0.0f ? _mm256_div_ps(_mm256_loadu_ps(bv + k), avv)
+                                    : _mm256_setzero_ps();
+            uint64_t qm = q8_encode(xm, qmap + RP_QMAP_SIGNED_THRESHOLDS, 0);
+            uint64_t qv = q8_encode(xv, qmap + RP_QMAP_UNSIGNED_THRESHOLDS, 1);
+            size_t count = (size_t)(n - k < W ? n - k : W);
+            memcpy(cm + b0 + k, &qm, count); /* little-endian: lane 0 first */
+            memcpy(cv + b0 + k, &qv, count);
+        }
+        am_blocks[blk] = am_s;
+        av_blocks[blk] = av_s;
+    }
+}
+
 RP_TARGET void rp_adam_kernel_avx2(const rp_adam_tensor *t, const rp_adam_hyper *h,
                                    int64_t begin, int64_t end, int prefetch) {
-    float *param = (float *)t->param;
+    char *param = (char *)t->param;
     char *grad = (char *)t->grad;
     char *exp_avg = (char *)t->exp_avg;
     char *exp_avg_sq = (char *)t->exp_avg_sq;
@@ -129,6 +255,7 @@ RP_TARGET void rp_adam_kernel_avx2(const rp_adam_tensor *t, const rp_adam_hyper 
     uint16_t *copy = (uint16_t *)t->model_copy;
     const size_t gsz = t->grad_dtype == RP_DTYPE_FP32 ? 4 : 2;
     const size_t ssz = t->state_dtype == RP_DTYPE_BF16 ? 2 : 4;
+    const size_t psz = t->param_dtype == RP_DTYPE_BF16 ? 2 : 4;
     rp_consts c = {
         _mm256_set1_ps(h->l2_weight_decay), _mm256_set1_ps(h->decoupled_decay),
         _mm256_set1_ps(h->beta1_weight), _mm256_set1_ps(h->beta1_weight - 1.0f),
@@ -137,8 +264,13 @@ RP_TARGET void rp_adam_kernel_avx2(const rp_adam_tensor *t, const rp_adam_hyper 
         _mm256_set1_ps(h->neg_step_size), _mm256_set1_ps(-0.0f),
         h->beta1_weight < 0.5f && h->beta1_weight > -0.5f, h->maximize, h->use_l2,
         h->use_decoupled, h->amsgrad, copy ? t->copy_dtype : RP_COPY_NONE,
-        t->grad_dtype, t->state_dtype == RP_DTYPE_BF16, h->sr_seed,
+        t->grad_dtype, t->state_dtype == RP_DTYPE_BF16, t->param_dtype == RP_DTYPE_BF16,
+        h->sr_seed, h->param_sr_seed,
     };
+    if (t->state_dtype == RP_DTYPE_Q8) {
+        kernel_q8(t, h, &c, begin, end);
+        return;
+    }
     int64_t i = begin;
     /* The model copy is written, never read: non-temporal stores skip the read-for-
      * ownership of its cache lines. They need 16-byte alignment, which an 8-element
@@ -146,12 +278,12 @@ RP_TARGET void rp_adam_kernel_avx2(const rp_adam_tensor *t, const rp_adam_hyper 
     int stream = c.copy != RP_COPY_NONE && ((uintptr_t)(copy + i) & 15u) == 0;
     for (; i + W <= end; i += W) {
         if (prefetch) { /* past an array's end is harmless: a prefetch never faults */
-            _mm_prefetch(rp_ahead(param + i), _MM_HINT_T0);
+            _mm_prefetch(rp_ahead((const float *)(param + i * psz)), _MM_HINT_T0);
             _mm_prefetch(rp_ahead((const float *)(grad + i * gsz)), _MM_HINT_T0);
             _mm_prefetch(rp_ahead((const float *)(exp_avg + i * ssz)), _MM_HINT_T0);
             _mm_prefetch(rp_ahead((const float *)(exp_avg_sq + i * ssz)), _MM_HINT_T0);
         }
-        __m128i half = update(&c, param + i, grad + i * gsz, exp_avg + i * ssz,
+        __m128i half = update(&c, param + i * psz, grad + i * gsz, exp_avg + i * ssz,
                               exp_avg_sq + i * ssz, c.amsgrad ? max_sq + i : NULL, i);
         if (c.copy == RP_COPY_NONE) continue;
         if (stream) _mm_stream_si128((__m128i *)(copy + i), half);
@@ -164,14 +296,14 @@ RP_TARGET void rp_adam_kernel_avx2(const rp_adam_tensor *t, const rp_adam_hyper 
         int n = (int)(end - i);
         float tp[W] = {0}, tg[W] = {0}, tm[W] = {0}, tv[W] = {0}, tvm[W] = {0};
         uint16_t tc[W];
-        memcpy(tp, param + i, sizeof(float) * n);
+        memcpy(tp, param + i * psz, psz * n);
         memcpy(tg, grad + i * gsz, gsz * n);
         memcpy(tm, exp_avg + i * ssz, ssz * n);
         memcpy(tv, exp_avg_sq + i * ssz, ssz * n);
         if (c.amsgrad) memcpy(tvm, max_sq + i, sizeof(float) * n);
         __m128i half = update(&c, tp, tg, tm, tv, tvm, i);
         _mm_storeu_si128((__m128i *)tc, half);
-        memcpy(param + i, tp, sizeof(float) * n);
+        memcpy(param + i * psz, tp, psz * n);
         memcpy(exp_avg + i * ssz, tm, ssz * n);
         memcpy(exp_avg_sq + i * ssz, tv, ssz * n);
         if (c.amsgrad) memcpy(max_sq + i, tvm, sizeof(float) * n);

@@ -1,5 +1,5 @@
 /* The AVX-512 path: 16 floats per vector, the same roundings as the scalar path (adam.c),
- * fp16/bf16 gradients and bf16 moments included.
+ * fp16/bf16 gradients, bf16 moments and parameters, and 8-bit moments included.
  *
  * Functions carry a target attribute instead of the file being built with -mavx512f, so
  * one build runs on any x86-64 CPU; adam.c calls this kernel only when the CPU has AVX-512F.
@@ -27,8 +27,9 @@ static inline const char *rp_ahead(const float *p) {
 
 typedef struct {
     __m512 l2, decay, w, w_big, beta2, c2, inv_bc2, eps, nss, sign;
-    int small_weight, maximize, use_l2, use_decoupled, amsgrad, copy, grad_dtype, bf16_state;
-    uint32_t sr_seed;
+    int small_weight, maximize, use_l2, use_decoupled, amsgrad, copy, grad_dtype, bf16_state,
+        bf16_param;
+    uint32_t sr_seed, param_sr_seed;
 } rp_consts;
 
 /* fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's conversion). */
@@ -76,15 +77,21 @@ RP_TARGET static inline __m512 load_grad(const rp_consts *c, const void *p) {
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* One vector of the update at element index `idx`; `vm` and `copy` are touched only when
- * enabled. Pointers are already offset to `idx`. */
-RP_TARGET static inline __m256i update(const rp_consts *c, float *param, const void *grad,
-                                       void *exp_avg, void *exp_avg_sq, float *max_sq,
-                                       int64_t idx) {
-    __m512 p = _mm512_loadu_ps(param);
-    __m512 g = load_grad(c, grad);
-    __m512 m = c->bf16_state ? load_bf16(exp_avg) : _mm512_loadu_ps((const float *)exp_avg);
-    __m512 v = c->bf16_state ? load_bf16(exp_avg_sq) : _mm512_loadu_ps((const float *)exp_avg_sq);
+RP_TARGET static inline __m512 load_param(const rp_consts *c, const void *p) {
+    return c->bf16_param ? load_bf16(p) : _mm512_loadu_ps((const float *)p);
+}
+
+/* A bf16 parameter is stored with stochastic rounding (its own seed), as in adam.c. */
+RP_TARGET static inline void store_param(const rp_consts *c, void *dst, __m512 p, int64_t idx) {
+    if (c->bf16_param)
+        _mm256_storeu_si256((__m256i *)dst, to_bf16_sr(p, idx, 0u, c->param_sr_seed));
+    else _mm512_storeu_ps((float *)dst, p);
+}
+
+/* adam_elem (adam.c) in 16 lanes; `max_sq` is touched only with amsgrad. */
+RP_TARGET static inline void adam_math(const rp_consts *c, __m512 *p_io, __m512 g, __m512 *m_io,
+                                       __m512 *v_io, float *max_sq) {
+    __m512 p = *p_io, m = *m_io, v = *v_io;
     if (c->maximize) g = _mm512_castsi512_ps(
         _mm512_xor_si512(_mm512_castps_si512(g), _mm512_castps_si512(c->sign)));
     if (c->use_l2) g = _mm512_fmadd_ps(p, c->l2, g);
@@ -99,8 +106,22 @@ RP_TARGET static inline __m256i update(const rp_consts *c, float *param, const v
         _mm512_storeu_ps(max_sq, s);
     }
     __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(s), c->inv_bc2), c->eps);
-    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->nss, m), denom));
-    _mm512_storeu_ps(param, p);
+    *p_io = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->nss, m), denom));
+    *m_io = m;
+    *v_io = v;
+}
+
+/* One vector of the update at element index `idx`; `vm` and `copy` are touched only when
+ * enabled. Pointers are already offset to `idx`. */
+RP_TARGET static inline __m256i update(const rp_consts *c, void *param, const void *grad,
+                                       void *exp_avg, void *exp_avg_sq, float *max_sq,
+                                       int64_t idx) {
+    __m512 p = load_param(c, param);
+    __m512 g = load_grad(c, grad);
+    __m512 m = c->bf16_state ? load_bf16(exp_avg) : _mm512_loadu_ps((const float *)exp_avg);
+    __m512 v = c->bf16_state ? load_bf16(exp_avg_sq) : _mm512_loadu_ps((const float *)exp_avg_sq);
+    adam_math(c, &p, g, &m, &v, max_sq);
+    store_param(c, param, p, idx);
     if (c->bf16_state) {
         _mm256_storeu_si256((__m256i *)exp_avg, to_bf16_sr(m, idx, 0u, c->sr_seed));
         _mm256_storeu_si256((__m256i *)exp_avg_sq, to_bf16_sr(v, idx, 1u, c->sr_seed));
@@ -114,9 +135,104 @@ RP_TARGET static inline __m256i update(const rp_consts *c, float *param, const v
     return _mm256_setzero_si256();
 }
 
+/* 16 codes -> map value * absmax (q8 decoding in adam.c). */
+RP_TARGET static inline __m512 q8_decode(const float *map, const uint8_t *codes, __m512 absmax) {
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    return _mm512_mul_ps(_mm512_i32gather_ps(idx, map, 4), absmax);
+}
+
+/* q8_encode (adam.c) in 16 lanes: the same eight search steps, thresholds gathered. */
+RP_TARGET static inline __m128i q8_encode(__m512 x, const float *thresholds, int floor1) {
+    __m512i idx = _mm512_setzero_si512();
+    for (int step = 128; step > 0; step >>= 1) {
+        __m512i probe = _mm512_add_epi32(idx, _mm512_set1_epi32(step - 1));
+        __m512 t = _mm512_i32gather_ps(probe, thresholds, 4);
+        __mmask16 below = _mm512_cmp_ps_mask(t, x, _CMP_LT_OQ);
+        idx = _mm512_mask_add_epi32(idx, below, idx, _mm512_set1_epi32(step));
+    }
+    if (floor1) {
+        __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+        idx = _mm512_mask_max_epi32(idx, pos, idx, _mm512_set1_epi32(1));
+    }
+    return _mm512_cvtepi32_epi8(idx);
+}
+
+/* kernel_q8_scalar (adam.c) 16 lanes at a time; a block's last partial vector (only at the
+ * tensor's end) runs on zero-padded copies, its padded lanes left out of the absmax. */
+RP_TARGET static void kernel_q8(const rp_adam_tensor *t, const rp_adam_hyper *h,
+                                const rp_consts *c, int64_t begin, int64_t end) {
+    const float *qmap = (const float *)h->qmap;
+    char *param = (char *)t->param;
+    const char *grad = (const char *)t->grad;
+    uint8_t *cm = (uint8_t *)t->exp_avg;
+    uint8_t *cv = (uint8_t *)t->exp_avg_sq;
+    float *am_blocks = (float *)t->exp_avg_absmax;
+    float *av_blocks = (float *)t->exp_avg_sq_absmax;
+    const size_t psz = c->bf16_param ? 2 : 4;
+    const size_t gsz = c->grad_dtype == RP_DTYPE_FP32 ? 4 : 2;
+    float bm[RP_QBLOCK], bv[RP_QBLOCK];
+    for (int64_t b0 = begin; b0 < end; b0 += RP_QBLOCK) {
+        int n = (int)(b0 + RP_QBLOCK < end ? RP_QBLOCK : end - b0);
+        int64_t blk = b0 / RP_QBLOCK;
+        __m512 am_old = _mm512_set1_ps(am_blocks[blk]), av_old = _mm512_set1_ps(av_blocks[blk]);
+        __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps();
+        for (int k = 0; k < n; k += W) {
+            int64_t i = b0 + k;
+            int live = n - k < W ? n - k : W;
+            float tp[W] = {0}, tg[W] = {0};
+            uint8_t tcm[16] = {0}, tcv[16] = {0};
+            void *pp = param + i * psz;
+            const void *gp = grad + i * gsz;
+            const uint8_t *cmp = cm + i, *cvp = cv + i;
+            if (live < W) {
+                memcpy(tp, pp, psz * live);
+                memcpy(tg, gp, gsz * live);
+                memcpy(tcm, cmp, live);
+                memcpy(tcv, cvp, live);
+                pp = tp, gp = tg, cmp = tcm, cvp = tcv;
+            }
+            __m512 p = load_param(c, pp);
+            __m512 g = load_grad(c, gp);
+            __m512 m = q8_decode(qmap + RP_QMAP_SIGNED, cmp, am_old);
+            __m512 v = q8_decode(qmap + RP_QMAP_UNSIGNED, cvp, av_old);
+            adam_math(c, &p, g, &m, &v, NULL);
+            store_param(c, pp, p, i);
+            if (live < W) memcpy(param + i * psz, tp, psz * live);
+            __mmask16 lanes = (__mmask16)((1u << live) - 1u);
+            /* max(|x|, acc): a NaN |x| leaves acc, as the scalar comparison does */
+            am = _mm512_mask_max_ps(am, lanes, _mm512_abs_ps(m), am);
+            av = _mm512_mask_max_ps(av, lanes, _mm512_abs_ps(v), av);
+            _mm512_storeu_ps(bm + k, m);
+            _mm512_storeu_ps(bv + k, v);
+        }
+        float am_s = _mm512_reduce_max_ps(am), av_s = _mm512_reduce_max_ps(av);
+        __m512 amv = _mm512_set1_ps(am_s), avv = _mm512_set1_ps(av_s);
+        for (int k = 0; k < n; k += W) {
+            __m512 xm = am_s > 0.0f ? _mm512_div_ps(_mm512_loadu_ps(bm + k), amv)
+                                    : _mm512_setzero_ps();
+            __m512 xv = av_s > 0.0f ? _mm512_div_ps(_mm512_loadu_ps(bv + k), avv)
+                                    : _mm512_setzero_ps();
+            __m128i qm = q8_encode(xm, qmap + RP_QMAP_SIGNED_THRESHOLDS, 0);
+            __m128i qv = q8_encode(xv, qmap + RP_QMAP_UNSIGNED_THRESHOLDS, 1);
+            if (n - k >= W) {
+                _mm_storeu_si128((__m128i *)(cm + b0 + k), qm);
+                _mm_storeu_si128((__m128i *)(cv + b0 + k), qv);
+            } else {
+                uint8_t tq[16];
+                _mm_storeu_si128((__m128i *)tq, qm);
+                memcpy(cm + b0 + k, tq, (size_t)(n - k));
+                _mm_storeu_si128((__m128i *)tq, qv);
+                memcpy(cv + b0 + k, tq, (size_t)(n - k));
+            }
+        }
+        am_blocks[blk] = am_s;
+        av_blocks[blk] = av_s;
+    }
+}
+
 RP_TARGET void rp_adam_kernel_avx512(const rp_adam_tensor *t, const rp_adam_hyper *h,
                                      int64_t begin, int64_t end, int prefetch) {
-    float *param = (float *)t->param;
+    char *param = (char *)t->param;
     char *grad = (char *)t->grad;
     char *exp_avg = (char *)t->exp_avg;
     char *exp_avg_sq = (char *)t->exp_avg_sq;
@@ -124,6 +240,7 @@ RP_TARGET void rp_adam_kernel_avx512(const rp_adam_tensor *t, const rp_adam_hype
     uint16_t *copy = (uint16_t *)t->model_copy;
     const size_t gsz = t->grad_dtype == RP_DTYPE_FP32 ? 4 : 2;
     const size_t ssz = t->state_dtype == RP_DTYPE_BF16 ? 2 : 4;
+    const size_t psz = t->param_dtype == RP_DTYPE_BF16 ? 2 : 4;
     rp_consts c = {
         _mm512_set1_ps(h->l2_weight_decay), _mm512_set1_ps(h->decoupled_decay),
         _mm512_set1_ps(h->beta1_weight), _mm512_set1_ps(h->beta1_weight - 1.0f),
@@ -132,8 +249,13 @@ RP_TARGET void rp_adam_kernel_avx512(const rp_adam_tensor *t, const rp_adam_hype
         _mm512_set1_ps(h->neg_step_size), _mm512_set1_ps(-0.0f),
         h->beta1_weight < 0.5f && h->beta1_weight > -0.5f, h->maximize, h->use_l2,
         h->use_decoupled, h->amsgrad, copy ? t->copy_dtype : RP_COPY_NONE,
-        t->grad_dtype, t->state_dtype == RP_DTYPE_BF16, h->sr_seed,
+        t->grad_dtype, t->state_dtype == RP_DTYPE_BF16, t->param_dtype == RP_DTYPE_BF16,
+        h->sr_seed, h->param_sr_seed,
     };
+    if (t->state_dtype == RP_DTYPE_Q8) {
+        kernel_q8(t, h, &c, begin, end);
+        return;
+    }
     int64_t i = begin;
     /* The model copy is written, never read: non-temporal stores skip the read-for-
      * ownership of its cache lines (2 of the 30 bytes per parameter). They need 32-byte
@@ -141,12 +263,12 @@ RP_TARGET void rp_adam_kernel_avx512(const rp_adam_tensor *t, const rp_adam_hype
     int stream = c.copy != RP_COPY_NONE && ((uintptr_t)(copy + i) & 31u) == 0;
     for (; i + W <= end; i += W) {
         if (prefetch) { /* past an array's end is harmless: a prefetch never faults */
-            _mm_prefetch(rp_ahead(param + i), _MM_HINT_T0);
+            _mm_prefetch(rp_ahead((const float *)(param + i * psz)), _MM_HINT_T0);
             _mm_prefetch(rp_ahead((const float *)(grad + i * gsz)), _MM_HINT_T0);
             _mm_prefetch(rp_ahead((const float *)(exp_avg + i * ssz)), _MM_HINT_T0);
             _mm_prefetch(rp_ahead((const float *)(exp_avg_sq + i * ssz)), _MM_HINT_T0);
         }
-        __m256i half = update(&c, param + i, grad + i * gsz, exp_avg + i * ssz,
+        __m256i half = update(&c, param + i * psz, grad + i * gsz, exp_avg + i * ssz,
                               exp_avg_sq + i * ssz, c.amsgrad ? max_sq + i : NULL, i);
         if (c.copy == RP_COPY_NONE) continue;
         if (stream) _mm256_stream_si256((__m256i *)(copy + i), half);
@@ -159,14 +281,14 @@ RP_TARGET void rp_adam_kernel_avx512(const rp_adam_tensor *t, const rp_adam_hype
         int n = (int)(end - i);
         float tp[W] = {0}, tg[W] = {0}, tm[W] = {0}, tv[W] = {0}, tvm[W] = {0};
         uint16_t tc[W];
-        memcpy(tp, param + i, sizeof(float) * n);
+        memcpy(tp, param + i * psz, psz * n);
         memcpy(tg, grad + i * gsz, gsz * n);
         memcpy(tm, exp_avg + i * ssz, ssz * n);
         memcpy(tv, exp_avg_sq + i * ssz, ssz * n);
         if (c.amsgrad) memcpy(tvm, max_sq + i, sizeof(float) * n);
         __m256i half = update(&c, tp, tg, tm, tv, tvm, i);
         _mm256_storeu_si256((__m256i *)tc, half);
-        memcpy(param + i, tp, sizeof(float) * n);
+        memcpy(param + i * psz, tp, psz * n);
         memcpy(exp_avg + i * ssz, tm, ssz * n);
         memcpy(exp_avg_sq + i * ssz, tv, ssz * n);
         if (c.amsgrad) memcpy(max_sq + i, tvm, sizeof(float) * n);

@@ -22,7 +22,49 @@ from torch import nn
 from .errors import ConfigError
 from .threads import AnnotatedEvent
 
-__all__ = ["LayerAttribute", "ParamAttribute"]
+__all__ = ["OPTIM_MEMORY_MODES", "LayerAttribute", "ParamAttribute", "resolve_optim_memory"]
+
+OPTIM_MEMORY_MODES = ("default", "compact")
+
+
+def resolve_optim_memory(
+    mode: str,
+    params: list[nn.Parameter],
+    *,
+    optim_dtype: torch.dtype | None,
+    optim_grad_dtype: torch.dtype | None,
+    double_buffer_weights: bool | None,
+) -> torch.dtype | None:
+    """Check RoundPipe's `optim_memory` against the other options; returns the
+    `optim_grad_dtype` to use.
+
+    'compact' (issue 35): the trainable bf16 weights are the optimizer's masters (no
+    separate copy) and the optimizer reads the downloaded bf16 gradient in place; with
+    engine.optim.Adam(state_dtype=torch.uint8) that is about 6 bytes of host memory per
+    trainable parameter. The next iteration's uploads wait for the whole step (the step
+    writes the weights the uploads read), so it computes with the updated weights.
+    """
+    if mode not in OPTIM_MEMORY_MODES:
+        raise ConfigError(f"optim_memory must be 'default' or 'compact', got {mode!r}")
+    if mode == "default":
+        return optim_grad_dtype
+    wrong = sorted({str(p.dtype) for p in params if p.requires_grad and p.dtype != torch.bfloat16})
+    if wrong:
+        raise ConfigError(
+            f"optim_memory='compact' keeps the bf16 weights as the masters; the model has "
+            f"trainable {', '.join(wrong)} parameters: convert it with model.to(torch.bfloat16)"
+        )
+    for name, value in (("optim_dtype", optim_dtype), ("optim_grad_dtype", optim_grad_dtype)):
+        if value not in (None, torch.bfloat16):
+            raise ConfigError(
+                f"optim_memory='compact' uses the bf16 weights and gradients; leave {name} "
+                f"unset (got {value})"
+            )
+    if double_buffer_weights:
+        raise ConfigError(
+            "optim_memory='compact' keeps no second weight copy; leave double_buffer_weights unset"
+        )
+    return torch.bfloat16
 
 
 class LayerAttribute:
@@ -64,12 +106,19 @@ class ParamAttribute:
         owner_layer: int,
         optim_dtype: torch.dtype,
         optim_grad_dtype: torch.dtype | None = None,
+        share_master: bool = False,
     ) -> None:
         self.owner_layer = owner_layer
         self.optim: nn.Parameter | None = None
         self.grad_in_place = False
+        # The optimizer-side parameter shares the model weight's storage (optim_memory=
+        # 'compact'): nothing to publish, and uploads must wait for the whole step.
+        self.master_shared = share_master and param.requires_grad
         if param.requires_grad:
-            master = param.detach().to(optim_dtype, copy=True)
+            if share_master:
+                master = param.detach()
+            else:
+                master = param.detach().to(optim_dtype, copy=True)
             self.optim = nn.Parameter(master, requires_grad=True)
             grad_dtype = optim_grad_dtype or optim_dtype
             if grad_dtype not in (optim_dtype, param.dtype):
@@ -108,9 +157,10 @@ class ParamAttribute:
         layer_id: int,
         optim_dtype: torch.dtype,
         optim_grad_dtype: torch.dtype | None = None,
+        share_master: bool = False,
     ) -> ParamAttribute:
         """Attach a new ParamAttribute to `t` (owned by `layer_id`)."""
-        attr = cls(t, layer_id, optim_dtype, optim_grad_dtype)
+        attr = cls(t, layer_id, optim_dtype, optim_grad_dtype, share_master)
         t._rp_attr = attr  # type: ignore[attr-defined]
         return attr
 

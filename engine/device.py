@@ -172,10 +172,14 @@ class DeviceManager:
                 job.done.set()
 
     def shutdown_controller(self) -> None:
-        """Stop the controller thread after its queued jobs."""
+        """Stop the controller thread after its queued jobs (a second call does nothing)."""
+        if self.shutdown:
+            return
         self.shutdown = True
         self._jobs.put(None)
         self.controller_thread.join(timeout=10)
+        if self.controller_thread.is_alive():
+            log.warning("%s: controller thread still busy 10 s after shutdown", self.name)
 
     def throttle(self) -> None:
         """Block until fewer than MAX_INFLIGHT_JOBS earlier jobs are unfinished on the GPU."""
@@ -347,3 +351,41 @@ def host_memory_budget_setting() -> str | None:
     """
     value = os.environ.get("RP_HOST_MEMORY_BUDGET", "").strip()
     return value or None
+
+
+# The engine's other settings, read here for the same reason; each is read when asked
+# for, so a change of the environment (a test's monkeypatch) takes effect.
+
+
+def _setting(name: str) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def adam_threads_setting() -> str | None:
+    """RP_ADAM_THREADS as set (threads of the C Adam), or None; engine.optim parses it."""
+    return _setting("RP_ADAM_THREADS")
+
+
+def adam_isa_setting() -> str | None:
+    """RP_ADAM_ISA as set (the C Adam's instruction set path), or None."""
+    return _setting("RP_ADAM_ISA")
+
+
+def adam_cache_dir_setting() -> str | None:
+    """RP_ADAM_CACHE_DIR, else $XDG_CACHE_HOME/roundpipe/adam; None: neither is set."""
+    explicit = _setting("RP_ADAM_CACHE_DIR")
+    if explicit is not None:
+        return explicit
+    base = _setting("XDG_CACHE_HOME")
+    return None if base is None else os.path.join(base, "roundpipe", "adam")
+
+
+def c_compiler_setting() -> str | None:
+    """CC as set (the C compiler that builds the C Adam), or None."""
+    return _setting("CC")
+
+
+def profiler_setting() -> str | None:
+    """RP_PROFILER as set ('nvtx' or 'torch'), or None."""
+    return _setting("RP_PROFILER")

@@ -19,7 +19,15 @@ class RoundPipeError(Exception):
 
 
 class ConfigError(RoundPipeError, ValueError):
-    """A config value or argument is out of range or inconsistent with another."""
+    """A config value or argument is out of range or inconsistent with another.
+
+    `field` names the dotted config field to change (e.g. 'lora.rank'), where one is to
+    blame; None otherwise.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class DeviceError(RoundPipeError):

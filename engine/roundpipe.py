@@ -1,18 +1,19 @@
-"""RoundPipe and AutoRoundPipe: the model wrappers users train with."""
+"""RoundPipe and AutoRoundPipe: the model wrappers users train with.
+
+Over ~600 lines: RoundPipe's construction (pinning, per-layer parameters, data parallel,
+second weight copies) and its entry points (forward, forward_backward) with the plan
+choice between them are one mechanism; what stands apart lives beside it: RoundPipeBase
+and the step (roundpipe_base), the autograd bridge (autograd_bridge), call-site naming
+(call_site), one iteration's jobs (run).
+"""
 
 from __future__ import annotations
 
 import bisect
-import collections
-import contextlib
-import inspect
 import logging
-import os
 import statistics
 import threading
-import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,18 +21,18 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .accel import graphs
-from .accel.weight_buffers import attach_second_copies, publish_param
-from .attribute import LayerAttribute, ParamAttribute
+from .accel.weight_buffers import attach_second_copies
+from .attribute import LayerAttribute, ParamAttribute, resolve_optim_memory
+from .autograd_bridge import attach_backward, backprop_to_inputs
 from .batch import (
     RoundPipePackedData,
-    TensorChunkSpec,
-    _Replicate,
     guess_split_spec,
     merge_outputs,
     split_args_kwargs,
     split_label,
 )
-from .context import OptimizerCtx, doing_optimizer
+from .call_site import get_call_location
+from .context import OptimizerCtx
 from .device import DeviceManager, get_devices, get_next_device, get_num_devices
 from .errors import ConfigError, GradientsDisabledError
 from .memory import get_model_size, pin_module
@@ -39,304 +40,26 @@ from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_op
 from .parallel.data_parallel import AUTO_GROUP, attach_data_parallel, resolve_process_group
 from .planning import one_device
 from .planning.memory_plan import check_engine_allocation
-from .run import Act, RunState, backward_job, forward_job, fused_job
+from .planning.search import group_param_cap
+from .planning.simulate import publish_wait_ms_per_gb
+from .roundpipe_base import RoundPipeBase, publish_weights_take_grads
+from .run import backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
-from .scheduler import ModelExecutePlan, RunType, group_param_cap, publish_wait_ms_per_gb
-from .threads import AnnotatedEvent
+from .run_state import Act, RunState
+from .scheduler import ModelExecutePlan, RunType
 from .timer import ModelTimer
 from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers
 
-__all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase", "get_call_location"]
+__all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase"]
 
 log = logging.getLogger(__name__)
 
 # After how many timed iterations the automatic plan is made again (ModelTimer.updates).
 _REPLAN_AFTER_UPDATES = (1, 3, 10)
 
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
-
-
-def get_call_location(depth: int) -> str:
-    """'file:line' of the frame `depth` levels above the caller of this function."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(depth + 1):
-            if frame is None or frame.f_back is None:
-                break
-            frame = frame.f_back
-        if frame is None:
-            return "<unknown>"
-        return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-    finally:
-        del frame
-
 
 def _default_loss(outputs: Any, labels: Any) -> Any:
     return outputs
-
-
-class RoundPipeBase(nn.Module):
-    """What RoundPipe and AutoRoundPipe share: optimizer-side parameters and the step.
-
-    Every parameter gets a ParamAttribute with an optimizer-side copy (in `optim_dtype`,
-    default the parameter's dtype). Inside a step_fn (an OptimizerCtx) `parameters()` and
-    `named_parameters()` yield those copies, so any torch optimizer works.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        name: str | None = None,
-        optim_dtype: torch.dtype | None = None,
-        optim_grad_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
-        self.model = model
-        object.__setattr__(self, "name", name or get_call_location(2))
-        object.__setattr__(self, "original_model", None)
-        object.__setattr__(self, "optim_dtype", optim_dtype)
-        object.__setattr__(self, "optim_grad_dtype", optim_grad_dtype)
-        object.__setattr__(self, "layer_attrs", [])
-        object.__setattr__(self, "optim_updated", AnnotatedEvent("optim_updated", set_=True))
-        object.__setattr__(self, "_optim_ahead", False)  # optimizer copies newer than the model
-        object.__setattr__(self, "_dp", None)  # DataParallel when a process group is in effect
-        # The optimizer thread's time per step, by phase (the last steps): publishing the
-        # weights, folding the gradients, waiting for an overlapped call, step_fn.
-        object.__setattr__(self, "step_phases", collections.deque(maxlen=64))
-
-    # ---- attribute shim ----------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            for target in (self.__dict__.get("original_model"), self._modules.get("model")):
-                if target is not None and hasattr(target, name):
-                    return getattr(target, name)
-            raise
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_rp_initialized") and name not in self.__dict__:
-            orig = self.__dict__.get("original_model")
-            if (
-                orig is not None
-                and not isinstance(value, (nn.Module, nn.Parameter))
-                and hasattr(orig, name)
-            ):
-                setattr(orig, name, value)
-                return
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        orig = self.__dict__.get("original_model")
-        if self.__dict__.get("_rp_initialized") and orig is not None and hasattr(orig, name):
-            delattr(orig, name)
-            return
-        super().__delattr__(name)
-
-    def set_original_model(self, original_model: nn.Module) -> None:
-        """Attach the pre-wrap model so its attributes (config, ...) stay reachable."""
-        object.__setattr__(self, "original_model", original_model)
-
-    # ---- parameters ----------------------------------------------------------------------
-    def _attach_param_attributes(self, layers: list[nn.Module]) -> None:
-        """Give every parameter a ParamAttribute owned by the first layer using it."""
-        for j, layer in enumerate(layers):
-            for p in layer.parameters():
-                if not ParamAttribute.has(p):
-                    ParamAttribute.set(p, j, self.optim_dtype or p.dtype, self.optim_grad_dtype)
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
-        """Model parameters; the optimizer-side copies inside a step_fn."""
-        if doing_optimizer():
-            return self.optim_parameters()
-        return super().parameters(recurse)
-
-    def named_parameters(  # type: ignore[override]
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named model parameters; the optimizer-side copies inside a step_fn."""
-        if doing_optimizer():
-            return self.optim_named_parameters(prefix, remove_duplicate)
-        return super().named_parameters(prefix, recurse, remove_duplicate)
-
-    def optim_named_parameters(
-        self, prefix: str = "", remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named optimizer-side parameters (fp32 masters with optim_dtype=float32)."""
-        for name, p in super().named_parameters(prefix, True, remove_duplicate):
-            if ParamAttribute.has(p):
-                optim = ParamAttribute.get(p).optim
-                if optim is not None:
-                    yield name, optim
-
-    def optim_parameters(self) -> Iterator[nn.Parameter]:
-        """Optimizer-side parameters: build the optimizer from these."""
-        for _, p in self.optim_named_parameters():
-            yield p
-
-    def _all_params(self) -> list[tuple[nn.Parameter, ParamAttribute]]:
-        out = []
-        for p in super().parameters(True):
-            if ParamAttribute.has(p):
-                out.append((p, ParamAttribute.get(p)))
-        return out
-
-    # ---- step ------------------------------------------------------------------------------
-    def finish_pending(self) -> None:
-        """Wait for the rest of an overlapped call (RoundPipe overlap_calls); none here."""
-
-    def _params_by_owner(self) -> list[list[tuple[nn.Parameter, ParamAttribute]]]:
-        owned: list[list[tuple[nn.Parameter, ParamAttribute]]] = [[] for _ in self.layer_attrs]
-        for p, pa in self._all_params():
-            owned[pa.owner_layer].append((p, pa))
-        return owned
-
-    def step(
-        self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
-    ) -> None:
-        """Run `step_fn(*args, **kwargs)` on the optimizer thread.
-
-        Asynchronous (default): return at once; the next iteration computes with the
-        weights from before this step (staleness one). Synchronous: wait, so the next
-        iteration uses the updated weights. An error in step_fn surfaces at the next call.
-        """
-        if not callable(step_fn):
-            raise ConfigError(f"step_fn must be callable, got {type(step_fn).__name__}")
-        check_optim_error()
-        pending = self.__dict__.get("_pending_run")
-        for attr in self.layer_attrs:
-            if self.__dict__.get("overlap_calls"):
-                attr.renew()  # the pending call keeps waiting on the step before
-            else:
-                attr.param_copied.clear()
-                attr.grad_copied.clear()
-        events = [(attr.param_copied, attr.grad_copied) for attr in self.layer_attrs]
-        self.optim_updated.clear()
-        launch_optim_kernel(self._step_kernel, step_fn, args, kwargs, not is_async, pending, events)
-        if not is_async:
-            synchronize_optim()
-
-    def _step_kernel(
-        self,
-        step_fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        sync: bool,
-        pending: RunState | None,
-        events: list[tuple[Any, Any]],
-    ) -> None:
-        """On the optimizer thread: publish w[k], take the gradients, then update.
-
-        `pending`: the call whose backward may still run (overlapped calls): each layer is
-        published once that call's uploads of it are done, each gradient taken once it is
-        downloaded. `events`: this step's (param_copied, grad_copied) per layer.
-        """
-        # "swapped": parameters published by swapping in the copy the optimizer wrote.
-        phases = {"publish_s": 0.0, "fold_s": 0.0, "wait_s": 0.0, "step_fn_s": 0.0, "swapped": 0.0}
-        start = time.perf_counter()
-        try:
-            if self._dp is not None:
-                self._dp.publish_weights_take_grads(self)
-            else:
-                published = self._optim_ahead
-                _publish_weights_take_grads(self, self._params_by_owner(), pending, events, phases)
-                if published and self.__dict__.get("second_copy_bytes") and not phases["swapped"]:
-                    _warn_once(
-                        f"second-copy:{id(self)}",
-                        f"{self.name}: double_buffer_weights is on but the step function's "
-                        "optimizer did not write the second weight copy (engine.optim.Adam "
-                        "does), so each step converts the weights as without it; pass "
-                        "double_buffer_weights=False to save its host memory",
-                    )
-            try:
-                t0 = time.perf_counter()
-                with OptimizerCtx():
-                    step_fn(*args, **kwargs)
-                phases["step_fn_s"] = time.perf_counter() - t0
-            finally:
-                # Also after a failed step_fn: it may have updated some master weights
-                # before raising, and the model must not drift from them.
-                object.__setattr__(self, "_optim_ahead", True)
-            if sync:
-                self.sync_optim_param()
-        finally:
-            for param_copied, grad_copied in events:
-                param_copied.set()
-                grad_copied.set()
-            self.optim_updated.set()
-            phases["total_s"] = time.perf_counter() - start
-            self.step_phases.append(phases)
-
-    def sync_optim_param(self) -> None:
-        """Copy the optimizer-side weights into the model parameters (if newer)."""
-        if self._dp is not None:
-            self._dp.sync_optim_param(self)
-            return
-        if not self._optim_ahead:
-            return
-        for p, pa in self._all_params():
-            publish_param(p, pa)
-        object.__setattr__(self, "_optim_ahead", False)
-
-    def synchronize(self) -> None:
-        """Wait for every step; then the model's parameters hold the latest weights and
-        `.grad` the gradients accumulated since the optimizer last zeroed them (under
-        data parallel: summed over ranks; a collective, every rank calls it)."""
-        self.finish_pending()
-        if self._dp is not None:
-            self._dp.synchronize(self)
-            return
-        synchronize_optim()
-        self.sync_optim_param()
-        for p, pa in self._all_params():
-            pa.fold_grad()
-            if pa.optim is not None and pa.optim.grad is not None:
-                p.grad = pa.optim.grad.detach().to(p.dtype, copy=True)
-            else:
-                p.grad = None
-
-    def save_adapter(self, path: str | os.PathLike[str], *, merged_path: Any = None) -> None:
-        """Write the LoRA adapters in peft's format (see `engine.adapters.lora.save_adapter`);
-        `merged_path`: also the model with the adapters folded in, HF format."""
-        from .adapters.lora import save_adapter
-
-        save_adapter(self, path, merged_path=merged_path)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every gradient: pending host gradients, optimizer-side and model `.grad`."""
-        self.finish_pending()
-        synchronize_optim()
-        for p, pa in self._all_params():
-            pa.grad_pending = False
-            if pa.optim is not None:
-                pa.optim.grad = None
-            p.grad = None
-
-
-class _PhaseClock:
-    """`with clock(name):` adds the block's seconds to `phases[name]` (no-op without)."""
-
-    def __init__(self, phases: dict[str, float] | None) -> None:
-        self.phases = phases
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        if self.phases is None:
-            yield
-            return
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
 
 def _owner_users(
@@ -364,53 +87,6 @@ def _replayable_layers(
         graphs.layer_may_replay(layer) and all(uses[id(p)] == 1 for p, _ in params)
         for layer, params in zip(layers, layer_params, strict=True)
     ]
-
-
-def _publish_weights_take_grads(
-    owner: RoundPipeBase,
-    groups: list[list[tuple[nn.Parameter, ParamAttribute]]],
-    pending: RunState | None = None,
-    events: list[tuple[Any, Any]] | None = None,
-    phases: dict[str, float] | None = None,
-) -> None:
-    """On the optimizer thread, per layer and in layer order: publish the weights of the
-    previous step into the model (if newer), then fold the new gradients into the
-    optimizer-side ones, setting each layer's event as soon as its part is done.
-
-    With a `pending` call still running (overlapped calls), a layer is published once
-    that call's uploads of the layers using its parameters are done, and the gradients are
-    taken from the last layer down (the order the backward downloads them), each once it
-    is down. `phases` gets the seconds spent publishing, folding and waiting.
-    """
-    clock = _PhaseClock(phases)
-    users = owner.__dict__.get("_owner_users")
-    if events is None:
-        events = [(attr.param_copied, attr.grad_copied) for attr in owner.layer_attrs]
-    for j, ((param_copied, _), params) in enumerate(zip(events, groups, strict=True)):
-        if owner._optim_ahead:
-            if pending is not None and users is not None:
-                with clock("wait_s"):
-                    pending.wait_uploads(users[j])
-            with clock("publish_s"):
-                swapped = sum(publish_param(p, pa) for p, pa in params)
-            if phases is not None:
-                phases["swapped"] = phases.get("swapped", 0.0) + swapped
-        param_copied.set()
-    object.__setattr__(owner, "_optim_ahead", False)
-    order = list(zip(events, groups, strict=True))
-    if pending is not None:
-        order.reverse()
-    for (_, grad_copied), params in order:
-        for p, pa in params:
-            if pending is not None and pa.optim is not None:
-                with clock("wait_s"):
-                    pending.wait_grads(p)
-            with clock("fold_s"):
-                pa.fold_grad()
-        # A gradient read in place stays the optimizer's until step_fn returns (the
-        # caller sets every event then).
-        if not any(pa.grad_in_place for _, pa in params):
-            grad_copied.set()
 
 
 class RoundPipe(RoundPipeBase):
@@ -456,6 +132,12 @@ class RoundPipe(RoundPipeBase):
             Costs the model's trainable bytes again in host memory (2 per parameter).
             Default: on with `overlap_calls`, whose steps publish while a call runs.
             Other optimizers work as without it; data parallel ignores it.
+        optim_memory: 'default', or 'compact': the bf16 weights are the optimizer's
+            masters and its gradient the downloaded bf16 one, read in place (no other
+            copy); with engine.optim.Adam(state_dtype=torch.uint8) about 6 bytes of host
+            memory per trainable parameter instead of 12 (docs/HOST_MEMORY_MODES.md). The
+            next iteration then computes with the updated weights (its uploads wait for
+            the step). Needs a bf16 model; not with data parallel.
     """
 
     def __init__(
@@ -472,7 +154,15 @@ class RoundPipe(RoundPipeBase):
         host_memory_budget: int | None = None,
         overlap_calls: bool = False,
         double_buffer_weights: bool | None = None,
+        optim_memory: str = "default",
     ) -> None:
+        optim_grad_dtype = resolve_optim_memory(
+            optim_memory,
+            list(model.parameters()) if isinstance(model, nn.Module) else [],
+            optim_dtype=optim_dtype,
+            optim_grad_dtype=optim_grad_dtype,
+            double_buffer_weights=double_buffer_weights,
+        )
         if pin_model not in ("alloc", "register", "arena", "off"):
             raise ConfigError(
                 f"pin_model must be 'alloc', 'register', 'arena' or 'off', got {pin_model!r}"
@@ -490,6 +180,7 @@ class RoundPipe(RoundPipeBase):
             optim_dtype=optim_dtype,
             optim_grad_dtype=optim_grad_dtype,
         )
+        object.__setattr__(self, "optim_memory", optim_memory)
         get_devices()  # parse RP_DEVICES now: a bad value fails at construction
         if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
             model.to("cpu")
@@ -505,6 +196,7 @@ class RoundPipe(RoundPipeBase):
             pin_model=pin_model,
             budget_bytes=host_memory_budget,
             double_buffer_weights=bool(double_buffer_weights),
+            optim_memory=optim_memory,
         )
         arena_grads = pin_module(model, pin_model)
         object.__setattr__(self, "model_run_config", model_run_config)
@@ -537,6 +229,8 @@ class RoundPipe(RoundPipeBase):
         object.__setattr__(self, "_replica_lock", threading.Lock())
         object.__setattr__(self, "_plans", {})
         dp = attach_data_parallel(self, process_group, shard_optimizer=shard_optimizer)
+        if dp is not None and optim_memory == "compact":
+            raise ConfigError("optim_memory='compact' does not run under data parallel yet")
         object.__setattr__(self, "_dp", dp)
         second = 0
         if double_buffer_weights and dp is None:
@@ -753,7 +447,7 @@ class RoundPipe(RoundPipeBase):
             return RoundPipePackedData(outputs)
         merged = merge_outputs(outputs, cfg.merge_output)
         if wants_grad:
-            merged = _attach_backward(self, run, merged, outputs, args, kwargs, specs, cfg)
+            merged = attach_backward(self, run, merged, outputs, args, kwargs, specs, cfg)
         return _to_device(merged, cfg.output_device)
 
     def _run_backward(self, run: RunState) -> None:
@@ -851,7 +545,7 @@ class RoundPipe(RoundPipeBase):
         if self._dp is not None:
             loss = self._dp.reduce_loss(loss)
         if any(flags):
-            _backprop_to_inputs(run, input_args, input_kwargs, specs)
+            backprop_to_inputs(run, input_args, input_kwargs, specs)
         if not return_outputs:
             return loss
         outputs = [a.rebuild(a.leaves) for a in run.outputs if a is not None]
@@ -882,131 +576,6 @@ def _sum_losses(run: RunState) -> Any:
     for a in per_mb[1:]:
         total = total + a.leaves[0]
     return total
-
-
-def _merge_input_grads(
-    run: RunState, n_leaves: int, flags: list[bool], specs: list[Any] | None
-) -> list[torch.Tensor | None]:
-    """Per-leaf gradients of the original inputs from the per-micro-batch gradients."""
-    grads: list[torch.Tensor | None] = []
-    for k in range(n_leaves):
-        if not flags[k]:
-            grads.append(None)
-            continue
-        parts = [a.leaves[k] if a is not None else None for a in run.input_grads]
-        if any(p is None for p in parts):
-            grads.append(None)
-            continue
-        spec = specs[k] if specs is not None else TensorChunkSpec(0)
-        if isinstance(spec, TensorChunkSpec):
-            grads.append(torch.cat(parts, dim=spec.split_dim))
-        else:  # replicated: every micro-batch contributed
-            total = parts[0]
-            for p in parts[1:]:
-                total = total + p
-            grads.append(total)
-    return grads
-
-
-def _backprop_to_inputs(
-    run: RunState, args: tuple[Any, ...], kwargs: dict[str, Any], specs: list[Any] | None
-) -> None:
-    """Send the input gradients of forward_backward into the graph the inputs came from."""
-    leaves, _ = pytree.tree_flatten((args, kwargs))
-    flags = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
-    grads = _merge_input_grads(run, len(leaves), flags, specs)
-    pairs = [(t, g) for t, g, f in zip(leaves, grads, flags, strict=True) if f and g is not None]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g.to(t.device) for t, g in pairs])
-
-
-class _RoundPipeBackward(torch.autograd.Function):
-    """Connects a RoundPipe forward's outputs to autograd; backward runs the backward jobs."""
-
-    @staticmethod
-    def forward(ctx: Any, handle: dict[str, Any], tag: torch.Tensor, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.handle = handle
-        outs = handle["float_outputs"]
-        return tuple(o.detach() for o in outs)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:  # type: ignore[override]
-        h = ctx.handle
-        run: RunState = h["run"]
-        model: RoundPipe = h["model"]
-        per_mb_outputs: list[list[Any]] = h["per_mb_leaves"]
-        float_idx: list[int] = h["float_idx"]
-        out_specs: list[Any] = h["out_specs"]
-        m = run.num_microbatch
-        per_mb_grads: list[list[Any]] = [[None] * len(per_mb_outputs[0]) for _ in range(m)]
-        for g, k in zip(grad_outputs, float_idx, strict=True):
-            if g is None:
-                continue
-            column = [leaves[k] for leaves in per_mb_outputs]
-            spec = out_specs[k]
-            if spec is _Replicate:
-                per_mb_grads[0][k] = g
-                continue
-            if column[0].dim() == 0:
-                pieces = list(g.unbind(0))
-            else:
-                dim = spec.split_dim if isinstance(spec, TensorChunkSpec) else 0
-                pieces = list(torch.split(g, [c.size(dim) for c in column], dim=dim))
-            for i in range(m):
-                per_mb_grads[i][k] = pieces[i].contiguous()
-        run.grad_states = [Act(per_mb_grads[i], None, None) for i in range(m)]
-        model._run_backward(run)
-        grads = _merge_input_grads(run, len(h["input_leaves"]), h["input_flags"], h["input_specs"])
-        req = [g for g, f in zip(grads, h["input_flags"], strict=True) if f]
-        return (None, None, *req)
-
-
-def _attach_backward(
-    model: RoundPipe,
-    run: RunState,
-    merged: Any,
-    outputs: list[Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    specs: list[Any] | None,
-    cfg: FullRoundPipeRunConfig,
-) -> Any:
-    leaves, tree = pytree.tree_flatten(merged)
-    float_idx = [
-        k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
-    if not float_idx:
-        return merged
-    if callable(cfg.merge_output) and not isinstance(cfg.merge_output, (bool, tuple, list, dict)):
-        raise ConfigError(
-            "a merge_output callable cannot carry gradients back through forward(); "
-            "use forward_backward(), the automatic merge, or a chunk-spec tree"
-        )
-    out_specs = (
-        [True] * len(leaves)
-        if cfg.merge_output is True
-        else pytree.tree_flatten(cfg.merge_output)[0]
-    )
-    input_leaves, _ = pytree.tree_flatten((args, kwargs))
-    input_flags = [isinstance(t, torch.Tensor) and t.requires_grad for t in input_leaves]
-    handle = {
-        "run": run,
-        "model": model,
-        "float_outputs": [leaves[k] for k in float_idx],
-        "float_idx": float_idx,
-        "per_mb_leaves": [pytree.tree_flatten(o)[0] for o in outputs],
-        "out_specs": out_specs,
-        "input_leaves": input_leaves,
-        "input_flags": input_flags,
-        "input_specs": specs,
-    }
-    tag = torch.zeros((), requires_grad=True)
-    req_inputs = [t for t, f in zip(input_leaves, input_flags, strict=True) if f]
-    outs = _RoundPipeBackward.apply(handle, tag, *req_inputs)
-    new_leaves = list(leaves)
-    for k, o in zip(float_idx, outs, strict=True):
-        new_leaves[k] = o
-    return pytree.tree_unflatten(new_leaves, tree)
 
 
 class AutoRoundPipe(RoundPipeBase):
@@ -1099,7 +668,7 @@ class AutoRoundPipe(RoundPipeBase):
         try:
             for owner in owners:
                 groups = owner._params_by_owner() if owner is not self else [self._loose_params()]
-                _publish_weights_take_grads(owner, groups)
+                publish_weights_take_grads(owner, groups)
             try:
                 with OptimizerCtx():
                     step_fn(*args, **kwargs)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
+from .device import get_num_devices
 from .errors import ConfigError
-
-if TYPE_CHECKING:
-    from .scheduler import ModelExecutePlan
+from .planning.memory_plan import default_num_microbatch
+from .scheduler import ModelExecutePlan
 
 __all__ = ["FullRoundPipeRunConfig", "RoundPipeRunConfig"]
 
@@ -49,6 +49,11 @@ class RoundPipeRunConfig:
             applied on the device to each micro-batch's output of the last layer group,
             before its download (e.g. to reduce a head's output to a few numbers per
             sequence). Default: none.
+        batch_is_global: Under data parallel (engine.parallel.data_parallel), whether
+            `forward_backward` is given the global batch on every rank (True: each rank
+            keeps its equal share of the rows, and the ranks check that they were given
+            the same batch) or each rank's own shard (False, as with
+            DistributedDataParallel: the inputs are used as given). Default: True.
     """
 
     requires_grad: bool | None = None
@@ -61,8 +66,13 @@ class RoundPipeRunConfig:
     merge_output: Any = None
     execute_plan: ModelExecutePlan | None = None
     output_fn: Callable[[Any, int], Any] | None = None
+    batch_is_global: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.batch_is_global is not None and not isinstance(self.batch_is_global, bool):
+            raise ConfigError(
+                f"run_config.batch_is_global must be True or False, got {self.batch_is_global!r}"
+            )
         if self.recompute_grain is not None and self.recompute_grain not in _GRAINS:
             raise ConfigError(
                 f"run_config.recompute_grain must be 'stage' or 'layer', got {self.recompute_grain!r}"
@@ -82,14 +92,11 @@ class RoundPipeRunConfig:
                 raise ConfigError(
                     f"run_config.output_device must name a torch device, got {self.output_device!r}"
                 ) from exc
-        if self.execute_plan is not None:
-            from .scheduler import ModelExecutePlan
-
-            if not isinstance(self.execute_plan, ModelExecutePlan):
-                raise ConfigError(
-                    "run_config.execute_plan must be a ModelExecutePlan, "
-                    f"got {type(self.execute_plan).__name__}"
-                )
+        if self.execute_plan is not None and not isinstance(self.execute_plan, ModelExecutePlan):
+            raise ConfigError(
+                "run_config.execute_plan must be a ModelExecutePlan, "
+                f"got {type(self.execute_plan).__name__}"
+            )
         if self.output_fn is not None and not callable(self.output_fn):
             raise ConfigError(
                 f"run_config.output_fn must be callable, got {type(self.output_fn).__name__}"
@@ -112,6 +119,7 @@ class FullRoundPipeRunConfig:
     """
 
     __slots__ = (
+        "batch_is_global",
         "execute_plan",
         "merge_output",
         "num_microbatch",
@@ -132,8 +140,6 @@ class FullRoundPipeRunConfig:
         num_devices: int | None = None,
     ) -> None:
         if num_devices is None:
-            from .device import get_num_devices
-
             num_devices = get_num_devices()
         c = function_run_config.over(model_run_config)
         self.requires_grad: bool = (
@@ -144,12 +150,13 @@ class FullRoundPipeRunConfig:
             True if c.preserve_rng_state is None else c.preserve_rng_state
         )
         self.recompute_grain: RecomputeGrain = c.recompute_grain or "stage"
-        self.num_microbatch: int = c.num_microbatch or num_devices + 1
+        self.num_microbatch: int = c.num_microbatch or default_num_microbatch(num_devices)
         self.split_input: Any = c.split_input
         self.split_label: Any = c.split_label
         self.merge_output: Any = True if c.merge_output is None else c.merge_output
         self.execute_plan: ModelExecutePlan | None = c.execute_plan
         self.output_fn: Callable[[Any, int], Any] | None = c.output_fn
+        self.batch_is_global: bool = True if c.batch_is_global is None else c.batch_is_global
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)

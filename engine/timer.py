@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -13,9 +12,12 @@ from typing import Literal
 
 import torch
 
+from .accel import graphs
+from .device import profiler_setting
+
 __all__ = ["PROFILER_TYPE", "IterTimer", "ModelTimer", "annotate"]
 
-PROFILER_TYPE: str | None = os.environ.get("RP_PROFILER") or None
+PROFILER_TYPE: str | None = profiler_setting()
 """'nvtx' to emit NVTX ranges (nsys), 'torch' for torch.profiler record_function ranges."""
 
 
@@ -148,8 +150,6 @@ class ModelTimer:
 def _compiled_graphs() -> int:
     """How many graphs torch.compile has built and engine.accel.graphs has captured in this
     process so far (either makes an iteration's timings a measure of the building)."""
-    from .accel import graphs
-
     dynamo_utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled
     compiled = 0 if dynamo_utils is None else int(dynamo_utils.counters["stats"]["unique_graphs"])
     return compiled + graphs.stats()["captures"]

@@ -19,8 +19,11 @@ from typing import Any
 from torch import nn
 
 from . import models
+from .adapters.lora import apply_lora
+from .call_site import get_call_location
+from .device import get_num_devices
 from .memory import get_model_size
-from .roundpipe import get_call_location
+from .roundpipe import AutoRoundPipe, RoundPipe
 from .run_config import RoundPipeRunConfig
 
 __all__ = ["get_call_location", "wrap_model_recursive", "wrap_model_to_roundpipe"]
@@ -32,10 +35,7 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def _roundpipe_classes() -> tuple[type[nn.Module], type[nn.Module]]:
-    # Imported on use: engine/__init__ imports this module, and roundpipe pulls in the
-    # runtime; tests of the split logic replace this function.
-    from .roundpipe import AutoRoundPipe, RoundPipe
-
+    # A function: tests of the split logic replace it with light stand-ins.
     return RoundPipe, AutoRoundPipe
 
 
@@ -107,6 +107,7 @@ def wrap_model_to_roundpipe(
     model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),  # frozen: safe to share
     name: str | None = None,
     lora_config: Any = None,
+    recompute_attention: bool = False,
     **roundpipe_kwargs: Any,
 ) -> nn.Module:
     """Return `model` wrapped for RoundPipe: a preset RoundPipe, or the auto-split result.
@@ -125,6 +126,9 @@ def wrap_model_to_roundpipe(
         lora_config: When given (an `engine.adapters.lora.LoraConfig`, a `peft.LoraConfig` or a
             mapping), `engine.adapters.lora.apply_lora` adds adapters to `model` and freezes the
             rest before wrapping: only the adapters get optimizer-side copies.
+        recompute_attention: A preset's decoder layers recompute attention in the backward
+            instead of keeping its output in host memory (see
+            `engine.models.to_sequential`); the auto-split has no such layers.
         **roundpipe_kwargs: Forwarded to RoundPipe / AutoRoundPipe (optim_dtype,
             pin_model).
 
@@ -139,17 +143,17 @@ def wrap_model_to_roundpipe(
     if name is None:
         name = get_call_location(1)
     if lora_config is not None:
-        from .adapters.lora import apply_lora
-
         apply_lora(model, lora_config)
     # None falls back to the auto-split when no preset fits; True lets wrap_model raise.
     if use_sequential_preset or (use_sequential_preset is None and models.has_preset(model)):
         return models.wrap_model(
-            model, name=name, model_run_config=model_run_config, **roundpipe_kwargs
+            model,
+            name=name,
+            model_run_config=model_run_config,
+            recompute_attention=recompute_attention,
+            **roundpipe_kwargs,
         )
     if upper_threshold is None:
-        from .device import get_num_devices
-
         upper_threshold = get_model_size(model) // (get_num_devices() + 1)
     wrapped = wrap_model_recursive(
         model,

@@ -4,31 +4,76 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 
 import uvicorn
+from pydantic import ValidationError
 
 from rp_service.app import create_app
+from rp_service.connections import raise_open_file_limit, with_header_timeout
+from rp_service.datadir import DataDir, DataDirLocked
 from rp_service.jobs.store import Store, StoreUnusable
 from rp_service.settings import Settings
 
+log = logging.getLogger("rp_service")
+
+
+def _refuse(message: str) -> SystemExit:
+    """One clear line on stderr and exit status 2, never a traceback."""
+    print(f"rp_service: refusing to start: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            text = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            problems.append(f"RP_{where.upper()}: {text}" if where else text)
+        raise _refuse("; ".join(problems)) from None
+
 
 def main() -> None:
-    settings = Settings()
+    settings = _settings()
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    try:  # before uvicorn: a refusal is one clear line, not a lifespan traceback
+    # Before uvicorn, so a refusal is one clear line, not a lifespan traceback; the lock
+    # before the store, so a second daemon never reads it or touches the first one's workers.
+    data = DataDir(settings.data_dir)
+    try:
+        data.claim()
+    except DataDirLocked as exc:
+        raise _refuse(str(exc)) from None
+    except OSError as exc:
+        raise _refuse(f"cannot use the data directory {settings.data_dir}: {exc}") from None
+    try:
         Store(settings.db_path).check_existing()
     except StoreUnusable as exc:
-        print(f"rp_service: refusing to start: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise _refuse(str(exc)) from None
+    settings.spool_dir.mkdir(mode=0o700, exist_ok=True)
+    tempfile.tempdir = str(settings.spool_dir)  # multipart uploads spool here, not in /tmp
+    soft, _ = raise_open_file_limit()
+    if settings.auth == "none":
+        log.warning("RP_AUTH=none: no token is asked for (loopback only: %s)", settings.host)
+    elif settings.token is None:
+        data.token()
+        print(f"rp_service: bearer token in {data.token_path}", file=sys.stderr)
+    log.info("open files: up to %d; connections: up to %d", soft, settings.max_connections)
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, data_dir=data),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=20,
+        http=with_header_timeout(settings.header_timeout_s),
+        limit_concurrency=settings.max_connections,
+        timeout_keep_alive=settings.keep_alive_s,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
     )
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,13 +26,15 @@ from rp_service.api import ROUTERS, dashboard
 from rp_service.api import openai as openai_api
 from rp_service.api.deps import Services
 from rp_service.api.metrics import build_registry
-from rp_service.errors import ServiceError
+from rp_service.datadir import DataDir
+from rp_service.errors import InvalidRequest, JobFailure, ServiceError
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.files import FileService
 from rp_service.jobs.orchestrator import Orchestrator
 from rp_service.jobs.outputs import JobOutputs
 from rp_service.jobs.store import Store
-from rp_service.settings import Settings
+from rp_service.jobs.store_io import StoreIO
+from rp_service.settings import Settings, is_loopback
 from rp_service.system import SystemProbe
 
 __all__ = ["create_app"]
@@ -43,8 +48,10 @@ _HTTP_ERROR_TYPES = {
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     409: ("conflict_error", "conflict"),
+    403: ("permission_error", "forbidden"),
     413: ("request_too_large", "request_too_large"),
     415: ("invalid_request_error", "unsupported_media_type"),
+    429: ("rate_limit_error", "too_many_requests"),
 }
 
 
@@ -74,14 +81,58 @@ class _BodyTooLarge(StarletteHTTPException):
     """Raised from inside `receive`; FastAPI re-raises HTTPExceptions met while reading."""
 
 
-class _Guard:
-    """Pure ASGI: bearer token, body size limits, request latency. Streams stay streams."""
+# The request-latency histogram's labels come from fixed sets: a made-up method (anyone can
+# send one, before auth) would otherwise add a series per request.
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
-    def __init__(self, app: ASGIApp, *, settings: Settings, latency: Histogram) -> None:
+
+@dataclass(slots=True)
+class _AuthState:
+    """The token the guard compares with; set by the lifespan (it may read the token file)."""
+
+    required: bool
+    token: bytes | None = None
+
+
+def _host_name(value: str) -> str:
+    """A Host header (or an Origin's netloc) without its port, lower case."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    name, sep, port = value.rpartition(":")
+    return name if sep and port.isdigit() else value
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class _Guard:
+    """Pure ASGI: Host and Origin checks, bearer token, body size limits, concurrent
+    uploads, request latency. Streams stay streams."""
+
+    def __init__(
+        self, app: ASGIApp, *, settings: Settings, auth: _AuthState, latency: Histogram
+    ) -> None:
         self.app = app
-        self.token = settings.token.get_secret_value().encode() if settings.token else None
+        self.auth = auth
         self.max_request_bytes = settings.max_request_bytes
         self.max_upload_bytes = settings.max_upload_bytes + _UPLOAD_OVERHEAD_BYTES
+        self.max_uploads = settings.max_concurrent_uploads
+        self.uploads = 0  # uploads in progress: only the event loop changes it
+        self.any_host = "*" in settings.allowed_hosts
+        # This machine's own names work without configuration; other DNS names (aliases)
+        # go in RP_ALLOWED_HOSTS.
+        self.hosts = {*settings.allowed_hosts, socket.gethostname().lower()}
+        self.hosts.add(socket.getfqdn().lower())
+        if settings.host.lower() not in _WILDCARD_HOSTS:
+            self.hosts.add(_host_name(settings.host))
         self.latency = latency
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -96,34 +147,88 @@ class _Guard:
                 status["code"] = message["status"]
             await send(message)
 
+        upload = self._is_upload(scope)
         try:
             refusal = self._refuse(scope)
+            if refusal is None and upload and self.uploads >= self.max_uploads:
+                refusal = _envelope(
+                    429,
+                    "rate_limit_error",
+                    "too_many_uploads",
+                    f"{self.uploads} uploads are in progress, the most this daemon takes at "
+                    "once (RP_MAX_CONCURRENT_UPLOADS); retry when one has finished",
+                    headers={"retry-after": "5"},
+                )
             if refusal is not None:
                 await refusal(scope, receive, send_status)
                 return
-            await self.app(scope, self._counted(scope, receive), send_status)
+            if upload:
+                self.uploads += 1
+            try:
+                await self.app(scope, self._counted(scope, receive), send_status)
+            finally:
+                if upload:
+                    self.uploads -= 1
         finally:
             route = scope.get("route")
+            method = scope["method"] if scope["method"] in _METHODS else "other"
             self.latency.labels(
-                scope["method"], getattr(route, "path", "unmatched"), str(status["code"])
+                method, getattr(route, "path", "unmatched"), str(status["code"])
             ).observe(time.perf_counter() - started)
 
+    @staticmethod
+    def _is_upload(scope: Scope) -> bool:
+        return scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files"
+
     def _limit(self, scope: Scope) -> int:
-        if scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files":
-            return self.max_upload_bytes
-        return self.max_request_bytes
+        return self.max_upload_bytes if self._is_upload(scope) else self.max_request_bytes
+
+    def _host_allowed(self, host: bytes | None) -> bool:
+        if host is None or self.any_host:  # no Host: not a browser, so no DNS rebinding
+            return True
+        name = _host_name(host.decode("latin-1"))
+        # DNS rebinding needs a name the attacker controls: an address literal never is one.
+        return is_loopback(name) or name in self.hosts or _is_address(name)
 
     def _refuse(self, scope: Scope) -> JSONResponse | None:
         headers = dict(scope["headers"])
-        if self.token is not None and not dashboard.is_public_path(scope["path"]):
+        host = headers.get(b"host")
+        if not self._host_allowed(host):
+            shown = (host or b"").decode("latin-1")[:100]
+            return _envelope(
+                400,
+                "invalid_request_error",
+                "host_not_allowed",
+                f"the Host header {shown!r} is not a name of this daemon: add it to "
+                "RP_ALLOWED_HOSTS (loopback names are always allowed)",
+            )
+        origin = headers.get(b"origin")
+        if origin is not None and scope["method"] in _STATE_CHANGING:
+            netloc = origin.decode("latin-1").lower().partition("://")[2].rstrip("/")
+            if not netloc or netloc != (host or b"").decode("latin-1").lower():
+                return _envelope(
+                    403,
+                    "permission_error",
+                    "cross_origin_refused",
+                    f"a {scope['method']} from the page of another site "
+                    f"({origin.decode('latin-1')[:100]!r}) is refused; call the API from a "
+                    "client, or from the daemon's own dashboard",
+                )
+        if self.auth.required and not dashboard.is_public_path(scope["path"]):
             auth = headers.get(b"authorization", b"")
             scheme, _, given = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+            token = self.auth.token
+            if (
+                token is None
+                or scheme.lower() != b"bearer"
+                or not hmac.compare_digest(given.strip(), token)
+            ):
                 return _envelope(
                     401,
                     "authentication_error",
                     "invalid_token",
-                    "missing or wrong bearer token: send 'Authorization: Bearer <RP_TOKEN>'",
+                    "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+                    "(RP_TOKEN, or the daemon's $RP_DATA_DIR/token file)",
                     headers={"www-authenticate": "Bearer"},
                 )
         length = headers.get(b"content-length")
@@ -194,7 +299,24 @@ def _install_error_handlers(app: FastAPI) -> None:
         headers = {"x-should-retry": "false"} if exc.status_code == 409 else None
         if exc.status_code == 401:
             headers = {"www-authenticate": "Bearer"}
+        elif exc.status_code == 429:
+            headers = {"retry-after": "5"}
+        retry_after_s = getattr(exc, "retry_after_s", None)  # e.g. serving.ServingBusy (503)
+        if retry_after_s is not None:
+            headers = {"retry-after": str(int(retry_after_s))}
         return JSONResponse(exc.envelope(), status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(JobFailure)
+    async def _job_failure(request: Request, exc: JobFailure) -> JSONResponse:
+        # A spec this daemon cannot run, found at submission: InvalidRequest's 422, with
+        # the failure's figures beside its field in the details.
+        details = (
+            [{"param": exc.param, "message": exc.message, **exc.details}]
+            if exc.param is not None
+            else exc.details or None
+        )
+        refusal = InvalidRequest(exc.message, code=exc.code, param=exc.param, details=details)
+        return JSONResponse(refusal.envelope(), status_code=refusal.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -236,11 +358,17 @@ def _openapi_with_bearer(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def create_app(settings: Settings) -> FastAPI:
-    """Build the daemon's app; nothing starts until its lifespan runs."""
+def create_app(settings: Settings, *, data_dir: DataDir | None = None) -> FastAPI:
+    """Build the daemon's app; nothing starts until its lifespan runs.
+
+    The lifespan claims the data directory (lock, modes; see rp_service.datadir) unless
+    `data_dir` comes already claimed (`python -m rp_service` claims it before uvicorn).
+    """
+    data = data_dir if data_dir is not None else DataDir(settings.data_dir)
     store = Store(settings.db_path)
+    io = StoreIO(store)  # the store's own threads: event writes never queue behind uploads
     hub = EventHub()
-    orchestrator = Orchestrator(settings, store, hub)
+    orchestrator = Orchestrator(settings, store, hub, io=io)
     system = SystemProbe(
         probe_cuda=settings.gpus != "none",
         host_budget=lambda: orchestrator.resolver.host_budget_bytes,
@@ -249,28 +377,46 @@ def create_app(settings: Settings) -> FastAPI:
         settings=settings,
         store=store,
         orchestrator=orchestrator,
-        outputs=JobOutputs(settings, store, hub),
-        files=FileService(store, settings.files_dir, max_upload_bytes=settings.max_upload_bytes),
+        outputs=JobOutputs(settings, store, hub, io=io),
+        files=FileService(
+            store,
+            settings.files_dir,
+            max_upload_bytes=settings.max_upload_bytes,
+            max_line_bytes=settings.max_line_bytes,
+        ),
         system=system,
     )
+    auth = _AuthState(required=settings.auth == "token")
+    if settings.token is not None:
+        auth.token = settings.token.get_secret_value().encode()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(store.open)
-        gpu_count = await asyncio.to_thread(system.cuda_device_count)
-        await orchestrator.start(gpu_count=gpu_count)
-        log.info(
-            "rp_service %s ready: data in %s, GPUs %s",
-            __version__,
-            settings.data_dir,
-            orchestrator.gpu_ids or "none",
-        )
+        claimed_here = not data.held
+        if claimed_here:
+            await asyncio.to_thread(data.claim)
         try:
-            yield
+            if auth.required and auth.token is None:
+                auth.token = (await asyncio.to_thread(data.token)).encode()
+                log.info("bearer token: in %s (clients on this machine read it)", data.token_path)
+            await asyncio.to_thread(store.open)
+            gpu_count = await asyncio.to_thread(system.cuda_device_count)
+            await orchestrator.start(gpu_count=gpu_count)
+            log.info(
+                "rp_service %s ready: data in %s, GPUs %s",
+                __version__,
+                settings.data_dir,
+                orchestrator.gpu_ids or "none",
+            )
+            try:
+                yield
+            finally:
+                await orchestrator.stop()
+                io.close()
+                store.close()
         finally:
-            await orchestrator.stop()
-            store.close()
+            if claimed_here:
+                data.release()
 
     app = FastAPI(
         title="RoundPipe Service",
@@ -286,6 +432,6 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(router)
     app.include_router(openai_api.router)  # OpenAI's fine-tuning API (rp_service/api/openai)
     app.include_router(dashboard.router)
-    app.add_middleware(_Guard, settings=settings, latency=latency)
+    app.add_middleware(_Guard, settings=settings, auth=auth, latency=latency)
     app.openapi = lambda: _openapi_with_bearer(app)  # type: ignore[method-assign]
     return app

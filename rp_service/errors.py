@@ -1,4 +1,11 @@
-"""The service's error tree; `app.py` maps each class to one HTTP status in one handler."""
+"""The service's error trees; `app.py` maps each class to one HTTP status in one handler.
+
+`ServiceError` and its subclasses are the API's refusals, each with its HTTP status.
+`JobFailure` and its subclasses say a job cannot run as specified (`code`, and `param`, the
+JobSpec field to change): domain errors without HTTP, raised alike at submission (where
+`app.py` answers them with a 422) and in the worker (where they become the job's error
+event).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,15 @@ from typing import Any
 __all__ = [
     "BadRequest",
     "Conflict",
+    "DiskFull",
+    "HostMemoryExceeded",
     "InvalidRequest",
+    "JobFailure",
     "NotFound",
     "NotReady",
     "RequestTooLarge",
     "ServiceError",
+    "TooManyRequests",
     "Unauthorized",
 ]
 
@@ -114,3 +125,47 @@ class NotReady(ServiceError):
     status_code = 503
     error_type = "server_error"
     default_code = "not_ready"
+
+
+class JobFailure(Exception):
+    """A job cannot run as specified; `param` names the JobSpec field to change.
+
+    Attributes:
+        code: What went wrong, for machines (``invalid_data``, ``host_memory_exceeded``).
+        message: What went wrong and what to do, for people.
+        param: The dotted JobSpec field to change; None when no one field is to blame.
+        details: Figures behind the cause (JSON values), added to the error event.
+    """
+
+    def __init__(
+        self, code: str, message: str, *, param: str | None = None, **details: Any
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.details = details
+
+
+class HostMemoryExceeded(JobFailure):
+    """The host-memory plan of a job is over the budget; `details` has the figures
+    (need_bytes, budget_bytes, parts_bytes) and the options that would fit."""
+
+    def __init__(self, message: str, *, param: str, **details: Any) -> None:
+        super().__init__("host_memory_exceeded", message, param=param, **details)
+
+
+class TooManyRequests(ServiceError):
+    """A limit of this daemon is reached (the queue, concurrent uploads): retry later (429)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "too_many_requests"
+
+
+class DiskFull(ServiceError):
+    """The data directory has less free space than RP_MIN_FREE_BYTES (507)."""
+
+    status_code = 507
+    error_type = "server_error"
+    default_code = "disk_full"

@@ -13,8 +13,10 @@ from pydantic import (
     model_validator,
 )
 
+from engine import catalog
+
 __all__ = [
-    "LORA_TARGET_MODULES",
+    "MAX_INT64",
     "TERMINAL_STATUSES",
     "Checkpoint",
     "DataSection",
@@ -29,6 +31,7 @@ __all__ = [
     "FileFormat",
     "Health",
     "Job",
+    "JobDeleted",
     "JobError",
     "JobMetrics",
     "JobSpec",
@@ -43,6 +46,10 @@ __all__ = [
     "TokenizerSection",
     "TrainSection",
 ]
+
+# The largest integer SQLite stores: every integer a request gives is bounded by it, so a
+# larger one is a 4xx, never an overflow (a 500) further in.
+MAX_INT64 = 2**63 - 1
 
 JobStatus = Literal[
     "validating",
@@ -73,7 +80,7 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """The model to train: a preset with random initialisation, or a local HF directory."""
 
-    preset: Literal["qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss"] | None = Field(
+    preset: Literal[catalog.PRESET_NAMES] | None = Field(  # type: ignore[valid-type]
         None, description="Architecture preset, randomly initialised (exactly one of preset/path)."
     )
     config: dict[str, ConfigValue] = Field(
@@ -176,6 +183,14 @@ class EngineSection(_Section):
         description="The optimizer's gradient: a float32 buffer, or the model-dtype gradient "
         "the GPUs downloaded, read in place (4 bytes a parameter less).",
     )
+    optim_memory: Literal["default", "compact"] = Field(
+        "default",
+        description="default: as optim_dtype / optim_state_dtype / optim_grad_dtype say; "
+        "compact: the bfloat16 weights are the optimizer's masters (stochastic rounding), "
+        "8-bit Adam moments, the bfloat16 gradient read in place: about 6 bytes of host "
+        "memory a trainable parameter (12 in the lean default). Needs model.dtype bfloat16; "
+        "overrides the other three.",
+    )
     recompute_attention: bool = Field(
         False,
         description="Recompute attention in the backward instead of keeping its outputs in "
@@ -186,18 +201,6 @@ class EngineSection(_Section):
     async_step: bool = True
 
 
-LORA_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-"""Projections LoRA can adapt, by their Hugging Face name (the engine's default: all)."""
-
-
 class LoraSection(_Section):
     """LoRA adapters of a `train.method: lora` job (peft's LoraConfig names)."""
 
@@ -205,7 +208,7 @@ class LoraSection(_Section):
     alpha: float = Field(32.0, gt=0, le=1e6, description="Scale: updates are alpha/rank * BA.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
     target_modules: list[str] = Field(
-        default_factory=lambda: list(LORA_TARGET_MODULES),
+        default_factory=lambda: list(catalog.LORA_TARGET_MODULES),
         min_length=1,
         description="Projections to adapt; default all attention and MLP projections.",
     )
@@ -216,11 +219,11 @@ class LoraSection(_Section):
     @field_validator("target_modules")
     @classmethod
     def _known_modules(cls, names: list[str]) -> list[str]:
-        unknown = [n for n in names if n not in LORA_TARGET_MODULES]
+        unknown = [n for n in names if n not in catalog.LORA_TARGET_MODULES]
         if unknown:
             raise ValueError(
                 f"unknown target module(s) {', '.join(map(repr, unknown))}; use any of "
-                f"{', '.join(LORA_TARGET_MODULES)}"
+                f"{', '.join(catalog.LORA_TARGET_MODULES)}"
             )
         if len(set(names)) != len(names):
             raise ValueError(f"a target module is listed twice in {names}; list each once")
@@ -255,6 +258,19 @@ class JobSpec(_Section):
         None, description="With train.objective dpo; null there means the defaults."
     )
 
+    @field_validator("name")
+    @classmethod
+    def _printable_name(cls, name: str | None) -> str | None:
+        # A name is printed by `rp jobs` and the dashboard: no terminal escape sequences,
+        # line breaks or invisible characters.
+        bad = next((ch for ch in name or "" if not ch.isprintable()), None)
+        if bad is not None:
+            raise ValueError(
+                f"the name holds the control or invisible character {bad!r}; use printable "
+                "characters only"
+            )
+        return name
+
     @field_validator("lora")
     @classmethod
     def _lora_needs_the_method(
@@ -280,6 +296,15 @@ class JobSpec(_Section):
                 "train.objective to 'dpo' or remove the dpo section"
             )
         return dpo
+
+    @model_validator(mode="after")
+    def _compact_needs_bf16(self) -> JobSpec:
+        if self.engine.optim_memory == "compact" and self.model.dtype != "bfloat16":
+            raise ValueError(
+                "engine.optim_memory compact keeps the bfloat16 weights as the optimizer's "
+                f"masters; set model.dtype to bfloat16 (got {self.model.dtype})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _lora_defaults(self) -> JobSpec:
@@ -369,6 +394,12 @@ class File(BaseModel):
 class FileDeleted(BaseModel):
     id: str
     object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class JobDeleted(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
     deleted: bool = True
 
 

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, without a port) names this machine's loopback."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _path_list(value: Any) -> Any:
@@ -33,6 +45,11 @@ class Settings(BaseSettings):
     port: int = Field(8321, ge=0, le=65535)
     data_dir: Path = Path("./rp-data")
     token: SecretStr | None = None
+    # "token" (default): a bearer token is required; without RP_TOKEN the daemon makes one
+    # and writes it to $RP_DATA_DIR/token (0600). "none" turns auth off, loopback hosts only.
+    auth: Literal["token", "none"] = "token"
+    # Host header names accepted besides loopback ones and RP_HOST itself ("*": any name).
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     gpus: str = "all"
     cpu_devices: int = Field(1, ge=1, le=64)
     max_cpu_jobs: int = Field(1, ge=1, le=64)
@@ -40,6 +57,24 @@ class Settings(BaseSettings):
     dataset_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     max_upload_bytes: int = Field(1 << 30, ge=1)
     max_request_bytes: int = Field(1 << 20, ge=1)
+    # Longest line of an uploaded jsonl file; the upload is refused (422) past it.
+    max_line_bytes: int = Field(16 << 20, ge=1)
+    # Uploads received at once; one more is answered 429 before its body is read.
+    max_concurrent_uploads: int = Field(4, ge=1)
+    # Jobs waiting in the queue; a submission past it is answered 429.
+    max_queued: int = Field(1000, ge=1)
+    # Free bytes the data directory must keep: below it a submission (and a checkpoint) is
+    # refused with disk_full instead of leaving half-written files.
+    min_free_bytes: int = Field(1 << 30, ge=0)
+    # Checkpoints kept of a job once it has ended (the newest ones; 0: none).
+    keep_finished_checkpoints: int = Field(1, ge=0)
+    # Connections served at once (uvicorn's limit_concurrency: 503 past it), how long an idle
+    # kept-alive connection stays open, how long a new connection may take to send its
+    # request headers, and how large those headers may be.
+    max_connections: int = Field(1000, ge=1)
+    keep_alive_s: int = Field(5, ge=1)
+    header_timeout_s: float = Field(10.0, gt=0)
+    max_header_bytes: int = Field(64 << 10, ge=1024)
     # Interruptions that are not the job's fault (a daemon restart, a worker killed by a
     # signal or a device fault) are resumed from the last checkpoint this many times.
     max_attempts: int = Field(3, ge=1)
@@ -55,11 +90,31 @@ class Settings(BaseSettings):
     # Host bytes a job may use (bytes or with a unit: 96GiB, 100G); unset: the available
     # memory at start-up less a margin (engine.planning.memory_plan). Over it a submission gets 422.
     host_memory_budget: str | None = None
+    # Chat serving (rp_service/serving, docs/CHAT.md): a model's process stops after this
+    # many seconds without a request, and must load within the second limit.
+    serve_idle_s: float = Field(600.0, gt=0)
+    serve_load_timeout_s: float = Field(600.0, gt=0)
+    serving_module: str = "rp_service.serving"
 
     @field_validator("model_roots", "dataset_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:
         return _path_list(value)
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        return [str(h).strip().lower() for h in _path_list(value)]
+
+    @model_validator(mode="after")
+    def _auth_off_on_loopback_only(self) -> Settings:
+        if self.auth == "none" and not is_loopback(self.host):
+            raise ValueError(
+                f"RP_AUTH=none turns authentication off, which is allowed only when the daemon "
+                f"binds a loopback address (RP_HOST=127.0.0.1); RP_HOST is {self.host!r}. "
+                "Keep RP_AUTH=token (the default) and give clients the token"
+            )
+        return self
 
     @field_validator("gpus")
     @classmethod
@@ -95,6 +150,19 @@ class Settings(BaseSettings):
     @property
     def jobs_dir(self) -> Path:
         return self.data_dir / "jobs"
+
+    @property
+    def token_path(self) -> Path:
+        return self.data_dir / "token"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.data_dir / "daemon.lock"
+
+    @property
+    def spool_dir(self) -> Path:
+        """Where request bodies are spooled while they arrive (not /tmp: other users')."""
+        return self.data_dir / "tmp"
 
     def gpu_ids(self, visible: int) -> list[int]:
         """The GPU ids this daemon may hand out, given how many CUDA devices are visible."""

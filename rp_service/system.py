@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -84,11 +85,22 @@ def _host_memory_bytes() -> int | None:
         return None
 
 
-def _optional_version(module: str) -> str | None:
+def _optional_version(module: str, *, fallback: str | None = None) -> str | None:
+    """The module's `__version__`, else its installed distribution's version, else
+    `fallback`; None when the module cannot be imported here."""
     try:
-        return str(getattr(importlib.import_module(module), "__version__", "unknown"))
+        imported = importlib.import_module(module)
     except Exception:  # any import failure means "not available here"
         return None
+    version = getattr(imported, "__version__", None)
+    if version is not None:
+        return str(version)
+    for dist in importlib.metadata.packages_distributions().get(module, []):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return fallback or "unknown"
 
 
 class SystemProbe:
@@ -126,7 +138,8 @@ class SystemProbe:
             "rp_service": __version__,
             "python": platform.python_version(),
             "torch": _optional_version("torch"),
-            "engine": _optional_version("engine"),
+            # The engine has no __version__ of its own: it ships in this distribution.
+            "engine": _optional_version("engine", fallback=__version__),
             "transformers": _optional_version("transformers"),
         }
 

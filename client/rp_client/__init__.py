@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._base import DEFAULT_BASE_URL
+from ._chat import ChatReply, ChatUsage
 from ._client import AsyncClient, Client
 from .errors import (
     APIConnectionError,
@@ -13,6 +14,7 @@ from .errors import (
     NotFound,
     RequestTooLarge,
     ServerError,
+    TooManyRequests,
     Unauthorized,
     ValidationError,
 )
@@ -23,6 +25,7 @@ from .models import (
     File,
     FileDeleted,
     Job,
+    JobDeleted,
     JobError,
     JobMetrics,
     JobProgress,
@@ -43,6 +46,8 @@ __all__ = [
     "APIStatusError",
     "APITimeoutError",
     "AsyncClient",
+    "ChatReply",
+    "ChatUsage",
     "Checkpoint",
     "Client",
     "Conflict",
@@ -50,6 +55,7 @@ __all__ = [
     "File",
     "FileDeleted",
     "Job",
+    "JobDeleted",
     "JobError",
     "JobMetrics",
     "JobProgress",
@@ -61,6 +67,7 @@ __all__ = [
     "RequestTooLarge",
     "ServerError",
     "System",
+    "TooManyRequests",
     "Unauthorized",
     "ValidationError",
     "__version__",

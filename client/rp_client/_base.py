@@ -15,6 +15,7 @@ import httpx
 from pydantic import BaseModel
 
 from . import errors
+from ._token import default_token_file, read_token_file
 from .models import JobSpec, load_spec_file
 
 __all__ = ["DEFAULT_BASE_URL", "DEFAULT_TIMEOUT_S"]
@@ -33,6 +34,7 @@ _STATUS_ERRORS: dict[int, type[errors.APIStatusError]] = {
     409: errors.Conflict,
     413: errors.RequestTooLarge,
     422: errors.ValidationError,
+    429: errors.TooManyRequests,
 }
 
 SpecLike = Mapping[str, Any] | JobSpec | str | os.PathLike[str]
@@ -49,16 +51,24 @@ class _BaseClient:
         timeout_s: float,
         max_retries: int,
         retry_backoff_s: float,
+        token_file: str | os.PathLike[str] | None = None,
     ) -> None:
-        # Arguments win over the environment (RP_URL, RP_TOKEN), which wins over defaults.
+        # Arguments win over the environment (RP_URL, RP_TOKEN), which wins over defaults;
+        # the last default is the token file of a daemon on this machine (rp_client._token).
         self.base_url = (base_url or os.environ.get("RP_URL") or DEFAULT_BASE_URL).rstrip("/")
         self.token = token if token is not None else (os.environ.get("RP_TOKEN") or None)
+        self.token_file: Path | None = None
+        if self.token is None:
+            self.token_file = Path(token_file) if token_file else default_token_file(self.base_url)
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
 
     def _default_headers(self) -> dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": "rp-client"}
+        if self.token is None and self.token_file is not None:
+            # Read when first needed: a daemon being started writes it a moment later.
+            self.token = read_token_file(self.token_file)
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -12,6 +13,7 @@ from typing import Any
 import httpx
 
 from ._base import DEFAULT_TIMEOUT_S, _BaseClient
+from ._chat import AsyncChat, Chat
 from ._files import AsyncCheckpoints, AsyncFiles, Checkpoints, Files
 from ._jobs import AsyncJobs, Jobs
 from .models import System
@@ -26,7 +28,10 @@ class Client(_BaseClient):
 
     Args:
         base_url: e.g. `http://gpu-box:8321`; default `RP_URL`, else http://127.0.0.1:8321.
-        token: the bearer token; default `RP_TOKEN`.
+        token: the bearer token; default `RP_TOKEN`, else for a daemon on this machine
+            (a loopback URL) the token file it wrote: `token_file`, default
+            `$RP_DATA_DIR/token` (./rp-data/token).
+        token_file: where to read the token when none is given.
         timeout_s: per request; an event stream reconnects after 60 s without a byte (the
             daemon pings every 15 s), a log stream waits as long as it needs.
         max_retries: retries of idempotent calls on connection errors and 503.
@@ -39,6 +44,7 @@ class Client(_BaseClient):
         base_url: str | None = None,
         *,
         token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
@@ -47,6 +53,7 @@ class Client(_BaseClient):
         super().__init__(
             base_url=base_url,
             token=token,
+            token_file=token_file,
             timeout_s=timeout_s,
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
@@ -55,6 +62,7 @@ class Client(_BaseClient):
         self.jobs = Jobs(self)
         self.files = Files(self)
         self.checkpoints = Checkpoints(self)
+        self.chat = Chat(self)
 
     def close(self) -> None:
         self._http.close()
@@ -147,6 +155,7 @@ class AsyncClient(_BaseClient):
         base_url: str | None = None,
         *,
         token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
@@ -155,6 +164,7 @@ class AsyncClient(_BaseClient):
         super().__init__(
             base_url=base_url,
             token=token,
+            token_file=token_file,
             timeout_s=timeout_s,
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
@@ -163,6 +173,7 @@ class AsyncClient(_BaseClient):
         self.jobs = AsyncJobs(self)
         self.files = AsyncFiles(self)
         self.checkpoints = AsyncCheckpoints(self)
+        self.chat = AsyncChat(self)
 
     async def close(self) -> None:
         await self._http.aclose()

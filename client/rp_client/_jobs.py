@@ -13,7 +13,7 @@ from httpx_sse import EventSource
 
 from . import errors
 from ._base import DEFAULT_RECONNECT_DELAY_S, SpecLike, _params, _q
-from .models import Event, Job, JobMetrics, LogChunk, Page
+from .models import Event, Job, JobDeleted, JobMetrics, LogChunk, Page
 
 if TYPE_CHECKING:
     from ._client import AsyncClient, Client
@@ -93,6 +93,12 @@ class Jobs:
     def _action(self, job_id: str, action: str) -> Job:
         response = self._client._send("POST", f"/v1/jobs/{_q(job_id)}/{action}")
         return self._client._parse(Job, response)
+
+    def delete(self, job_id: str) -> JobDeleted:
+        """Deletes a finished job with its checkpoints, outputs and log (`Conflict` if it
+        has not finished: cancel it first)."""
+        response = self._client._send("DELETE", f"/v1/jobs/{_q(job_id)}")
+        return self._client._parse(JobDeleted, response)
 
     def events(
         self, job_id: str, *, after: int | None = None, limit: int | None = None
@@ -251,6 +257,12 @@ class AsyncJobs:
     async def _action(self, job_id: str, action: str) -> Job:
         response = await self._client._send("POST", f"/v1/jobs/{_q(job_id)}/{action}")
         return self._client._parse(Job, response)
+
+    async def delete(self, job_id: str) -> JobDeleted:
+        """Deletes a finished job with its checkpoints, outputs and log (`Conflict` if it
+        has not finished: cancel it first)."""
+        response = await self._client._send("DELETE", f"/v1/jobs/{_q(job_id)}")
+        return self._client._parse(JobDeleted, response)
 
     async def events(
         self, job_id: str, *, after: int | None = None, limit: int | None = None

@@ -15,6 +15,7 @@ __all__ = [
     "NotFound",
     "RequestTooLarge",
     "ServerError",
+    "TooManyRequests",
     "Unauthorized",
     "ValidationError",
 ]
@@ -100,6 +101,10 @@ class Conflict(APIStatusError):
 
 class RequestTooLarge(APIStatusError):
     """413: the upload or request body is over the daemon's limit."""
+
+
+class TooManyRequests(APIStatusError):
+    """429: a limit of the daemon is reached (its queue, concurrent uploads); retry later."""
 
 
 class ServerError(APIStatusError):

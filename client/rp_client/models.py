@@ -19,6 +19,7 @@ __all__ = [
     "File",
     "FileDeleted",
     "Job",
+    "JobDeleted",
     "JobError",
     "JobMetrics",
     "JobProgress",
@@ -124,6 +125,12 @@ class FileDeleted(_Model):
     deleted: bool = True
 
 
+class JobDeleted(_Model):
+    id: str
+    object: str = "job"
+    deleted: bool = True
+
+
 class Checkpoint(_Model):
     object: str = "checkpoint"
     job_id: str
@@ -214,6 +221,7 @@ class EngineSection(_Model):
     recompute_grain: str | None = None
     optim_dtype: str | None = None
     optim_state_dtype: str | None = None  # float32 | bfloat16 (docs/API.md, "Host memory")
+    optim_memory: str | None = None  # default | compact (docs/HOST_MEMORY_MODES.md)
     optim_grad_dtype: str | None = None  # float32 | model
     recompute_attention: bool | None = None
     pin_model: str | None = None

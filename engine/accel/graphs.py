@@ -1,10 +1,13 @@
 """Replayed layer work: CUDA graphs of a job's layers, captured once, replayed per micro-batch.
 
+Over ~600 lines only with this docstring: the replay contract, the slots and the Replayer
+that captures and replays are one mechanism.
+
 Why: one process issues the work of every GPU it drives, and a decoder layer's call through
-torch.compile and autograd costs the host ~0.8 ms (no-grad forward) and ~2.1 ms
-(recompute and backward) on the H100 box whatever the layer's size, where replaying a
-captured CUDA graph of the same work costs ~0.01 ms (bench/layer_issue.py). With many GPUs
-or many micro-batches that host time, not the GPUs, bounded a step (bench/RESULTS.md).
+torch.compile and autograd costs the host a fixed time whatever the layer's size, about a
+hundred times what replaying a captured CUDA graph of the same work costs
+(bench/layer_issue.py; the figures are in bench/RESULTS.md). With many GPUs or many
+micro-batches that host time, not the GPUs, bounded a step.
 
 Which calls replay: a layer opts in with a method `rp_replay_key(carry)`, called on the
 layer's input in the context the call runs in (grad mode, autocast, the engine's
@@ -58,6 +61,7 @@ from torch import Tensor, nn
 
 from ..context import ForwardCtx, RecomputeCtx
 from ..errors import RoundPipeError
+from ..transfer import AFTER_UPLOAD_HOOK
 
 if TYPE_CHECKING:
     from ..device import DeviceManager
@@ -84,10 +88,9 @@ log = logging.getLogger(__name__)
 ENABLED: bool = True
 # Micro-batches whose state has more tokens (its elements over the last dimension) than
 # this run as they are: their GPU time dwarfs the host's, and a graph keeps its
-# activations in a pool of its own, beside the allocator's memory. Measured on the H100
-# with Qwen3-1.7B, 131,072 tokens a step: at 4 micro-batches (32,768 tokens each) replay
-# gave the same tokens/s on one GPU (37,008 vs 37,139) for +5.9 GiB of GPU memory; from 8
-# micro-batches (16,384 tokens) up, the host's issue time is what grows. None: no limit.
+# activations in a pool of its own, beside the allocator's memory. At 32,768 tokens a
+# micro-batch replay gained nothing on one GPU and cost GPU memory; from 16,384 tokens down
+# the host's issue time is what grows (bench/RESULTS.md). None: no limit.
 REPLAY_MAX_TOKENS: int | None = 16384
 # Distinct graphs per device (slots x layer keys x passes); past it, new ones run as they are.
 MAX_GRAPHS_PER_DEVICE = 64
@@ -133,8 +136,6 @@ def layer_may_replay(layer: nn.Module) -> bool:
     Layers with an after-upload hook (LoRA folds its adapters into the uploaded weight
     there) are left out: the fold would have to be part of the upload into a slot.
     """
-    from ..transfer import AFTER_UPLOAD_HOOK
-
     if not callable(getattr(layer, "rp_replay_key", None)):
         return False
     return not any(hasattr(m, AFTER_UPLOAD_HOOK) for m in layer.modules())

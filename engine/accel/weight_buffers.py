@@ -2,8 +2,8 @@
 
 Without it the optimizer thread publishes a layer by converting its fp32 masters into the
 half-precision model weights the devices upload (`p.data.copy_(master)`): a pass over the
-whole model every step, at memory bandwidth (0.16-0.42 s for Qwen3-1.7B on the 16-core
-H100 host), and with overlapped calls it can only start once the running call's uploads of
+whole model every step, at memory bandwidth (its time: bench/RESULTS.md), and with
+overlapped calls it can only start once the running call's uploads of
 the layer are done.
 
 With it every trainable half-precision parameter has a second host copy of the same shape.
@@ -73,7 +73,7 @@ def publish_param(p: nn.Parameter, pa: ParamAttribute) -> bool:
     """Make `p`'s host weights the optimizer's: swap in the copy the optimizer wrote if it
     is current (True), else convert the master into `p` (False)."""
     master = pa.optim
-    if master is None:
+    if master is None or pa.master_shared:  # compact: the optimizer wrote p itself
         return False
     fresh = current_model_copy(master)
     if fresh is None:

@@ -1,4 +1,4 @@
-"""LoRA: low-rank adapters on a model's linear layers, the frozen base, PEFT-format files.
+"""LoRA: low-rank adapters on a model's linear layers over a frozen base.
 
 `apply_lora(model, config)` replaces each targeted `nn.Linear` (matched by name, like
 peft's `target_modules`) with a `LoraLinear` that holds the original layer as
@@ -13,14 +13,9 @@ one torch.compile'd function; peft's `lora.Linear` carries per-adapter dictionar
 mixed-batch and merge state and dtype bookkeeping that each replica would copy and that
 dynamo would trace and guard on. `LoraLinear` is the same math (y = W x + s B A x,
 s = alpha / rank; A Kaiming-uniform, B zero, like peft's default) in a dozen lines with the
-same parameter names, so peft's file format maps one to one:
-
-    <module path>.lora_A.weight  <->  base_model.model.<module path>.lora_A.weight
-
-`save_adapter` writes `adapter_config.json` + `adapter_model.safetensors`, which
-`peft.PeftModel.from_pretrained(base, path)` loads; `load_adapter_state_dict` reads the
-same keys back. peft itself is not needed at run time (the tests use it as the oracle);
-a `peft.LoraConfig` is accepted wherever a `LoraConfig` is, by its attributes.
+same parameter names, so peft's file format maps one to one (engine.adapters.peft_format
+reads and writes it). peft itself is not needed at run time (the tests use it as the
+oracle); a `peft.LoraConfig` is accepted wherever a `LoraConfig` is, by its attributes.
 
 Adapters compute in the activations' dtype (fp16/bf16 on the GPU: their weights are cast
 per call, gradients come back in fp32 through the cast) while peft computes them in fp32;
@@ -29,58 +24,37 @@ in fp32 the two are the same function.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..attribute import ParamAttribute
+from ..catalog import LORA_TARGET_MODULES, max_lora_rank
 from ..errors import ConfigError
-from ..optim_stream import synchronize_optim
+from ..memory import packed_form
 
 __all__ = [
-    "ADAPTER_CONFIG_NAME",
-    "ADAPTER_WEIGHTS_NAME",
     "DEFAULT_TARGET_MODULES",
     "LoraConfig",
     "LoraLinear",
-    "adapter_state_dict",
     "adapters_disabled",
     "apply_lora",
     "count_parameters",
-    "load_adapter_state_dict",
+    "lora_config_of",
     "lora_modules",
-    "save_adapter",
-    "save_merged",
+    "unwrap",
+    "user_model",
 ]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-# peft's saved keys are relative to PeftModel -> LoraModel -> the base model.
-_PEFT_PREFIX = "base_model.model."
-# Merged exports are written in shards of at most this many bytes (HF's sharded layout),
-# so a 32B model is never copied whole in host memory.
-_SHARD_BYTES = 4 * 2**30
+DEFAULT_TARGET_MODULES: tuple[str, ...] = LORA_TARGET_MODULES  # the catalog's: all seven
 # Inside `adapters_disabled`: every LoraLinear computes its base layer alone. Process-wide,
 # not per module: the engine's device replicas are deep copies made once, which a flag on
 # the host module would not reach.
@@ -111,22 +85,30 @@ class LoraConfig:
         elif not isinstance(self.target_modules, tuple):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ConfigError(f"lora.rank must be an integer >= 1, got {self.rank!r}")
+            raise ConfigError(
+                f"lora.rank must be an integer >= 1, got {self.rank!r}", field="lora.rank"
+            )
         if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
-            raise ConfigError(f"lora.alpha must be a finite number, got {self.alpha!r}")
+            raise ConfigError(
+                f"lora.alpha must be a finite number, got {self.alpha!r}", field="lora.alpha"
+            )
         if self.alpha <= 0:
-            raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}")
+            raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}", field="lora.alpha")
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+            raise ConfigError(
+                f"lora.dropout must be in [0, 1), got {self.dropout!r}", field="lora.dropout"
+            )
         if not self.target_modules:
             raise ConfigError(
                 "lora.target_modules is empty; name the linear layers to adapt, e.g. "
-                f"{list(DEFAULT_TARGET_MODULES)}"
+                f"{list(DEFAULT_TARGET_MODULES)}",
+                field="lora.target_modules",
             )
         for name in self.target_modules:
             if not isinstance(name, str) or not name:
                 raise ConfigError(
-                    f"lora.target_modules must be non-empty module names, got {name!r}"
+                    f"lora.target_modules must be non-empty module names, got {name!r}",
+                    field="lora.target_modules",
                 )
 
     @property
@@ -348,6 +330,9 @@ class LoraLinear(nn.Module):
         a = self.lora_A.weight if a is None else a
         b = self.lora_B.weight if b is None else b
         w = self.base_layer.weight
+        packed = packed_form(w)  # a 4-bit base: the parameter's own storage is a stand-in
+        if packed is not None:
+            w = packed.dequantize()
         delta = (b.detach().float() @ a.detach().float()) * self.scaling
         return (w.detach().float() + delta.to(w.device)).to(w.dtype)
 
@@ -379,22 +364,30 @@ def adapters_disabled(model_or_rp: nn.Module | None = None) -> Iterator[None]:
 # ---- finding the model's modules ---------------------------------------------------------
 
 
-def _root(model_or_rp: nn.Module) -> nn.Module:
-    """The user's model behind a RoundPipe (the HF model of a preset), else the model."""
-    from ..roundpipe import RoundPipeBase
+def unwrap(module: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """For a RoundPipe wrapper, (the module it runs, the user's model behind it); None for
+    any other module.
 
-    if isinstance(model_or_rp, RoundPipeBase):
-        return model_or_rp.original_model or model_or_rp.model
-    return model_or_rp
+    Found by the wrapper's `rp_unwrap` hook rather than by its class: the wrappers import
+    the adapters (`save_adapter`), so the adapters do not import them. The hook is looked
+    up on the class, past the wrapper's fall-through to the user's model's attributes.
+    """
+    hook = getattr(type(module), "rp_unwrap", None)
+    return None if hook is None else hook(module)
+
+
+def user_model(model_or_rp: nn.Module) -> nn.Module:
+    """The user's model behind a RoundPipe (the HF model of a preset), else the model."""
+    inner = unwrap(model_or_rp)
+    return model_or_rp if inner is None else inner[1]
 
 
 def _named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """`named_modules()` that looks through RoundPipe wrappers (an auto-split inserts them
     as `child -> RoundPipe(model=child)`), so names stay those of the user's model."""
-    from ..roundpipe import RoundPipeBase
-
-    if isinstance(module, RoundPipeBase):
-        yield from _named_modules(module.model, prefix)
+    inner = unwrap(module)
+    if inner is not None:
+        yield from _named_modules(inner[0], prefix)
         return
     yield prefix, module
     for name, child in module.named_children():
@@ -403,7 +396,7 @@ def _named_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
 
 def lora_modules(model_or_rp: nn.Module) -> list[tuple[str, LoraLinear]]:
     """The model's LoRA layers with their module paths in the user's model."""
-    return [(n, m) for n, m in _named_modules(_root(model_or_rp)) if isinstance(m, LoraLinear)]
+    return [(n, m) for n, m in _named_modules(user_model(model_or_rp)) if isinstance(m, LoraLinear)]
 
 
 def _matches(name: str, target: str) -> bool:
@@ -437,10 +430,8 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
             layers there are), matches a module that is not an `nn.Linear`, the rank is
             out of range for a layer, or the model already has adapters.
     """
-    from ..roundpipe import RoundPipeBase
-
     cfg = LoraConfig.from_any(config)
-    if isinstance(model, RoundPipeBase):
+    if unwrap(model) is not None:
         raise ConfigError(
             "apply_lora takes the model before wrapping; pass lora_config= to "
             "wrap_model_to_roundpipe, or call apply_lora first and wrap the result"
@@ -453,19 +444,22 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
         if not found:
             raise ConfigError(
                 f"lora.target_modules: no module named {target!r} in {type(model).__name__}; "
-                f"its linear layers are named {_linear_names(model)}"
+                f"its linear layers are named {_linear_names(model)}",
+                field="lora.target_modules",
             )
         for name, module in found:
             if type(module) is not nn.Linear:
                 raise ConfigError(
                     f"lora.target_modules: {name!r} is a {type(module).__name__}, not an "
-                    f"nn.Linear; LoRA adapts linear layers ({_linear_names(model)})"
+                    f"nn.Linear; LoRA adapts linear layers ({_linear_names(model)})",
+                    field="lora.target_modules",
                 )
-            limit = min(module.in_features, module.out_features)
+            limit = max_lora_rank(module.in_features, module.out_features)
             if cfg.rank > limit:
                 raise ConfigError(
                     f"lora.rank={cfg.rank} exceeds min(in, out)={limit} of {name!r} "
-                    f"({module.in_features} -> {module.out_features}); use rank <= {limit}"
+                    f"({module.in_features} -> {module.out_features}); use rank <= {limit}",
+                    field="lora.rank",
                 )
             chosen.append((name, module))
     for p in model.parameters():
@@ -484,203 +478,14 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
 
 def lora_config_of(model_or_rp: nn.Module) -> LoraConfig:
     """The LoraConfig `apply_lora` used on this model."""
-    cfg = getattr(_root(model_or_rp), "_rp_lora_config", None)
+    cfg = getattr(user_model(model_or_rp), "_rp_lora_config", None)
     if cfg is None:
         raise ConfigError("the model has no LoRA adapters; apply_lora (or lora_config=) first")
     return cfg
 
 
-# ---- state -------------------------------------------------------------------------------
-
-
-def _latest(p: nn.Parameter) -> Tensor:
-    """A parameter's newest value: the optimizer-side master when RoundPipe has one."""
-    if ParamAttribute.has(p):
-        optim = ParamAttribute.get(p).optim
-        if optim is not None:
-            return optim.detach()
-    return p.detach()
-
-
-def adapter_state_dict(model_or_rp: nn.Module) -> dict[str, Tensor]:
-    """The adapters' weights under peft's saved key names, fp32 copies of the latest values.
-
-    Waits for pending optimizer steps first, so an asynchronous step is included.
-    """
-    synchronize_optim()
-    out: dict[str, Tensor] = {}
-    for name, mod in lora_modules(model_or_rp):
-        for part in ("lora_A", "lora_B"):
-            w = getattr(mod, part).weight
-            out[f"{_PEFT_PREFIX}{name}.{part}.weight"] = _latest(w).to(
-                "cpu", torch.float32, copy=True
-            )
-    if not out:
-        raise ConfigError("the model has no LoRA adapters; apply_lora (or lora_config=) first")
-    return out
-
-
-def _normalise_key(key: str) -> str:
-    # peft's in-memory names carry the adapter name ("lora_A.default.weight"); files do not.
-    key = key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-    return key if key.startswith(_PEFT_PREFIX) else _PEFT_PREFIX + key
-
-
-def load_adapter_state_dict(model_or_rp: nn.Module, state: Mapping[str, Tensor]) -> None:
-    """Set the adapters from `state` (peft key names; with or without the
-    'base_model.model.' prefix), in the model and in RoundPipe's optimizer-side copies.
-
-    Raises:
-        ConfigError: Keys missing or unexpected, or a shape that does not fit.
-    """
-    synchronize_optim()
-    given = {_normalise_key(k): v for k, v in state.items()}
-    params: dict[str, nn.Parameter] = {}
-    for name, mod in lora_modules(model_or_rp):
-        for part in ("lora_A", "lora_B"):
-            params[f"{_PEFT_PREFIX}{name}.{part}.weight"] = getattr(mod, part).weight
-    if not params:
-        raise ConfigError("the model has no LoRA adapters; apply_lora (or lora_config=) first")
-    missing, unexpected = sorted(params.keys() - given.keys()), sorted(given.keys() - params.keys())
-    if missing or unexpected:
-        raise ConfigError(
-            f"adapter state does not fit the model: missing {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-            f"{' ...' if len(unexpected) > 5 else ''} (was it saved for another model or "
-            "other target_modules?)"
-        )
-    for key, p in params.items():
-        value = given[key]
-        if tuple(value.shape) != tuple(p.shape):
-            raise ConfigError(
-                f"adapter weight {key} has shape {tuple(value.shape)}, the model's is "
-                f"{tuple(p.shape)} (another rank?)"
-            )
-    with torch.no_grad():
-        for key, p in params.items():
-            value = given[key]
-            p.data.copy_(value)
-            if ParamAttribute.has(p) and ParamAttribute.get(p).optim is not None:
-                ParamAttribute.get(p).optim.data.copy_(value)
-
-
 def count_parameters(model_or_rp: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts of the model (a tied weight counts once)."""
-    params = list(nn.Module.parameters(_root(model_or_rp)))
+    params = list(nn.Module.parameters(user_model(model_or_rp)))
     trainable = sum(p.numel() for p in params if p.requires_grad)
     return trainable, sum(p.numel() for p in params)
-
-
-# ---- files -------------------------------------------------------------------------------
-
-
-def _task_type(root: nn.Module) -> str | None:
-    return "CAUSAL_LM" if type(root).__name__.endswith("ForCausalLM") else None
-
-
-def save_adapter(
-    model_or_rp: nn.Module,
-    path: str | os.PathLike[str],
-    *,
-    merged_path: str | os.PathLike[str] | None = None,
-) -> None:
-    """Write the adapter in peft's format (adapter_config.json + adapter_model.safetensors).
-
-    `peft.PeftModel.from_pretrained(base_model, path)` loads it onto the base model.
-    With `merged_path`, also write the model with the adapters folded into its weights, as
-    a plain model: for a Hugging Face model its config and safetensors weights (what
-    `AutoModelForCausalLM.from_pretrained` loads), else the safetensors weights.
-    """
-    from safetensors.torch import save_file
-
-    cfg = lora_config_of(model_or_rp)
-    state = adapter_state_dict(model_or_rp)
-    root = _root(model_or_rp)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    config = getattr(root, "config", None)
-    base_name = getattr(config, "_name_or_path", None) or None
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS_NAME))
-    (out / ADAPTER_CONFIG_NAME).write_text(
-        json.dumps(cfg.to_peft_json(base_name, _task_type(root)), indent=2) + "\n"
-    )
-    if merged_path is not None:
-        save_merged(model_or_rp, merged_path)
-
-
-def _merged_tensors(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, int, Tensor]]:
-    """(key, id of the model's tensor, value) of the model's state dict as it would be
-    without adapters (adapted weights merged), walked through RoundPipe wrappers; a tied
-    tensor comes under each of its names with the same id (the caller drops repeats)."""
-    from ..roundpipe import RoundPipeBase
-
-    if isinstance(module, RoundPipeBase):
-        yield from _merged_tensors(module.model, prefix)
-        return
-    dot = f"{prefix}." if prefix else ""
-    if isinstance(module, LoraLinear):
-        base = module.base_layer
-        yield (
-            f"{dot}weight",
-            id(base.weight),
-            module.merged_weight(_latest(module.lora_A.weight), _latest(module.lora_B.weight)),
-        )
-        if base.bias is not None:
-            yield f"{dot}bias", id(base.bias), base.bias.detach()
-        return
-    for name, p in module._parameters.items():
-        if p is not None:
-            yield f"{dot}{name}", id(p), p.detach()
-    for name, b in module._buffers.items():
-        if b is not None and name not in module._non_persistent_buffers_set:
-            yield f"{dot}{name}", id(b), b.detach()
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from _merged_tensors(child, f"{dot}{name}")
-
-
-def save_merged(model_or_rp: nn.Module, path: str | os.PathLike[str]) -> None:
-    """Write the model with its adapters folded in: Hugging Face's layout (config.json,
-    generation_config.json, model.safetensors, or shards of <= 4 GiB with an index), one
-    shard in memory at a time. A tied weight is written once, under its first name."""
-    from safetensors.torch import save_file
-
-    synchronize_optim()
-    root = _root(model_or_rp)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    shards: list[list[str]] = []  # keys of each written shard
-    current: dict[str, Tensor] = {}
-    size = 0
-    seen: set[int] = set()
-
-    def flush() -> None:
-        save_file(current, str(out / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
-        shards.append(list(current))
-        current.clear()
-
-    for key, ident, tensor in _merged_tensors(root):
-        if ident in seen:  # the model's tensors live on: their ids are not reused
-            continue
-        seen.add(ident)
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > _SHARD_BYTES:
-            flush()
-            size = 0
-        current[key] = tensor.to("cpu").contiguous()
-        size += nbytes
-    flush()
-    if len(shards) == 1:
-        (out / "shard-0.tmp").rename(out / "model.safetensors")
-    else:
-        weight_map: dict[str, str] = {}
-        for i, keys in enumerate(shards):
-            final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            (out / f"shard-{i}.tmp").rename(out / final)
-            weight_map.update(dict.fromkeys(keys, final))
-        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    for attr in ("config", "generation_config"):
-        obj = getattr(root, attr, None)
-        if obj is not None and hasattr(obj, "save_pretrained"):
-            obj.save_pretrained(out)

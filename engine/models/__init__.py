@@ -1,9 +1,9 @@
 """Sequential presets for supported Hugging Face models, and the causal-LM loss they use.
 
 `SUPPORTED_MODELS` maps a `config.model_type` to the module holding its preset (Qwen3,
-Llama, Qwen2/2.5, Mistral, Qwen3-MoE, GPT-OSS); each preset module names the model class
-it expects (`MODEL_CLASS`) and turns such a model into an `nn.Sequential` over the model's
-own modules (`to_sequential`). `wrap_model` wraps that Sequential in a `RoundPipe` whose
+Llama, Qwen2/2.5, Mistral, Qwen3-MoE, GPT-OSS), as `engine.catalog.FAMILIES` lists them;
+each preset module names the model class it expects (`MODEL_CLASS`, the catalog's) and
+turns such a model into an `nn.Sequential` over the model's own modules (`to_sequential`). `wrap_model` wraps that Sequential in a `RoundPipe` whose
 attributes fall through to the original HF model.
 
 A preset model is called like the HF model (see `_common` and `_outputs`)::
@@ -30,10 +30,11 @@ from typing import Any
 
 from torch import nn
 
-from ._common import (
+from ..catalog import FAMILIES
+from ..roundpipe import RoundPipe
+from ._common import DEFAULT_MLP_CHUNK_SIZE, DEFAULT_MLP_CHUNK_TOKENS
+from .loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
-    DEFAULT_MLP_CHUNK_SIZE,
-    DEFAULT_MLP_CHUNK_TOKENS,
     IGNORE_INDEX,
     causal_lm_loss,
     causal_lm_loss_fn,
@@ -48,7 +49,6 @@ __all__ = [
     "DISABLE_TORCH_COMPILE",
     "IGNORE_INDEX",
     "MLP_CHUNK_TOKENS",
-    "RECOMPUTE_ATTENTION",
     "SUPPORTED_MODELS",
     "causal_lm_loss",
     "causal_lm_loss_fn",
@@ -67,14 +67,6 @@ log = logging.getLogger(__name__)
 # wrapping to run eagerly everywhere (e.g. to debug, or where compiling is too slow).
 DISABLE_TORCH_COMPILE: bool = False
 
-# When False, preset decoder layers in fp16/bf16 on CUDA keep their attention output and
-# log-sum-exp from the forward for the backward, so the stage recompute skips the attention
-# kernel (see _attention; same kernels, same gradients). It costs host memory: 2 bytes per
-# token x heads x head_dim for every layer (15 GB for Qwen3-1.7B at 131k tokens a step,
-# 18 GB for Qwen3-4B at 65k). Measured on the H100: +6% tokens/s at sequence length 8192,
-# within noise at 2048. Set to True before training to recompute attention instead.
-RECOMPUTE_ATTENTION: bool = False
-
 # Dense decoder layers (Qwen3, Llama, Qwen2, Mistral; not the MoE presets) whose micro-batch
 # has more tokens (batch x sequence) than this run their MLP half (post-attention norm,
 # MLP, residual) over chunks of DEFAULT_MLP_CHUNK_SIZE tokens, each recomputed in the
@@ -86,14 +78,7 @@ RECOMPUTE_ATTENTION: bool = False
 # CUDA memory history is recorded (pytorch/pytorch#179536): set None for those runs.
 MLP_CHUNK_TOKENS: int | None = DEFAULT_MLP_CHUNK_TOKENS
 
-SUPPORTED_MODELS: dict[str, str] = {
-    "qwen3": "engine.models.qwen3",
-    "llama": "engine.models.llama",
-    "qwen2": "engine.models.qwen2",
-    "mistral": "engine.models.mistral",
-    "qwen3_moe": "engine.models.qwen3_moe",
-    "gpt_oss": "engine.models.gpt_oss",
-}
+SUPPORTED_MODELS: dict[str, str] = {name: f.preset_module for name, f in FAMILIES.items()}
 
 
 def _model_type(model: nn.Module) -> str | None:
@@ -125,8 +110,17 @@ def _unsupported_message(model: nn.Module) -> str:
     )
 
 
-def to_sequential(model: nn.Module) -> nn.Sequential:
+def to_sequential(model: nn.Module, *, recompute_attention: bool = False) -> nn.Sequential:
     """Return the preset `nn.Sequential` for `model`, sharing its modules and parameters.
+
+    Args:
+        recompute_attention: False: decoder layers in fp16/bf16 on CUDA keep their
+            attention output and log-sum-exp from the forward for the backward, so the
+            stage recompute skips the attention kernel (see _attention; same kernels, same
+            gradients). It costs host memory: 2 bytes per token x heads x head_dim for
+            every layer (15 GB for Qwen3-1.7B at 131k tokens a step, 18 GB for Qwen3-4B at
+            65k). Measured on the H100: +6% tokens/s at sequence length 8192, within noise
+            at 2048. True: recompute attention instead.
 
     Raises:
         NotImplementedError: No preset for the model type, or the model's class is not the
@@ -145,10 +139,14 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
     for layer in seq:
         if hasattr(layer, "use_compile"):
             layer.use_compile = not DISABLE_TORCH_COMPILE
+        if hasattr(layer, "recompute_attention"):
+            layer.recompute_attention = recompute_attention
     return seq
 
 
-def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> nn.Module:
+def wrap_model(
+    model: nn.Module, *, recompute_attention: bool = False, **roundpipe_kwargs: Any
+) -> nn.Module:
     """Wrap a supported HF model in a `RoundPipe` over its preset `nn.Sequential`.
 
     The HF model keeps owning the modules, so after `rp.synchronize()` its
@@ -157,17 +155,14 @@ def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> nn.Module:
 
     Args:
         model: A supported model (see `SUPPORTED_MODELS`).
+        recompute_attention: As `to_sequential`.
         **roundpipe_kwargs: Forwarded to `RoundPipe` (optim_dtype, name, model_run_config,
             pin_model).
 
     Raises:
         NotImplementedError: As `to_sequential`.
     """
-    # Imported here: engine/__init__ imports the wrapper (and through it this package)
-    # before roundpipe is needed.
-    from ..roundpipe import RoundPipe
-
-    seq = to_sequential(model)
+    seq = to_sequential(model, recompute_attention=recompute_attention)
     log.info("wrapping %s with its preset: %d layers", type(model).__name__, len(seq))
     rp = RoundPipe(seq, **roundpipe_kwargs)
     rp.set_original_model(model)

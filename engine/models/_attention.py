@@ -4,9 +4,8 @@ With stage recompute every decoder layer runs its forward twice: once without gr
 forward pass) and once with grad (the recompute before its backward). The attention
 kernel's output and log-sum-exp are all its backward needs besides q, k and v, so the
 first forward keeps them (`save_for_recompute`: to host memory with the stage's other
-saved data) and the recompute hands them back instead of running the kernel again. At
-sequence length 8192 the attention forward is ~20% of a Qwen3-1.7B layer's forward on the
-H100 (1.9 ms of a micro-batch of 32k tokens).
+saved data) and the recompute hands them back instead of running the kernel again; at
+long sequences the attention is a large part of a layer's forward (bench/RESULTS.md).
 
 The kernels are cuDNN's fused attention (`aten._scaled_dot_product_cudnn_attention` and its
 backward), the same ones SDPA picks for these shapes on the H100, so the saved output and

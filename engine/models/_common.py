@@ -1,4 +1,7 @@
-"""Layers shared by the decoder-only presets, and the chunked causal-LM loss.
+"""Layers shared by the decoder-only presets (the chunked causal-LM loss they take is `loss`).
+
+Over ~600 lines: the three layers (embedding, decoder, head) share one carry and build
+it, pass it on and end it; split apart, each would restate the carry's fields.
 
 A preset turns a Hugging Face `*ForCausalLM` into an `nn.Sequential` of
 
@@ -26,7 +29,7 @@ transfer bandwidth at every stage boundary (for the default positions the cos/si
 computed once per device and length, see `_rotary`).
 
 The loss is taken from the final hidden states chunk by chunk, so the (tokens, vocab)
-logits never exist in full for it (see ChunkedCrossEntropy); the logits themselves are
+logits never exist in full for it (`loss.ChunkedCrossEntropy`); the logits themselves are
 only computed where they are returned.
 """
 
@@ -51,35 +54,33 @@ from ..context import (
 )
 from ..errors import ConfigError
 from ._attention import SLOT_KWARG, kernels_work, route_attention
+from ._compile import HALF_DTYPES as _HALF
+from ._compile import compile_for_devices
 from ._rotary import default_rotary, rotary_fingerprint
+from .loss import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    IGNORE_INDEX,
+    chunked_cross_entropy_sum,
+    shift_labels,
+)
 
 __all__ = [
-    "DEFAULT_LOSS_CHUNK_TOKENS",
     "DEFAULT_MLP_CHUNK_SIZE",
     "DEFAULT_MLP_CHUNK_TOKENS",
-    "IGNORE_INDEX",
     "DecoderLayer",
     "EmbeddingLayer",
     "HeadOptions",
     "LMHeadLayer",
     "MoeInfo",
     "build_causal_lm_sequential",
-    "causal_lm_loss",
-    "causal_lm_loss_fn",
-    "chunked_cross_entropy_sum",
-    "count_loss_tokens",
 ]
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
-# 2048 tokens x 151936 vocab x 4 bytes (fp32 logits) is 1.2 GiB per chunk: large enough
-# for efficient GEMMs, small next to the (16 x 2048) x 151936 logits of a full micro-batch.
-DEFAULT_LOSS_CHUNK_TOKENS = 2048
 # A decoder layer whose micro-batch has more tokens than this runs its MLP half chunk by
 # chunk (see DecoderLayer.mlp_chunk_tokens). The MLP's three (tokens, intermediate) tensors
-# (gate and up projections, act * up) are what autograd keeps most of: measured on the H100
-# at 131,072 tokens of fp16 Qwen3-1.7B, 4.5 GiB of a layer's saved activations, ~62%.
+# (gate and up projections, act * up) are what autograd keeps most of (measured share:
+# bench/RESULTS.md, "Figures moved out of engine docstrings").
 # Above 128k tokens a micro-batch they decide whether a layer group fits; at or below it
 # the unchunked (one compiled graph) path runs as before, so throughput at the usual
 # 2048..131072 tokens is untouched.
@@ -113,8 +114,6 @@ class MoeInfo(NamedTuple):
 Carry = tuple[
     Tensor, Tensor | None, Tensor | None, Tensor | None, tuple[Tensor, ...] | None, HeadOptions
 ]
-
-_HALF = (torch.float16, torch.bfloat16)
 
 # Arguments of HF's causal-LM forward that only make sense with a KV cache or per-layer
 # outputs: accepted when they ask for nothing, refused otherwise.
@@ -275,6 +274,8 @@ class DecoderLayer(nn.Module):
         self.sliding = layer_is_sliding(config, layer_idx)
         # Set by the preset (engine.models.DISABLE_TORCH_COMPILE); read-only in forward.
         self.use_compile = False
+        # Set by the preset (to_sequential's recompute_attention); read-only in forward.
+        self.recompute_attention = False
         from . import MLP_CHUNK_TOKENS  # the package imports this module first
 
         # Micro-batches of more tokens than this run the MLP half in chunks of
@@ -470,10 +471,8 @@ class DecoderLayer(nn.Module):
         Only plain causal attention (no mask, dropout or sliding window) in half precision
         on CUDA, where the cuDNN kernels run.
         """
-        from . import RECOMPUTE_ATTENTION  # the package imports this module first
-
         if (
-            RECOMPUTE_ATTENTION
+            self.recompute_attention
             or not self.attention_routed
             or mask is not None
             or not hidden.is_cuda
@@ -600,28 +599,6 @@ def _mlp_half(layer: nn.Module, hidden: Tensor) -> Tensor:
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-# One compiled variant per (device, grad mode, input shapes): two per GPU for a decoder
-# layer. dynamo's default of 8 would leave GPUs 5-8 of an 8-GPU box running eagerly.
-_RECOMPILE_LIMIT = 64
-
-
-def compile_for_devices(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`torch.compile(fn)` made safe to call from the engine's device threads at once.
-
-    While one thread compiles, inductor may FX-trace (it sets a process-wide flag), and
-    dynamo then refuses a compiled call from any other thread ("using FX to symbolically
-    trace a dynamo-optimized function"): seen on two H200s, where both controller threads
-    compile their first layer together. With `error_on_nested_fx_trace` off such a call
-    runs the function eagerly instead (same math, fused differently); compilations
-    themselves are serialised by dynamo's own lock.
-    """
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.error_on_nested_fx_trace = False
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
-    return torch.compile(fn, dynamic=False)
-
-
 @functools.cache
 def _compiled_decoder_call() -> Callable[..., Tensor]:
     """`_decoder_call` under torch.compile, shared by every layer and device.
@@ -629,8 +606,8 @@ def _compiled_decoder_call() -> Callable[..., Tensor]:
     The layer is an argument, not a compiled module: the engine runs device-side replicas
     of each layer, and torch.compile lifts their parameters as graph inputs, so all
     decoder layers of one shape share one compiled graph (one for grad, one for no-grad).
-    On the H100 this fuses HF's fp32 RMSNorm, rotary and SwiGLU elementwise work: the fp16
-    Qwen3-1.7B step's compute went from 6.0 s to 3.8 s of GPU time.
+    It fuses HF's fp32 RMSNorm, rotary and SwiGLU elementwise work (the step's GPU time
+    it saved: bench/RESULTS.md).
     """
     return compile_for_devices(_decoder_call)
 
@@ -710,7 +687,7 @@ class LMHeadLayer(nn.Module):
         parts: dict[str, Tensor] = {}
         ce_mode = None
         if labels is not None:
-            targets = _shift_labels(labels, IGNORE_INDEX).reshape(-1)
+            targets = shift_labels(labels, IGNORE_INDEX).reshape(-1)
             total = chunked_cross_entropy_sum(
                 hidden.reshape(-1, hidden.shape[-1]),
                 self.lm_head.weight,
@@ -823,282 +800,3 @@ def build_causal_mask(
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     return fn(**kwargs)
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Sum of token cross-entropies of `hidden @ weight.T`, computed chunk by chunk.
-
-    Forward keeps only the per-token log-sum-exp; backward recomputes each chunk's logits,
-    so peak memory is one chunk of (chunk, vocab) logits instead of (tokens, vocab).
-    Logits are computed in the input dtype (as `lm_head` would) and upcast to fp32 for the
-    softmax, like transformers' loss; the weight gradient is accumulated in fp32.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden: Tensor,
-        weight: Tensor,
-        targets: Tensor,
-        chunk_tokens: int,
-        ignore_index: int,
-    ) -> Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        fused = _fused_loss_kernels(hidden)
-        lse_and_loss = fused[0] if fused is not None else lse_and_loss_of_chunk
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            stop = min(start + chunk_tokens, hidden.shape[0])
-            lse[start:stop], part = lse_and_loss(
-                hidden[start:stop] @ weight.t(), targets[start:stop], ignore_index
-            )
-            total += part
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk_tokens = chunk_tokens
-        ctx.ignore_index = ignore_index
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        hidden, weight, targets, lse = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if need_weight
-            else None
-        )
-        scale = grad_total.float()
-        fused = _fused_loss_kernels(hidden)
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            stop = min(start + ctx.chunk_tokens, hidden.shape[0])
-            h = hidden[start:stop]
-            tgt = targets[start:stop]
-            if fused is not None:
-                grad_logits = fused[1](
-                    h @ weight.t(), lse[start:stop], tgt, scale, ctx.ignore_index
-                )
-            else:
-                # grad_logits_of_chunk's math, in place: one fp32 chunk instead of three
-                logits = (h @ weight.t()).float()  # (chunk, vocab)
-                valid = tgt != ctx.ignore_index
-                # d(lse - logit[t]) / d logits = softmax - onehot(t); ignored tokens get 0.
-                grad_logits = logits.sub_(lse[start:stop].unsqueeze(1)).exp_()  # in place
-                rows = torch.arange(stop - start, device=h.device)
-                grad_logits[rows, torch.where(valid, tgt, 0)] -= 1.0
-                grad_logits.mul_((valid.float() * scale).unsqueeze(1))
-                grad_logits = grad_logits.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += _matmul_fp32_out(grad_logits.t(), h)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
-
-
-def lse_and_loss_of_chunk(
-    logits: Tensor, targets: Tensor, ignore_index: int
-) -> tuple[Tensor, Tensor]:
-    """Per-token log-sum-exp (fp32) and summed cross-entropy of one chunk of logits."""
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
-    valid = targets != ignore_index
-    picked = x.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
-    return lse, torch.where(valid, lse - picked, 0.0).sum()
-
-
-def grad_logits_of_chunk(
-    logits: Tensor, lse: Tensor, targets: Tensor, scale: Tensor, ignore_index: int
-) -> Tensor:
-    """d loss / d logits of one chunk, in the logits' dtype: (softmax - onehot) * scale,
-    zero for ignored tokens."""
-    valid = targets != ignore_index
-    probs = torch.exp(logits.float() - lse.unsqueeze(1))
-    cols = torch.arange(logits.shape[1], device=logits.device)
-    onehot = cols.unsqueeze(0) == torch.where(valid, targets, 0).unsqueeze(1)
-    grad = (probs - onehot.to(probs.dtype)) * (valid.to(probs.dtype) * scale).unsqueeze(1)
-    return grad.to(logits.dtype)
-
-
-@functools.cache
-def _compiled_loss_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The two chunk functions under torch.compile (one fused kernel each).
-
-    Eager, a chunk's fp32 upcast, log-sum-exp, softmax and one-hot subtraction are a
-    dozen passes over (chunk x vocab) floats: on the H100 the Qwen3-1.7B step spent
-    ~0.5 s of its 4 s in them.
-    """
-    return (
-        compile_for_devices(lse_and_loss_of_chunk),
-        compile_for_devices(grad_logits_of_chunk),
-    )
-
-
-def _fused_loss_kernels(
-    hidden: Tensor,
-) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The compiled chunk functions for fp16/bf16 on CUDA, as for the decoder layers
-    (fp32 keeps eager numerics); None where the eager in-place path runs."""
-    from . import DISABLE_TORCH_COMPILE  # the package imports this module first
-
-    if DISABLE_TORCH_COMPILE or not hidden.is_cuda or hidden.dtype not in _HALF:
-        return None
-    return _compiled_loss_kernels()
-
-
-@functools.cache
-def _fp32_out_matmul_works(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether `torch.mm(..., out_dtype=float32)` runs for half inputs on this backend."""
-    try:
-        a = torch.ones(2, 2, dtype=dtype, device=device_type)
-        torch.mm(a, a, out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return True
-
-
-def _matmul_fp32_out(a: Tensor, b: Tensor) -> Tensor:
-    """Return a @ b in fp32; half inputs keep the half GEMM but skip rounding its output.
-
-    Each chunk's weight-gradient partial would otherwise be rounded to fp16/bf16 before
-    the fp32 sum over chunks (cuBLAS can write fp32 directly; the CPU cannot).
-    """
-    if a.dtype == torch.float32:
-        return a @ b
-    if _fp32_out_matmul_works(a.device.type, a.dtype):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
-
-
-def chunked_cross_entropy_sum(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    *,
-    chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
-    ignore_index: int = IGNORE_INDEX,
-) -> Tensor:
-    """Return the fp32 sum over tokens of cross_entropy(hidden @ weight.T, targets).
-
-    Args:
-        hidden: (tokens, hidden) inputs of the output projection.
-        weight: (vocab, hidden) output projection.
-        targets: (tokens,) class ids; `ignore_index` entries add nothing.
-        chunk_tokens: Tokens per chunk of logits.
-    """
-    if chunk_tokens < 1:
-        raise ConfigError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_tokens, ignore_index)
-
-
-def _shift_labels(labels: Tensor, ignore_index: int) -> Tensor:
-    """Targets for causal LM: position t predicts labels[t + 1]; the last one predicts nothing."""
-    pad = torch.full_like(labels[..., :1], ignore_index)
-    return torch.cat([labels[..., 1:], pad], dim=-1)
-
-
-def count_loss_tokens(
-    labels: Tensor, *, ignore_index: int = IGNORE_INDEX, shifted: bool = False
-) -> int:
-    """Return how many tokens of `labels` (batch, seq) contribute to the causal-LM loss."""
-    targets = labels if shifted else labels[..., 1:]
-    return int((targets != ignore_index).sum().item())
-
-
-def causal_lm_loss(
-    outputs: Any,
-    labels: Tensor,
-    *,
-    num_items_in_batch: int | Tensor | None = None,
-    chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
-    ignore_index: int = IGNORE_INDEX,
-    shifted: bool = False,
-) -> Tensor:
-    """Return the causal-LM cross-entropy (fp32) of a preset model's outputs.
-
-    Matches transformers' `ForCausalLMLoss`: labels are shifted by one (unless `shifted`),
-    `ignore_index` tokens are skipped, and the result is the mean over counted tokens, or
-    their sum divided by `num_items_in_batch` when given.
-
-    Args:
-        outputs: The head layer's output: the `(normed_hidden, lm_head_weight)` pair (the
-            chunked path), logits (mb, seq, vocab), or the HF-style output object (its
-            `.logits`).
-        labels: (mb, seq) token ids, `ignore_index` where no loss is wanted.
-        num_items_in_batch: Divisor for the summed loss; pass the count over the whole
-            batch (`count_loss_tokens`) so per-micro-batch losses add up to the batch mean.
-        chunk_tokens: Tokens per chunk of logits.
-        shifted: `labels` are already the next-token targets (e.g. packed data).
-    """
-    targets = labels if shifted else _shift_labels(labels, ignore_index)
-    if not isinstance(outputs, (Tensor, tuple, list)) and hasattr(outputs, "logits"):
-        if outputs.logits is None:
-            raise ConfigError(
-                "the model output has no logits (they are left out where a loss is taken "
-                "under autograd); pass labels and use output.loss, or pass "
-                "return_logits=False for the chunked pair, or return_logits=True"
-            )
-        outputs = outputs.logits
-    if isinstance(outputs, Tensor):
-        logits = outputs
-        flat_targets = targets.reshape(-1).to(logits.device)
-        total = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(),
-            flat_targets,
-            ignore_index=ignore_index,
-            reduction="sum",
-        )
-    elif isinstance(outputs, (tuple, list)) and len(outputs) == 2:
-        hidden, weight = outputs
-        flat_targets = targets.reshape(-1).to(hidden.device)
-        total = chunked_cross_entropy_sum(
-            hidden.reshape(-1, hidden.shape[-1]),
-            weight,
-            flat_targets,
-            chunk_tokens=chunk_tokens,
-            ignore_index=ignore_index,
-        )
-    else:
-        raise ConfigError(
-            "causal_lm_loss expects logits or the (hidden_states, lm_head_weight) pair of a "
-            f"preset model's head, got {type(outputs).__name__}"
-        )
-    if num_items_in_batch is None:
-        num_items_in_batch = (flat_targets != ignore_index).sum()
-    if isinstance(num_items_in_batch, Tensor):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
-
-
-def causal_lm_loss_fn(
-    labels: Tensor | None = None,
-    *,
-    num_items_in_batch: int | None = None,
-    chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
-    ignore_index: int = IGNORE_INDEX,
-    shifted: bool = False,
-) -> Callable[[Any, Tensor], Tensor]:
-    """Return a `loss_fn(outputs, labels)` for `forward_backward` over a preset model.
-
-    With the whole batch's `labels` (or `num_items_in_batch`), each micro-batch's loss is
-    its summed token loss over the batch's token count, so the sum that `forward_backward`
-    returns, and its gradients, equal the full-batch mean loss of the HF model.
-    """
-    if num_items_in_batch is None and labels is not None:
-        num_items_in_batch = count_loss_tokens(labels, ignore_index=ignore_index, shifted=shifted)
-    if num_items_in_batch is not None and num_items_in_batch < 1:
-        # No counted token: a zero loss (and zero gradients) rather than 0/0.
-        num_items_in_batch = 1
-
-    def loss_fn(outputs: Any, mb_labels: Tensor) -> Tensor:
-        return causal_lm_loss(
-            outputs,
-            mb_labels,
-            num_items_in_batch=num_items_in_batch,
-            chunk_tokens=chunk_tokens,
-            ignore_index=ignore_index,
-            shifted=shifted,
-        )
-
-    return loss_fn

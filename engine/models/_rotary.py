@@ -3,9 +3,8 @@
 Without `position_ids` every sequence of a micro-batch has positions 0..seq-1, so the
 rotary cos/sin a decoder layer needs depend only on the rotary module's frequencies, the
 device, the dtype and the sequence length. Every layer of every micro-batch used to
-rebuild them: about ten small eager kernels and their Python per layer call, 7% of the
-host's time to issue a step of 16 micro-batches on the H100 (py-spy, bench/RESULTS.md),
-and the host's issue time is what bounds one process driving several GPUs. The tables are
+rebuild them: about ten small eager kernels and their Python per layer call, a visible
+share of the host's time to issue a step (py-spy, bench/RESULTS.md), and the host's issue time is what bounds one process driving several GPUs. The tables are
 computed by the layer's own rotary module the first time and reused, so the values are
 bit for bit the ones it computes.
 

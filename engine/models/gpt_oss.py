@@ -15,13 +15,14 @@ import functools
 
 from torch import nn
 
+from ..catalog import FAMILIES
 from ._common import DecoderLayer, build_causal_lm_sequential
 from ._moe import MoeDecoderLayer, moe_info
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
 
 # Matched by name against type(model).__name__ so the registry need not import it eagerly.
-MODEL_CLASS = "GptOssForCausalLM"
+MODEL_CLASS = FAMILIES["gpt_oss"].model_class
 
 
 class GptOssDecoderLayer(MoeDecoderLayer):

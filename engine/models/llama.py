@@ -10,6 +10,7 @@ import logging
 
 from torch import nn
 
+from ..catalog import FAMILIES
 from ._common import build_causal_lm_sequential
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
@@ -17,7 +18,7 @@ __all__ = ["MODEL_CLASS", "to_sequential"]
 log = logging.getLogger(__name__)
 
 # Matched by name against type(model).__name__ so the registry need not import it eagerly.
-MODEL_CLASS = "LlamaForCausalLM"
+MODEL_CLASS = FAMILIES["llama"].model_class
 
 
 def to_sequential(model: nn.Module) -> nn.Sequential:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..catalog import FAMILIES
 from ._common import build_causal_lm_sequential
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
 
 # Matched by name against type(model).__name__ so the registry need not import it eagerly.
-MODEL_CLASS = "MistralForCausalLM"
+MODEL_CLASS = FAMILIES["mistral"].model_class
 
 
 def to_sequential(model: nn.Module) -> nn.Sequential:

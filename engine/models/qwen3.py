@@ -11,6 +11,7 @@ import logging
 
 from torch import nn
 
+from ..catalog import FAMILIES
 from ._common import build_causal_lm_sequential
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
@@ -18,7 +19,7 @@ __all__ = ["MODEL_CLASS", "to_sequential"]
 log = logging.getLogger(__name__)
 
 # Matched by name against type(model).__name__ so the registry need not import it eagerly.
-MODEL_CLASS = "Qwen3ForCausalLM"
+MODEL_CLASS = FAMILIES["qwen3"].model_class
 
 
 def to_sequential(model: nn.Module) -> nn.Sequential:

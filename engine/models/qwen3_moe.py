@@ -14,13 +14,14 @@ import functools
 
 from torch import nn
 
+from ..catalog import FAMILIES
 from ._common import build_causal_lm_sequential
 from ._moe import MoeDecoderLayer, moe_info
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
 
 # Matched by name against type(model).__name__ so the registry need not import it eagerly.
-MODEL_CLASS = "Qwen3MoeForCausalLM"
+MODEL_CLASS = FAMILIES["qwen3_moe"].model_class
 
 
 def to_sequential(model: nn.Module) -> nn.Sequential:

@@ -11,6 +11,12 @@ gradient the devices downloaded, read in place: no fp32 gradient buffer), and
 `state_dtype=torch.bfloat16` keeps exp_avg and exp_avg_sq in bf16 (computed in fp32, stored
 with reproducible stochastic rounding): 12 bytes per parameter with the fp16 model and the
 fp32 master instead of 18 (or 20 with a separate fp32 gradient).
+
+The compact mode (issue 35) goes further: `state_dtype=torch.uint8` keeps the moments in 8
+bits with one fp32 absmax per 256 elements (block-wise dynamic quantization, `_q8`), and the
+parameters may be bf16 themselves, the master with no other copy (updated in fp32, stored
+with the same reproducible stochastic rounding): 2 + 2 (bf16 gradient) + 2 + 1/32 bytes per
+parameter, about 6.03.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from . import _native
+from . import _native, _q8
 from ._native import (
     NativeBuildError,
     available_isas,
@@ -58,7 +64,9 @@ _COPY_ATTR = "_rp_model_copy"
 _WRITTEN_ATTR = "_rp_model_copy_written"
 _COPY_DTYPES = {torch.float16: 1, torch.bfloat16: 2}  # RP_COPY_FP16 / RP_COPY_BF16
 _GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # RP_DTYPE_*
-_STATE_DTYPES = {torch.float32: 0, torch.bfloat16: 2}
+_STATE_DTYPES = {torch.float32: 0, torch.bfloat16: 2, torch.uint8: 3}  # uint8: RP_DTYPE_Q8
+_PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 2}
+_Q8_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
 _MASK32 = 0xFFFFFFFF
 
 
@@ -148,7 +156,15 @@ class Adam(torch.optim.Optimizer):
         state_dtype: dtype of exp_avg and exp_avg_sq: torch.float32 (default, exact torch
             results) or torch.bfloat16 (half the state memory: 4 bytes per parameter
             instead of 8; the update is computed in fp32 and the moments are stored with
-            stochastic rounding, see `stochastic_round_bf16`). amsgrad needs float32.
+            stochastic rounding, see `stochastic_round_bf16`) or torch.uint8 (8-bit codes
+            with one fp32 absmax per 256 elements, 2.03 bytes per parameter: see
+            engine.optim._q8; the state dict holds the codes and the absmax tensors).
+            amsgrad needs float32.
+
+    Parameters may be fp32 or bf16. A bf16 parameter is its own master: the update is
+    computed in fp32 and stored with stochastic rounding (a hash of the element index and
+    the step, like the bf16 moments), so small updates are kept on average; such a
+    parameter takes no model copy.
     """
 
     def __init__(
@@ -170,7 +186,8 @@ class Adam(torch.optim.Optimizer):
     ) -> None:
         if state_dtype not in _STATE_DTYPES:
             raise ConfigError(
-                f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}"
+                "state_dtype must be torch.float32, torch.bfloat16 or torch.uint8 (8-bit), "
+                f"got {state_dtype}"
             )
         if amsgrad and state_dtype != torch.float32:
             raise ConfigError("amsgrad=True needs state_dtype=torch.float32")
@@ -223,6 +240,21 @@ class Adam(torch.optim.Optimizer):
                 if p_state and not torch.is_tensor(p_state["step"]):
                     p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does, but keep the saved dtypes of the state tensors (torch casts
+        them to the parameter's dtype: 8-bit codes would become numbers, a bf16
+        parameter's fp32 absmax would lose bits, and a resume would not be exact);
+        `step()` brings them into this optimizer's format."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            for p, key in zip(group["params"], saved_group["params"], strict=True):
+                if key not in saved:
+                    continue
+                for name, value in saved[key].items():
+                    if name != "step" and torch.is_tensor(value):
+                        self.state[p][name] = value.to(device=p.device, copy=True)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update every parameter that has a gradient; returns the closure's loss, if any."""
@@ -239,7 +271,11 @@ class Adam(torch.optim.Optimizer):
         isa = get_isa()
         if isa == _native.TORCH_FALLBACK:
             for (p, grad, state, group), step in zip(entries, step_values, strict=True):
-                _torch_update(p, grad, state, group, step)
+                if p.dtype == torch.float32 and state["exp_avg"].dtype != torch.uint8:
+                    _torch_update(p, grad, state, group, step)
+                else:  # the compact modes' fallback is their exact reference
+                    h = _hyper_values(group, step)
+                    _q8.exact_update(p, grad, state, h, stochastic_round_bf16)
         else:
             _native_update(entries, step_values, isa)
         for p, _, _, _ in entries:
@@ -270,16 +306,20 @@ class Adam(torch.optim.Optimizer):
                 sdt = self.state_dtype
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros(p.shape, dtype=sdt)
-                    state["exp_avg_sq"] = torch.zeros(p.shape, dtype=sdt)
+                    if sdt == torch.uint8:
+                        state.update(_q8.zero_state(p))
+                    else:
+                        state["exp_avg"] = torch.zeros(p.shape, dtype=sdt)
+                        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=sdt)
+                _convert_moments(state, sdt)
                 if group["amsgrad"] and "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = torch.zeros_like(
                         p, memory_format=torch.contiguous_format
                     )
-                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", *_Q8_KEYS):
                     # A loaded state dict may hold another layout or dtype; the kernel needs
-                    # dense tensors of state_dtype (max_exp_avg_sq: always fp32).
-                    want = torch.float32 if key == "max_exp_avg_sq" else sdt
+                    # dense tensors of state_dtype (max_exp_avg_sq, absmax: always fp32).
+                    want = sdt if key in ("exp_avg", "exp_avg_sq") else torch.float32
                     value = state.get(key)
                     if value is not None and not (value.is_contiguous() and value.dtype == want):
                         state[key] = value.to(want).contiguous()
@@ -287,12 +327,27 @@ class Adam(torch.optim.Optimizer):
         return entries
 
 
+def _convert_moments(state: dict[str, Any], sdt: torch.dtype) -> None:
+    """Bring loaded moments into `sdt`'s format: a state dict of another mode (8-bit into
+    fp32/bf16 or back) is dequantized or quantized once."""
+    have_q8 = state["exp_avg"].dtype == torch.uint8
+    if have_q8 == (sdt == torch.uint8):
+        return
+    if have_q8:
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            values = _q8.dequantize(state[key], state.pop(f"{key}_absmax"), signed=signed)
+            state[key] = values.reshape(state[key].shape).to(sdt)
+        return
+    for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        state[key], state[f"{key}_absmax"] = _q8.quantize(state[key].float(), signed=signed)
+
+
 def _check_param(p: Tensor, where: str) -> None:
-    if p.dtype != torch.float32:
+    if p.dtype not in _PARAM_DTYPES:
         raise ConfigError(
-            f"{where}: engine.optim.Adam updates fp32 parameters, got {p.dtype}; give it the "
-            "fp32 master weights (e.g. RoundPipe's optim_dtype=torch.float32) or use "
-            "torch.optim.Adam"
+            f"{where}: engine.optim.Adam updates fp32 or bf16 parameters, got {p.dtype}; give "
+            "it the fp32 master weights (e.g. RoundPipe's optim_dtype=torch.float32), bf16 "
+            "weights (RoundPipe's optim_memory='compact'), or use torch.optim.Adam"
         )
     if p.device.type != "cpu":
         raise ConfigError(f"{where}: engine.optim.Adam updates CPU tensors, got {p.device}")
@@ -323,12 +378,19 @@ def _hyper_values(group: dict[str, Any], step: float) -> dict[str, Any]:
         "use_decoupled": int(weight_decay != 0 and decoupled),
         "amsgrad": int(bool(group["amsgrad"])),
         "sr_seed": _sr_seed(step),
+        "param_sr_seed": _param_sr_seed(step),
+        "qmap": _q8.QMAP.data_ptr(),
     }
 
 
 def _sr_seed(step: float) -> int:
     """The 32-bit value the step mixes into the bf16 moments' rounding bits."""
     return (int(step) * 0x9E3779B9) & _MASK32
+
+
+def _param_sr_seed(step: float) -> int:
+    """The same for a bf16 parameter's rounding bits (another stream than the moments')."""
+    return (int(step) * 0x85EBCA6B + 0x632BE5AB) & _MASK32
 
 
 def _native_update(
@@ -352,8 +414,14 @@ def _native_update(
         desc.exp_avg = state["exp_avg"].data_ptr()
         desc.exp_avg_sq = state["exp_avg_sq"].data_ptr()
         desc.max_exp_avg_sq = state["max_exp_avg_sq"].data_ptr() if group["amsgrad"] else 0
+        if state["exp_avg"].dtype == torch.uint8:
+            desc.exp_avg_absmax = state["exp_avg_absmax"].data_ptr()
+            desc.exp_avg_sq_absmax = state["exp_avg_sq_absmax"].data_ptr()
+        desc.param_dtype = _PARAM_DTYPES[p.dtype]
         copy = get_model_copy(p)
         if copy is not None:
+            if p.dtype != torch.float32:
+                raise ConfigError("a bf16 parameter is its own master: give it no model copy")
             if copy.numel() != p.numel():
                 raise ConfigError(f"model copy of a {p.numel()}-element param has {copy.numel()}")
             desc.model_copy = copy.data_ptr()

@@ -34,6 +34,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..device import (
+    adam_cache_dir_setting,
+    adam_isa_setting,
+    adam_threads_setting,
+    c_compiler_setting,
+)
 from ..errors import ConfigError, RoundPipeError
 
 __all__ = [
@@ -56,7 +62,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 """The RP_ADAM_ABI_VERSION (csrc/adam.h) this Python side speaks."""
 
 ISAS: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -115,11 +121,10 @@ def source_hash() -> str:
 
 
 def _cache_root() -> Path:
-    explicit = os.environ.get("RP_ADAM_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "roundpipe" / "adam"
+    configured = adam_cache_dir_setting()
+    if configured is not None:
+        return Path(configured)
+    return Path.home() / ".cache" / "roundpipe" / "adam"
 
 
 def _load_module_from(path: Path) -> ModuleType:
@@ -139,7 +144,7 @@ def _wrap(module: ModuleType, origin: str, built_now: bool) -> NativeLib | None:
 
 
 def _compiler_hint() -> str:
-    named = os.environ.get("CC", "").split()
+    named = (c_compiler_setting() or "").split()
     if named and not shutil.which(named[0]):
         what = f"the C compiler that CC names ({named[0]}: not found), or unset CC,"
     elif named or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"):
@@ -263,7 +268,7 @@ def get_num_threads() -> int:
     """Threads the C Adam uses: set_num_threads(), else RP_ADAM_THREADS, else physical cores."""
     if _num_threads is not None:
         return _num_threads
-    env = os.environ.get("RP_ADAM_THREADS")
+    env = adam_threads_setting()
     if env:
         return _positive_int(env, "RP_ADAM_THREADS")
     return physical_cores()
@@ -299,7 +304,7 @@ def get_isa() -> str:
     """The path in use: the forced one, else RP_ADAM_ISA, else the best the CPU has."""
     name = _forced_isa
     if name is None:
-        env = os.environ.get("RP_ADAM_ISA")
+        env = adam_isa_setting()
         name = _check_isa_name(env, "RP_ADAM_ISA") if env else "auto"
     if name == TORCH_FALLBACK:
         return name

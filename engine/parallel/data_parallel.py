@@ -5,12 +5,21 @@ when a process group is in effect: the one passed as `process_group=`, else the 
 group when `torch.distributed` is initialised with more than one rank
 (`process_group=None` keeps a rank single-process).
 
-The batch. `forward_backward` takes the *global* batch on every rank (the same script
-runs unchanged under torchrun) and keeps rank r's r-th equal share of its rows; the rows
-must split equally. Ranks are more micro-batches: the loss_fn normalises by the global
-batch (as `causal_lm_loss_fn(labels)` does with the whole labels), gradients are summed
-across ranks, and the returned loss is the sum over every rank's micro-batches, so each
-rank returns the global loss.
+The batch, two ways (`RoundPipeRunConfig.batch_is_global`, model- or call-level):
+- global (the default, True): `forward_backward` takes the *global* batch on every rank
+  (the same script runs unchanged under torchrun) and keeps rank r's r-th equal share of
+  its rows; the rows must split equally. Every call first checks that the ranks were
+  given the same batch: one small all-reduce of a digest (structure, shapes, dtypes and
+  exactly rounded sums of up to 128 strided samples per tensor, label included); where
+  they differ, every rank raises ConfigError naming `batch_is_global=False`. A sample
+  check: batches that differ only where nothing was sampled pass it.
+- shard (False): each rank passes its own rows (a DistributedSampler's, the
+  DistributedDataParallel habit), used as given, unchecked; shards may differ in size.
+  Rank r given rows r of the global batch trains exactly as the global mode does.
+Either way ranks are more micro-batches: the loss_fn normalises by the global batch (as
+`causal_lm_loss_fn(labels)` does with the whole labels), gradients are summed across
+ranks, and the returned loss is the sum over every rank's micro-batches, so each rank
+returns the global loss.
 
 The step keeps the staleness-one protocol of `engine.attribute` on every rank. On the
 optimizer thread, per layer: publish w[k] (sharded: all-gather the updated half-precision
@@ -34,6 +43,15 @@ GradScaler's inf check) must reduce it across ranks itself; see `grad_norm`.
 Checkpoints (`save_checkpoint` / `load_checkpoint`, engine.parallel.checkpoint, re-exported here):
 a full save from rank 0, keyed by parameter name (fp32 masters, optimizer state and
 groups), that any number of ranks, one included, loads by slicing its pieces.
+
+Teardown. The engine's two groups (`control`, `bulk`) and its threads must be gone before
+the interpreter finalizes: a gloo worker thread still freeing a finished collective then
+aborts the process (see DataParallel.close). `RoundPipe.close()` (or `with RoundPipe(...)
+as rp:`) waits for the queued steps, destroys those groups and joins their threads; it
+runs by itself at interpreter exit, so a script that ends with
+`torch.distributed.destroy_process_group()` needs nothing more. A process that goes on
+after destroying its process group calls `rp.close()` before it (and `rp.synchronize()`
+before that to read the latest weights); a closed model's collectives raise ConfigError.
 """
 
 from __future__ import annotations
@@ -51,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..batch import RoundPipePackedData, guess_split_spec, split_args_kwargs, split_label
 from ..device import get_devices
@@ -231,6 +250,38 @@ def _reduce_order(model: RoundPipe) -> list[int]:
     return sorted(range(model.num_layers), key=lambda o: (-last_use[o], -o))
 
 
+# Elements sampled per tensor for the same-batch check: evenly strided over the tensor.
+_DIGEST_SAMPLES = 128
+
+
+def _batch_digest(tree: Any) -> torch.Tensor:
+    """(3,) float64: a hash of the tree's structure, shapes and dtypes, and two sums of
+    strided samples of its tensors (plain and weighted by position, so reordered rows
+    show). math.fsum rounds exactly, whatever the order: ranks on different CPUs agree."""
+    leaves, spec = pytree.tree_flatten(tree)
+    shape_desc = [str(spec)]
+    values: list[float] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            shape_desc.append(f"{tuple(leaf.shape)}:{leaf.dtype}")
+            flat = leaf.detach().reshape(-1)
+            if flat.numel():
+                step = max(1, flat.numel() // _DIGEST_SAMPLES)
+                samples = flat[::step][:_DIGEST_SAMPLES].to("cpu", torch.float64)
+                # Finite and bounded, so the sums below neither overflow nor turn NaN.
+                samples = torch.nan_to_num(samples, nan=-1.5, posinf=2.5, neginf=-2.5)
+                values += samples.clamp(-1e200, 1e200).tolist()
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            shape_desc.append(repr(leaf))
+        else:  # no repr: a default one holds an address, different on every rank
+            shape_desc.append(type(leaf).__qualname__)
+    digest = hashlib.sha256("\n".join(shape_desc).encode()).digest()
+    structure = float(int.from_bytes(digest[:6], "big"))  # 48 bits: exact in a float64
+    plain = math.fsum(values)
+    weighted = math.fsum(v * (i + 1) for i, v in enumerate(values))
+    return torch.tensor([structure, plain, weighted], dtype=torch.float64)
+
+
 def _piece_shape(p: torch.Tensor, span: _Span) -> tuple[int, ...]:
     if p.dim() == 0:
         return ()
@@ -251,6 +302,7 @@ class DataParallel:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.sharded = bool(shard_optimizer)
+        self.closed = False
         ranks = dist.get_process_group_ranks(group)
         timeout = _group_timeout(group)
         self.timeout_s = timeout.total_seconds()
@@ -299,7 +351,40 @@ class DataParallel:
         )
 
     def _guard(self, what: str) -> contextlib.AbstractContextManager[None]:
+        self._check_open(what)
         return _collective(what, self.rank, self.world, self.timeout_s)
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise ConfigError(
+                f"data parallel: {what} on a closed RoundPipe (close() destroyed its process "
+                "groups); build a new RoundPipe to train again"
+            )
+
+    # ---- teardown ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the two groups made here and join their worker threads (idempotent).
+
+        Why: a gloo worker thread drops its reference to a finished collective after the
+        caller's wait has returned, and freeing the tensors it held (their Python objects)
+        takes the GIL. A process that reaches interpreter finalization within that window
+        (a few ms: destroy_process_group() and exit) kills the waiting thread inside a
+        C++ destructor, and the rank aborts ("terminate called without an active
+        exception"). The groups' destructor joins their worker threads with the GIL
+        released, so once the last reference here is gone, none of those threads is left.
+        Call it with the optimizer thread idle (RoundPipe.close waits for it first).
+        """
+        if self.closed:
+            return
+        self.closed = True
+        for group in (self.bulk, self.control):
+            # ValueError: already unregistered by destroy_process_group() of the default group.
+            with contextlib.suppress(ValueError):
+                dist.destroy_process_group(group)
+        # The last references: the groups' C++ destructors run here, joining their threads.
+        self.bulk = self.control = self.group = None
+        self._staging.clear()
+        self._grad_buffers.clear()
 
     # ---- start-up ---------------------------------------------------------------------
     def _check_same_model(self, model: RoundPipe) -> None:
@@ -365,7 +450,12 @@ class DataParallel:
     def take_share(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], label: Any, cfg: Any
     ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-        """This rank's equal share of the rows of the global batch (inputs and label)."""
+        """This rank's rows: its equal share of the global batch (inputs and label), or with
+        `batch_is_global=False` the inputs as given (this rank's own shard)."""
+        self._check_open("forward_backward")
+        if not cfg.batch_is_global:
+            return args, kwargs, label
+        self._check_same_batch(args, kwargs, label)
         if len(args) == 1 and not kwargs and isinstance(args[0], RoundPipePackedData):
             raise ConfigError(
                 "data parallel forward_backward needs the global batch as tensors, not "
@@ -389,6 +479,30 @@ class DataParallel:
         my_args, my_kwargs = rows[self.rank]
         my_label = split_label(label, self.world, cfg.split_label, batch)[self.rank]
         return tuple(my_args), dict(my_kwargs), my_label
+
+    def _check_same_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any], label: Any) -> None:
+        """Raise ConfigError on every rank unless all were given the same batch (likely).
+
+        One small all-reduce on `control`: the MAX of (digest, -digest) gives each
+        entry's largest and smallest value over the ranks, equal only where every rank's
+        digest is. It runs before any check that could fail on one rank only, so a rank
+        given another batch never leaves the others waiting in a collective.
+        """
+        mine = _batch_digest((args, kwargs, label))
+        both = torch.cat([mine, -mine])
+        with self._guard("the same-batch check"):
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.control)
+        high, low = both[: mine.numel()], -both[mine.numel() :]
+        if torch.equal(high, low):
+            return
+        what = "shapes, dtypes or structure" if high[0] != low[0] else "values"
+        raise ConfigError(
+            f"data parallel: the ranks were given different batches (their {what} differ; "
+            f"seen on rank {self.rank} of {self.world}). forward_backward takes the global "
+            "batch on every rank and keeps each rank's share of its rows; to give each rank "
+            "its own shard instead (the DistributedDataParallel habit), pass "
+            "RoundPipeRunConfig(batch_is_global=False) as model_run_config or run_config"
+        )
 
     def reduce_loss(self, loss: Any) -> Any:
         """The sum of every rank's loss (a tensor, or a list of them), where it came from."""

@@ -16,6 +16,17 @@ What a full fine-tune holds on the host, per trainable parameter (fp16/bf16 mode
                                  20   (12 in the low-precision modes)
     second model copy             2   only with double_buffer_weights (engine.accel.weight_buffers)
 
+and with optim_memory = compact (issue 35; bf16 model, engine.optim.Adam state_dtype=uint8):
+
+    model copy = the master (bf16)  2   updated in place with stochastic rounding
+    host gradient (bf16)            2   read in place by the optimizer
+    optimizer-side master           0
+    optimizer gradient              0
+    Adam exp_avg + exp_avg_sq       2   8-bit codes
+    their block scales              0.03 one fp32 absmax per 256 elements, per moment
+                                   ----
+                                    6.03
+
 plus torch's power-of-two rounding of every pinned tensor (pin_model='alloc'; 'arena'
 avoids it), the activations kept for the backward (each backward group's input, per
 micro-batch; from 64 MiB up pinned in power-of-two pieces, so not rounded), the saved
@@ -33,6 +44,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from ..catalog import LORA_TARGET_MODULES, projection_shapes_of
 from ..errors import ConfigError, HostMemoryError
 
 __all__ = [
@@ -41,7 +53,9 @@ __all__ = [
     "RunShape",
     "available_host_bytes",
     "check_engine_allocation",
+    "compact_state_bytes",
     "default_budget_bytes",
+    "default_num_microbatch",
     "format_gib",
     "nf4_tensor_bytes",
     "parse_bytes",
@@ -60,6 +74,7 @@ BUDGET_MARGIN_MIN_BYTES = GIB
 # scheduler.ModelExecutePlan.auto groups layers up to 1.1x the slowest one (the head).
 _GROUP_THRESHOLD = 1.1
 _ALIGN = 64  # memory.ARENA_ALIGN_BYTES
+_QBLOCK = 256  # engine.optim._q8.QBLOCK (that module imports torch)
 _PIECES_MIN_BYTES = 64 << 20  # transfer.PIECES_MIN_BYTES
 _PIECE_GRANULE_BYTES = 2 << 20  # transfer.PIECE_GRANULE_BYTES
 _MAX_DIM = (
@@ -238,12 +253,21 @@ class ModelShape:
             raise ConfigError(f"the model config's {', '.join(bad)} must be in 1..{_MAX_DIM}")
         return shape
 
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """`{name: (in_features, out_features)}` of a decoder layer's projections."""
+        return projection_shapes_of(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+        )
+
     def layer_tensors(self) -> list[int]:
         """Element counts of one decoder layer's parameters."""
         h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        out = [h * q, h * kv, h * kv, q * h]  # q, k, v, o projections
-        out += [h * self.intermediate_size] * 3  # gate, up, down
+        # q, k, v, o, gate, up, down projections
+        out = [fan_in * fan_out for fan_in, fan_out in self.projection_shapes().values()]
         out += [h, h]  # input and post-attention norms
         if self.qk_norm:
             out += [d, d]
@@ -259,13 +283,12 @@ class ModelShape:
     def num_params(self) -> int:
         return sum(self.param_tensors())
 
-    def lora_params(self, rank: int) -> int:
-        """Trainable parameters of rank-`rank` adapters on all seven projections."""
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        inter = self.intermediate_size
-        pairs = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
-        return rank * sum(a + b for a, b in pairs) * self.num_hidden_layers
+    def lora_params(self, rank: int, target_modules: Iterable[str] = LORA_TARGET_MODULES) -> int:
+        """Trainable parameters of rank-`rank` adapters (A: in x r, B: r x out) on the
+        `target_modules` projections of every layer (default: all seven)."""
+        shapes = self.projection_shapes()
+        per_layer = sum(sum(shapes[m]) for m in target_modules if m in shapes)
+        return rank * per_layer * self.num_hidden_layers
 
     def backward_groups(self, grain: str) -> int:
         """How many backward groups (each keeps its input) the automatic plan makes."""
@@ -275,6 +298,12 @@ class ModelShape:
         head = self.vocab_size * self.hidden_size
         per_group = max(1, int(_GROUP_THRESHOLD * head / layer))
         return math.ceil(self.num_hidden_layers / per_group)
+
+
+def default_num_microbatch(num_devices: int) -> int:
+    """Micro-batches per call when a run config leaves `num_microbatch` unset: the
+    devices + 1 (the seeds' default). RoundPipeRunConfig and the daemon's plan use it."""
+    return num_devices + 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -295,6 +324,7 @@ class RunShape:
     trainable_params: int | None = None  # None: all (full fine-tune); else e.g. LoRA's
     optimizer_state: bool = True  # count Adam's moments
     double_buffer_weights: bool = False  # a second model copy per trainable parameter
+    optim_memory: Literal["default", "compact"] = "default"  # compact: see the module doc
     # "nf4": the frozen projections are held packed (engine.adapters.nf4), LoRA only.
     base_quantization: Literal["none", "nf4"] = "none"
 
@@ -353,7 +383,7 @@ class HostMemoryPlan:
         low = replace(
             run, optim_grad_dtype="model", optim_state_dtype="bfloat16", pin_model="arena"
         )
-        if low != run:
+        if low != run and run.optim_memory == "default":
             need = plan_host_memory(shape, low).total_bytes
             if need <= budget:
                 out.append(
@@ -363,8 +393,20 @@ class HostMemoryPlan:
                         f"optim_grad_dtype=model, pin_model=arena ({format_gib(need)})",
                     )
                 )
+        compact = replace(run, optim_memory="compact", pin_model="arena")
+        if compact != run and run.model_dtype_bytes == 2 and run.trainable_params is None:
+            need = plan_host_memory(shape, compact).total_bytes
+            if need <= budget:
+                text = (
+                    "compact optimizer memory: optim_memory=compact (bfloat16 model, 8-bit "
+                    f"Adam moments), pin_model=arena ({format_gib(need)})"
+                )
+                out.append(("optim_memory", text))
         if run.cuda and run.saved_attention:
-            for base, label in ((run, ""), (low, " with the lower-precision options")):
+            bases = [(run, ""), (low, " with the lower-precision options")]
+            if compact != run and run.model_dtype_bytes == 2 and run.trainable_params is None:
+                bases.append((compact, " with optim_memory=compact, pin_model=arena"))
+            for base, label in bases:
                 need = plan_host_memory(shape, replace(base, saved_attention=False)).total_bytes
                 if need <= budget:
                     text = f"recompute_attention=true{label} ({format_gib(need)})"
@@ -435,15 +477,20 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
         grads = trainable * mbytes
     parts["model"] = model
     parts["host_gradients"] = grads
-    parts["optim_master"] = trainable * run.optim_dtype_bytes
-    parts["optim_gradients"] = (
-        trainable * run.optim_dtype_bytes if run.optim_grad_dtype == "optim" else 0
-    )
-    parts["model_second_copy"] = (
-        trainable * mbytes if run.double_buffer_weights and mbytes < run.optim_dtype_bytes else 0
-    )
-    state_bytes = 4 if run.optim_state_dtype == "float32" else 2
-    parts["optim_state"] = 2 * trainable * state_bytes if run.optimizer_state else 0
+    if run.optim_memory == "compact":  # the weights are the masters, the gradient in place
+        parts["optim_master"] = parts["optim_gradients"] = parts["model_second_copy"] = 0
+        compact = compact_state_bytes(tensors if run.trainable_params is None else [trainable])
+        parts["optim_state"] = compact[0] if run.optimizer_state else 0
+        parts["optim_state_scales"] = compact[1] if run.optimizer_state else 0
+    else:
+        parts["optim_master"] = trainable * run.optim_dtype_bytes
+        parts["optim_gradients"] = (
+            trainable * run.optim_dtype_bytes if run.optim_grad_dtype == "optim" else 0
+        )
+        second = run.double_buffer_weights and mbytes < run.optim_dtype_bytes
+        parts["model_second_copy"] = trainable * mbytes if second else 0
+        state_bytes = 4 if run.optim_state_dtype == "float32" else 2
+        parts["optim_state"] = 2 * trainable * state_bytes if run.optimizer_state else 0
     mb_tokens = run.tokens_per_step // run.num_microbatch
     boundary = _activation_pinned(mb_tokens * shape.hidden_size * mbytes, cuda)
     parts["activations"] = (
@@ -458,6 +505,17 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
         parts["saved_attention"] = 0
     parts["runtime"] = RUNTIME_BYTES["cuda" if cuda else "cpu"]
     return HostMemoryPlan(parts, run, shape)
+
+
+def compact_state_bytes(numels: Iterable[int]) -> tuple[int, int]:
+    """(codes, scales) bytes of engine.optim.Adam's 8-bit moments for tensors of `numels`
+    elements: one byte per element and moment, one fp32 absmax per 256 elements and moment
+    (engine.optim._q8.QBLOCK)."""
+    codes = scales = 0
+    for n in numels:
+        codes += 2 * n
+        scales += 2 * 4 * ((n + _QBLOCK - 1) // _QBLOCK)
+    return codes, scales
 
 
 def nf4_tensor_bytes(numel: int, block: int = 64) -> tuple[int, int]:
@@ -482,6 +540,7 @@ def check_engine_allocation(
     pin_model: str,
     budget_bytes: int | None,
     double_buffer_weights: bool = False,
+    optim_memory: str = "default",
 ) -> HostMemoryPlan:
     """Before RoundPipe pins `model`: check what the engine itself will allocate.
 
@@ -521,6 +580,8 @@ def check_engine_allocation(
             if pin_model == "arena"
             else _cuda_pinned(nbytes, cuda)
         )
+        if optim_memory == "compact":  # the weights are the masters, the gradient in place
+            continue
         parts["optim_master"] += p.numel() * opt_dtype.itemsize
         if (optim_grad_dtype or opt_dtype) == opt_dtype:
             parts["optim_gradients"] += p.numel() * opt_dtype.itemsize

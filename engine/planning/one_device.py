@@ -6,17 +6,16 @@ cannot change how long the work takes; the grouping only changes the overheads. 
 boundary moves the activation between jobs through host memory (down, then up again), keeps
 a recompute input, and makes the GPU wait for the next job's input (at 131,072 tokens
 0.5 GB each way). The timed plan groups layers up to 1.1 x the slowest layer, which at long
-sequences is a decoder layer, so one-layer groups: at 131,072 tokens on one H100 they ran
-16.8 s a step against 15.6 s for the size-grouped plan of the first calls (bench/RESULTS.md,
-2026-11-24). `GROUP_BY_SIZE` keeps the grouping by parameter size, as before any timing
+sequences is a decoder layer, so one-layer groups: at 131,072 tokens on one GPU they ran
+slower than the size-grouped plan of the first calls (bench/RESULTS.md, 2026-11-24). `GROUP_BY_SIZE` keeps the grouping by parameter size, as before any timing
 (ModelExecutePlan.auto(..., by_size=True)).
 
 A decoder layer outside the fused tail runs a no-grad forward and, in its backward job, a
 recompute before its backward; a layer inside the tail runs its forward once, with grad, and
 its backward right after. With one GPU nothing runs beside the tail, so each layer moved
-into it saves its recompute: the default step of Qwen3-1.7B ran 4% faster with the top
-backward group's six layers in the tail (`WIDEN_TAIL`). The price is GPU memory: the tail
-holds those layers' activations of a micro-batch at once, with the head's (+7 GiB there).
+into it saves its recompute: the default step of Qwen3-1.7B ran faster with the top
+backward group's six layers in the tail (`WIDEN_TAIL`; bench/RESULTS.md). The price is GPU
+memory: the tail holds those layers' activations of a micro-batch at once, with the head's.
 
 The memory is measured, not modelled: `ActivationMeter` reads the CUDA allocator around each
 layer's recompute in the first calls (what autograd keeps for the layer's backward, its
@@ -58,7 +57,7 @@ MEMORY_FRACTION = 0.9
 allocator's reserve over what is allocated, and other processes, need the rest."""
 
 # Calls measured at the start: the plan is re-made after the 1st, 3rd and 10th timed call
-# (roundpipe._REPLAN_AFTER_UPDATES); reading the allocator costs ~0.1 ms a layer.
+# (roundpipe._REPLAN_AFTER_UPDATES); reading the allocator costs little a layer, but not nothing.
 _MEASURED_CALLS = 12
 
 

@@ -35,19 +35,21 @@ class Services:
     system: SystemProbe
 
 
-def get_services(request: Request) -> Services:
+# `async def`, each of them: FastAPI runs a plain `def` dependency on a worker thread, a
+# thread hop (and a turn of the GIL) per request for an attribute read.
+async def get_services(request: Request) -> Services:
     return request.app.state.services
 
 
-def get_orchestrator(request: Request) -> Orchestrator:
+async def get_orchestrator(request: Request) -> Orchestrator:
     return request.app.state.services.orchestrator
 
 
-def get_outputs(request: Request) -> JobOutputs:
+async def get_outputs(request: Request) -> JobOutputs:
     return request.app.state.services.outputs
 
 
-def get_files(request: Request) -> FileService:
+async def get_files(request: Request) -> FileService:
     return request.app.state.services.files
 
 

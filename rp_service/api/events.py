@@ -9,7 +9,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from rp_service.api.deps import OutputsDep
 from rp_service.errors import InvalidRequest
-from rp_service.schemas import ErrorEnvelope, Event, ListPage
+from rp_service.schemas import MAX_INT64, ErrorEnvelope, Event, ListPage
 
 router = APIRouter(prefix="/v1/jobs", tags=["events"])
 
@@ -26,7 +26,7 @@ async def job_events(
     request: Request,
     job_id: Annotated[str, Path(min_length=1, max_length=200)],
     outputs: OutputsDep,
-    after: Annotated[int, Query(ge=0)] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     last_event_id: Annotated[str | None, Header(max_length=40)] = None,
 ) -> ListPage[Event] | EventSourceResponse:
@@ -34,12 +34,13 @@ async def job_events(
     if "text/event-stream" in request.headers.get("accept", ""):
         start = after
         if last_event_id:
-            if not last_event_id.strip().isdigit():
+            value = last_event_id.strip()
+            if not (value.isascii() and value.isdigit()) or int(value) > MAX_INT64:
                 raise InvalidRequest(
                     f"Last-Event-ID must be an event id (an integer); got {last_event_id!r}",
                     param="Last-Event-ID",
                 )
-            start = max(start, int(last_event_id))
+            start = max(start, int(value))
         stream = await outputs.event_stream(job_id, after=start)
         ping_s = request.app.state.services.settings.sse_ping_s
         return EventSourceResponse(

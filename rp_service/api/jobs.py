@@ -10,9 +10,11 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from rp_service.api.deps import OrchestratorDep, OutputsDep
 from rp_service.jobs.store import JobRecord
 from rp_service.schemas import (
+    MAX_INT64,
     Checkpoint,
     ErrorEnvelope,
     Job,
+    JobDeleted,
     JobMetrics,
     JobSpec,
     JobStatus,
@@ -73,6 +75,20 @@ async def get_job(job_id: JobId, orchestrator: OrchestratorDep) -> Job:
     return _job(await orchestrator.get(job_id))
 
 
+@router.delete(
+    "/{job_id}",
+    response_model=JobDeleted,
+    responses={
+        404: {"model": ErrorEnvelope, "description": "no such job"},
+        409: {"model": ErrorEnvelope, "description": "the job has not finished"},
+    },
+)
+async def delete_job(job_id: JobId, orchestrator: OrchestratorDep) -> JobDeleted:
+    """Delete a finished job: its checkpoints, outputs, log and events; then GET is 404."""
+    job = await orchestrator.delete(job_id)
+    return JobDeleted(id=job.id)
+
+
 @router.post("/{job_id}/cancel", response_model=Job, responses=_ERRORS)
 async def cancel_job(job_id: JobId, orchestrator: OrchestratorDep) -> Job:
     """Cancel: the worker is stopped within seconds and its GPUs are freed."""
@@ -105,7 +121,7 @@ async def job_metrics(job_id: JobId, outputs: OutputsDep) -> JobMetrics:
 async def job_logs(
     job_id: JobId,
     outputs: OutputsDep,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
     follow: bool = False,
 ) -> Response:
     """The worker's log from byte `offset`; `x-next-offset` says where to go on."""
@@ -134,7 +150,7 @@ async def list_checkpoints(job_id: JobId, outputs: OutputsDep) -> ListPage[Check
     responses={200: {"content": {"application/x-tar": {}}}, **_ERRORS},
 )
 async def checkpoint_content(
-    job_id: JobId, step: Annotated[int, Path(ge=0)], outputs: OutputsDep
+    job_id: JobId, step: Annotated[int, Path(ge=0, le=MAX_INT64)], outputs: OutputsDep
 ) -> StreamingResponse:
     """Download one checkpoint directory as a tar stream."""
     stream = await outputs.checkpoint_tar(job_id, step)

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from rp_service.errors import JobFailure
+
 from .preference import check_preference, is_preference
 
 __all__ = [
@@ -35,13 +37,16 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _MAX_SHOWN = 80  # characters of a bad value quoted back in an error message
 
 
-class DataFormatError(ValueError):
-    """A dataset line is malformed; `line` is its 1-based line number (0: the whole file)."""
+class DataFormatError(JobFailure, ValueError):
+    """A dataset line is malformed; `line` is its 1-based line number (0: the whole file).
+
+    `param` is None: the caller knows which of data.train / data.valid it read.
+    """
 
     def __init__(self, message: str, *, line: int) -> None:
-        super().__init__(f"line {line}: {message}" if line else message)
+        super().__init__("invalid_data", message, line=line)
+        self.args = (f"line {line}: {message}" if line else message,)
         self.line = line
-        self.message = message
 
 
 # ---------------------------------------------------------------- parsing and validation
@@ -120,6 +125,16 @@ def _lines(source: str | Path | Iterable[str | bytes]) -> Iterator[str | bytes]:
         yield from source
 
 
+def _where(exc: json.JSONDecodeError, text: str) -> str:
+    """The decoder's message with a column inside the line: an error found where the line
+    ended (an unclosed object, say) is said to be there, not at a column past the end."""
+    line = text.rstrip("\r\n")
+    what = exc.msg.removesuffix(" at")  # "Invalid control character at"
+    if exc.pos >= len(line):
+        return f"{what} where the line ends, after column {len(line)}"
+    return f"{what} at column {exc.pos + 1}"
+
+
 def iter_records(
     source: str | Path | Iterable[str | bytes], format: str = "auto"
 ) -> Iterator[tuple[int, DataFormat, dict[str, Any]]]:
@@ -146,9 +161,12 @@ def iter_records(
         try:
             record = json.loads(text)
         except json.JSONDecodeError as exc:
+            raise DataFormatError(f"not valid JSON ({_where(exc, text)})", line=number) from exc
+        except RecursionError:
             raise DataFormatError(
-                f"not valid JSON ({exc.msg} at column {exc.colno})", line=number
-            ) from exc
+                "nested too deeply to parse (JSON arrays or objects inside one another)",
+                line=number,
+            ) from None
         if not isinstance(record, dict):
             raise DataFormatError(
                 f"expected a JSON object, got a {type(record).__name__}", line=number

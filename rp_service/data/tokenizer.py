@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rp_service.errors import JobFailure
+
 __all__ = [
     "BYTE_VOCAB_SIZE",
     "CHAT_TEMPLATE",
@@ -44,8 +46,11 @@ CHAT_TEMPLATE = (
 )
 
 
-class TokenizerError(ValueError):
+class TokenizerError(JobFailure, ValueError):
     """The tokenizer directory is missing, unreadable or unusable for training."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("invalid_tokenizer", message, param="tokenizer.path")
 
 
 def _byte_to_unicode() -> dict[int, str]:

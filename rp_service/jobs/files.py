@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -9,8 +10,9 @@ import time
 from pathlib import Path
 from typing import IO
 
-from rp_service.errors import InvalidRequest, NotFound, RequestTooLarge
-from rp_service.jobs.store import FileRecord, OpenAIStore, Store
+from rp_service.errors import DiskFull, InvalidRequest, NotFound, RequestTooLarge
+from rp_service.jobs.openai_store import OpenAIStore
+from rp_service.jobs.store import FileRecord, Store
 
 __all__ = ["FORMATS", "RETRY_WINDOW_S", "FileService"]
 
@@ -46,13 +48,59 @@ def _base_name(filename: str) -> str:
     return name[:255] if name not in ("", ".", "..") else "upload.jsonl"
 
 
+class _LineMeter:
+    """Counts the bytes of the current line across chunks; refuses one over the limit, so a
+    huge line is never held in memory (the format check reads a line at a time)."""
+
+    def __init__(self, max_line_bytes: int) -> None:
+        self.max_line_bytes = max_line_bytes
+        self.line = 1
+        self.current = 0
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while (newline := chunk.find(b"\n", start)) >= 0:
+            self._grow(newline - start)
+            self.line += 1
+            self.current = 0
+            start = newline + 1
+        self._grow(len(chunk) - start)
+
+    def _grow(self, n: int) -> None:
+        self.current += n
+        if self.current > self.max_line_bytes:
+            raise InvalidRequest(
+                f"line {self.line} is longer than RP_MAX_LINE_BYTES={self.max_line_bytes} "
+                "bytes; split the record or ask the operator to raise the limit",
+                code="line_too_long",
+                param="file",
+                details={"line": self.line},
+            )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class FileService:
     """Saves uploads under `files_dir` and records them in the store."""
 
-    def __init__(self, store: Store, files_dir: Path, *, max_upload_bytes: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        files_dir: Path,
+        *,
+        max_upload_bytes: int,
+        max_line_bytes: int = 16 << 20,
+    ) -> None:
         self.store = store
         self.files_dir = files_dir
         self.max_upload_bytes = max_upload_bytes
+        self.max_line_bytes = max_line_bytes
 
     def save(
         self,
@@ -80,6 +128,7 @@ class FileService:
         final = self.files_dir / f"{file_id}.jsonl"
         partial = final.with_suffix(".partial")
         digest = hashlib.sha256()
+        meter = _LineMeter(self.max_line_bytes)
         size = 0
         try:
             with partial.open("wb") as out:
@@ -90,10 +139,23 @@ class FileService:
                             f"the upload is over RP_MAX_UPLOAD_BYTES={self.max_upload_bytes} bytes",
                             param="file",
                         )
+                    meter.feed(chunk)
                     digest.update(chunk)
                     out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())  # on disk before its row says it exists
             records, detected = _check_lines(partial, fmt)
             os.replace(partial, final)
+            _fsync_dir(self.files_dir)
+        except OSError as exc:
+            partial.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise DiskFull(
+                    "the daemon's disk is full: the upload was not stored; free space in "
+                    "RP_DATA_DIR (delete finished jobs with DELETE /v1/jobs/{id})",
+                    param="file",
+                ) from None
+            raise
         except BaseException:
             partial.unlink(missing_ok=True)
             raise

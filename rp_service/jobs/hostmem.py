@@ -1,14 +1,17 @@
 """The host-memory plan of a JobSpec, run at submission without importing torch.
 
-`engine.planning.memory_plan` predicts from shapes; this module turns a JobSpec into those shapes
-(a preset's config defaults and overrides, or a model directory's config.json) and its
-refusal into the service's 422, naming the JobSpec field to change.
+`engine.planning.memory_plan` predicts from shapes; this module turns a JobSpec into those
+shapes (a preset's config defaults from `engine.catalog` and the overrides, or a model
+directory's config.json; the run options through `rp_service.spec_to_engine`) and its
+refusal into `HostMemoryExceeded`, naming the JobSpec field to change: a 422 at
+submission (app.py), the job's error in the worker.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from engine.catalog import FAMILIES, plannable
 from engine.errors import ConfigError, HostMemoryError
 from engine.planning.memory_plan import (
     HostMemoryPlan,
@@ -19,9 +22,9 @@ from engine.planning.memory_plan import (
     parse_bytes,
     plan_host_memory,
 )
-from rp_service.errors import InvalidRequest
+from rp_service.errors import HostMemoryExceeded
 from rp_service.schemas import JobSpec
-from rp_service.shapes import PRESET_DEFAULTS, projection_shapes
+from rp_service.spec_to_engine import EngineOptions, spec_to_engine
 
 __all__ = ["budget_bytes", "check_spec", "plan_for_spec"]
 
@@ -32,6 +35,7 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # JobSpec field that each engine.planning.memory_plan option changes.
 _OPTION_FIELDS = {
     "optim_state_dtype": "engine.optim_state_dtype",
+    "optim_memory": "engine.optim_memory",
     "recompute_attention": "engine.recompute_attention",
     "lora": "model",
     "tokens_per_step": "train.batch_size",
@@ -43,28 +47,30 @@ def budget_bytes(setting: str | None) -> int:
     return default_budget_bytes(setting)
 
 
-# Model types whose parameters engine.planning.memory_plan does not count (routed experts, sinks):
-# no plan, so no refusal, for them.
-_UNPLANNED_MODEL_TYPES = frozenset({"qwen3_moe", "gpt_oss"})
-
-
 def _model_config(spec: JobSpec, path_config: dict[str, Any] | None) -> dict[str, Any] | None:
     """The model's config as a dict, or None when the plan cannot count its parameters."""
     if spec.model.preset is not None:
-        if spec.model.preset not in PRESET_DEFAULTS:
-            return None  # a preset whose defaults the plan does not carry (qwen2, mistral, MoE)
-        config = {**PRESET_DEFAULTS[spec.model.preset], **spec.model.config}
+        defaults = FAMILIES[spec.model.preset].config_defaults
+        if defaults is None:
+            return None  # a preset whose defaults the catalog does not carry (qwen2, MoE, ...)
+        config = {**defaults, **spec.model.config}
         if "vocab_size" not in spec.model.config and spec.tokenizer.path is None:
             config["vocab_size"] = _BYTE_VOCAB_ROUNDED  # the built-in byte-level tokenizer
         return config
     config = dict(path_config or {})
-    return None if config.get("model_type") in _UNPLANNED_MODEL_TYPES else config
+    model_type = config.get("model_type")
+    return config if plannable(model_type if isinstance(model_type, str) else None) else None
 
 
 def plan_for_spec(
     spec: JobSpec, *, path_config: dict[str, Any] | None, cuda: bool
 ) -> HostMemoryPlan | None:
-    """The plan of `spec` (None when the model's config has no transformer shape)."""
+    """The plan of `spec` (None when the model's config has no transformer shape).
+
+    Raises:
+        JobFailure: `spec_to_engine`'s refusal of the spec's engine options.
+    """
+    options = spec_to_engine(spec)
     config = _model_config(spec, path_config)
     if config is None:
         return None
@@ -72,40 +78,40 @@ def plan_for_spec(
         shape = ModelShape.from_config(config)
     except ConfigError:
         return None
-    engine = spec.engine
-    devices = max(engine.gpus, 1)
-    model_bytes = _DTYPE_BYTES[spec.model.dtype]
+    devices = max(spec.engine.gpus, 1)
+    model_bytes = _DTYPE_BYTES[options.model_dtype]
     run = RunShape(
         # a DPO step runs two rows (chosen, rejected) per pair of train.batch_size
         tokens_per_step=spec.train.batch_size * spec.data.seq_len * _rows_per_item(spec),
         seq_len=spec.data.seq_len,
-        num_microbatch=min(engine.num_microbatch or devices + 1, spec.train.batch_size),
-        recompute_grain=engine.recompute_grain,
+        # spec_to_engine refuses a num_microbatch above the batch size; the default
+        # (devices + 1) may be above it, and the plan counts whole sequences.
+        num_microbatch=min(options.num_microbatch_on(devices), spec.train.batch_size),
+        recompute_grain=options.recompute_grain,  # type: ignore[arg-type]
         model_dtype_bytes=model_bytes,
-        optim_dtype_bytes=_DTYPE_BYTES[engine.optim_dtype],
-        optim_grad_dtype="model" if engine.optim_grad_dtype == "model" else "optim",
-        optim_state_dtype=engine.optim_state_dtype,
-        pin_model=engine.pin_model,
+        optim_dtype_bytes=_DTYPE_BYTES[options.optim_dtype],
+        optim_grad_dtype="optim" if options.optim_grad_dtype is None else "model",
+        optim_state_dtype=options.optim_state_dtype,  # type: ignore[arg-type]
+        optim_memory=options.optim_memory,  # type: ignore[arg-type]
+        pin_model=options.pin_model,  # type: ignore[arg-type]
         cuda=cuda,
-        saved_attention=cuda and model_bytes == 2 and not engine.recompute_attention,
-        trainable_params=_lora_params(spec, config, shape),
+        saved_attention=cuda and model_bytes == 2 and not options.recompute_attention,
+        trainable_params=_lora_params(options, shape),
     )
     return plan_host_memory(shape, run)
 
 
-def _lora_params(spec: JobSpec, config: dict[str, Any], shape: ModelShape) -> int | None:
+def _lora_params(options: EngineOptions, shape: ModelShape) -> int | None:
     """Adapter parameters of a LoRA job (None: a full fine-tune trains every weight)."""
-    if spec.train.method != "lora" or spec.lora is None:
+    if options.lora is None:
         return None
-    widths = projection_shapes(config) or {}
-    per_layer = sum(sum(widths[m]) for m in spec.lora.target_modules if m in widths)
-    return spec.lora.rank * per_layer * shape.num_hidden_layers
+    return shape.lora_params(options.lora.rank, options.lora.target_modules)
 
 
 def check_spec(
     spec: JobSpec, *, path_config: dict[str, Any] | None, cuda: bool, budget: int
 ) -> HostMemoryPlan | None:
-    """Raise InvalidRequest (422, code host_memory_exceeded) when `spec` would not fit."""
+    """Raise HostMemoryExceeded (naming the field to change) when `spec` would not fit."""
     plan = plan_for_spec(spec, path_config=path_config, cuda=cuda)
     if plan is None:
         return None
@@ -123,22 +129,14 @@ def check_spec(
                 else "no engine option fits: a smaller model or a larger budget"
             )
         )
-        raise InvalidRequest(
+        raise HostMemoryExceeded(
             message,
-            code="host_memory_exceeded",
             param=param,
-            details=[
-                {
-                    "param": param,
-                    "message": message,
-                    "need_bytes": exc.need_bytes,
-                    "budget_bytes": exc.budget_bytes,
-                    "parts_bytes": exc.parts,
-                    "options": [
-                        {"param": f, "change": text}
-                        for f, text in zip(fields, exc.options, strict=True)
-                    ],
-                }
+            need_bytes=exc.need_bytes,
+            budget_bytes=exc.budget_bytes,
+            parts_bytes=exc.parts,
+            options=[
+                {"param": f, "change": text} for f, text in zip(fields, exc.options, strict=True)
             ],
         ) from None
     return plan

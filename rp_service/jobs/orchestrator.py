@@ -2,7 +2,8 @@
 
 Runs on the daemon's event loop. The store is the queue: queued jobs are started in order
 of priority, then FIFO, while their GPUs (or a CPU slot) are free. Each worker's stdout is
-its event pipe: every line is stored, then subscribers are woken. Cancel is SIGTERM to the
+its event pipe: every line is stored (on the store's writer thread), then handed to the
+job's followers from memory. Cancel is SIGTERM to the
 worker's process group (SIGKILL after a grace period), pause is SIGUSR1 (the worker
 checkpoints and exits 75). At start-up `reconcile` puts the store back in a state that no
 worker of a previous daemon can contradict.
@@ -22,16 +23,19 @@ import signal
 import sqlite3
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import IO, Any
 
-from rp_service.errors import Conflict, InvalidRequest, NotFound
+from rp_service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.faults import MemoryWatch, classify_death
 from rp_service.jobs.journal import recover
 from rp_service.jobs.pipe import WorkerHandle, prepare_job_dir, proc_start_time
 from rp_service.jobs.resolve import SpecResolver
+from rp_service.jobs.retention import check_free_space, delete_job, prune_checkpoints
 from rp_service.jobs.store import EventRecord, JobRecord, Store
+from rp_service.jobs.store_io import StoreIO
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
 from rp_service.settings import Settings
 
@@ -40,6 +44,10 @@ __all__ = ["Orchestrator"]
 log = logging.getLogger(__name__)
 
 _LINE_LIMIT_BYTES = 1 << 20  # longest event line read from a worker
+# A worker that cannot start for one of these reasons (out of file descriptors, processes
+# or memory for a moment) goes back to the queue and is tried again after a pause.
+_TRANSIENT_START_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
+_START_RETRY_S = 2.0
 
 
 def _spec_sha256(spec: JobSpec) -> str:
@@ -50,10 +58,13 @@ def _spec_sha256(spec: JobSpec) -> str:
 class Orchestrator:
     """Submits, schedules, runs and controls jobs; the service behind the jobs routes."""
 
-    def __init__(self, settings: Settings, store: Store, hub: EventHub) -> None:
+    def __init__(
+        self, settings: Settings, store: Store, hub: EventHub, *, io: StoreIO | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.hub = hub
+        self.io = io if io is not None else StoreIO(store)
         self.resolver = SpecResolver(settings, store)
         self.gpu_ids: list[int] = []
         self.ready = False
@@ -65,6 +76,9 @@ class Orchestrator:
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
+        # Set by chat serving (rp_service/serving/manager.py): called when a queued job
+        # waits for GPUs, so that idle served models return the ones they were lent.
+        self.gpus_wanted: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ start and stop
 
@@ -165,6 +179,13 @@ class Orchestrator:
         self, spec: JobSpec, *, idempotency_key: str | None = None
     ) -> tuple[JobRecord, bool]:
         """Check and queue a job; returns it and whether it was created by this call."""
+        await asyncio.to_thread(check_free_space, self.settings)
+        if await asyncio.to_thread(self.queue_length) >= self.settings.max_queued:
+            raise TooManyRequests(
+                f"the queue holds RP_MAX_QUEUED={self.settings.max_queued} jobs; submit again "
+                "when some have started",
+                code="queue_full",
+            )
         gpu_count = len(self.gpu_ids)
         await asyncio.to_thread(self.resolver.check, spec, gpu_count=gpu_count)
         record = JobRecord(
@@ -175,7 +196,7 @@ class Orchestrator:
             name=spec.name,
             priority=spec.priority,
         )
-        job, created, event = await asyncio.to_thread(
+        job, created, event = await self.io.write(
             self.store.create_job,
             record,
             idempotency_key=idempotency_key,
@@ -183,7 +204,7 @@ class Orchestrator:
         )
         if created:
             log.info("job %s queued (priority %d)", job.id, job.priority)
-            self._published(job.id, event)
+            self._published(job.id, event, status=job.status)
             self._wake.set()
         return job, created
 
@@ -259,26 +280,48 @@ class Orchestrator:
         self._wake.set()
         return done
 
+    async def delete(self, job_id: str) -> JobRecord:
+        """Delete a finished job: its row marked deleted, its directory removed."""
+        job = await asyncio.to_thread(delete_job, self.settings, self.store, job_id)
+        if job is None:
+            raise NotFound(f"no job with id {job_id!r}", code="job_not_found", param="job_id")
+        self.hub.notify(job_id)  # its followers re-read the store and end
+        return job
+
+    async def _retain(self, job_id: str) -> None:
+        """RP_KEEP_FINISHED_CHECKPOINTS, applied once a job has ended."""
+        try:
+            await asyncio.to_thread(prune_checkpoints, self.settings, self.store, job_id)
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("job %s: pruning its checkpoints failed: %s", job_id, exc)
+
     # ------------------------------------------------------------ store + fan-out
 
-    def _published(self, job_id: str, event: EventRecord | None) -> None:
+    # Every event write goes through the store's writer thread, so a job's events are
+    # committed, and then published, in id order.
+
+    def _published(
+        self, job_id: str, event: EventRecord | None, *, status: str | None = None
+    ) -> None:
         if event is not None:
             self.events_appended += 1
-            self.hub.notify(job_id)
+            self.hub.publish(job_id, event, status=status)
 
     async def _transition(
         self, job_id: str, from_statuses: list[str], to: str, **kwargs: Any
     ) -> JobRecord | None:
-        result = await asyncio.to_thread(self.store.transition, job_id, from_statuses, to, **kwargs)
+        result = await self.io.write(self.store.transition, job_id, from_statuses, to, **kwargs)
         if result is None:
             return None
         job, event = result
         log.info("job %s: %s", job_id, to)
-        self._published(job_id, event)
+        self._published(job_id, event, status=job.status)
+        if to in TERMINAL_STATUSES:
+            await self._retain(job_id)
         return job
 
     async def _event(self, job_id: str, **kwargs: Any) -> None:
-        event = await asyncio.to_thread(self.store.append_event, job_id, **kwargs)
+        event = await self.io.write(self.store.append_event, job_id, **kwargs)
         self._published(job_id, event)
 
     # ------------------------------------------------------------ scheduling
@@ -303,6 +346,8 @@ class Orchestrator:
             if self.gpu_ids and wanted > 0:
                 free = [g for g in self.gpu_ids if g not in self._busy_gpus]
                 if len(free) < wanted:
+                    if self.gpus_wanted is not None:
+                        self.gpus_wanted()  # idle served models give their GPUs back
                     return  # strict FIFO within a priority: nobody overtakes the head
                 gpus = free[:wanted]
             else:
@@ -325,6 +370,25 @@ class Orchestrator:
         else:
             self._cpu_jobs -= 1
         self._wake.set()
+
+    # GPUs lent to chat serving (rp_service/serving/manager.py): out of the jobs' pool
+    # until returned, so a job waits for a served model to go idle as for another job.
+
+    def lend_gpu(self) -> int | None:
+        """A GPU no job holds, taken out of the pool; None while every GPU is held."""
+        free = [g for g in self.gpu_ids if g not in self._busy_gpus]
+        if not free:
+            return None
+        self._busy_gpus.add(free[0])
+        return free[0]
+
+    def return_gpu(self, gpu: int) -> None:
+        self._busy_gpus.discard(gpu)
+        self._wake.set()
+
+    def gpu_jobs(self) -> dict[int, str]:
+        """GPU id -> the job whose worker holds it."""
+        return {g: w.job_id for w in self._workers.values() for g in w.gpus}
 
     async def _launch(self, job: JobRecord, gpus: list[int]) -> None:
         worker = WorkerHandle(job_id=job.id, gpus=gpus)
@@ -400,6 +464,9 @@ class Orchestrator:
             if log_file is not None:
                 log_file.close()
             self._release(worker)
+            if exc.errno in _TRANSIENT_START_ERRNOS:
+                await self._requeue_unstarted(job, exc)
+                return
             code = "disk_full" if exc.errno == errno.ENOSPC else "worker_failed"
             await self._finish_failed(
                 job.id, f"could not start the worker: {exc}", code=code, gpus=[]
@@ -418,6 +485,22 @@ class Orchestrator:
         task = asyncio.create_task(self._watch(worker, log_file), name=f"rp-watch-{job.id}")
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
+
+    async def _requeue_unstarted(self, job: JobRecord, exc: OSError) -> None:
+        """Back to the queue, attempt unchanged, and a wake-up after a pause: the resource
+        that was short (files, processes, memory) is often free again a moment later."""
+        await self._transition(
+            job.id,
+            ["running"],
+            "queued",
+            level="warning",
+            message=f"could not start the worker ({exc.strerror or exc}): job re-queued, "
+            f"tried again in {_START_RETRY_S:g} s",
+            event_data={"reason": errno.errorcode.get(exc.errno or 0, "unknown")},
+            attempt=job.attempt,
+            gpus=[],
+        )
+        asyncio.get_running_loop().call_later(_START_RETRY_S, self._wake.set)
 
     # ------------------------------------------------------------ control
 

@@ -8,11 +8,10 @@ import tarfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-from sse_starlette import ServerSentEvent
-
 from rp_service.errors import NotFound
 from rp_service.jobs.events import EventHub, sse_stream
 from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
+from rp_service.jobs.store_io import StoreIO
 from rp_service.schemas import TERMINAL_STATUSES
 from rp_service.settings import Settings
 
@@ -42,10 +41,13 @@ _TAR_CHUNK_BYTES = 1 << 20
 class JobOutputs:
     """Read-side services of a job; each checks that the job exists first (404)."""
 
-    def __init__(self, settings: Settings, store: Store, hub: EventHub) -> None:
+    def __init__(
+        self, settings: Settings, store: Store, hub: EventHub, *, io: StoreIO | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.hub = hub
+        self.io = io if io is not None else StoreIO(store)
 
     async def _job(self, job_id: str) -> JobRecord:
         job = await asyncio.to_thread(self.store.get_job, job_id)
@@ -57,15 +59,14 @@ class JobOutputs:
         self, job_id: str, *, after: int, limit: int
     ) -> tuple[list[EventRecord], bool]:
         await self._job(job_id)
-        events = await asyncio.to_thread(
-            self.store.list_events, job_id, after=after, limit=limit + 1
-        )
+        events = await self.io.read(self.store.list_events, job_id, after=after, limit=limit + 1)
         return events[:limit], len(events) > limit
 
-    async def event_stream(self, job_id: str, *, after: int) -> AsyncIterator[ServerSentEvent]:
+    async def event_stream(self, job_id: str, *, after: int) -> AsyncIterator[bytes]:
         """Checks the job (so a 404 comes before the stream starts), then the SSE stream."""
+        await self.hub.admit()
         await self._job(job_id)
-        return sse_stream(self.store, self.hub, job_id, after=after)
+        return sse_stream(self.io, self.hub, job_id, after=after)
 
     async def metric_series(self, job_id: str) -> dict[str, list[float | int | None]]:
         """One row per step, in step order: a step trained again after a resume keeps the
@@ -75,7 +76,7 @@ class JobOutputs:
         names = SERIES_COLUMNS
         after = 0
         while True:
-            page = await asyncio.to_thread(
+            page = await self.io.read(
                 self.store.list_events, job_id, after=after, limit=5000, type_="metrics"
             )
             for event in page:
@@ -150,6 +151,8 @@ class JobOutputs:
 def _read_from(path: Path, offset: int, size: int) -> bytes:
     try:
         with path.open("rb") as f:
+            if offset >= os.fstat(f.fileno()).st_size:
+                return b""  # past the end (up to 2**63 - 1): nothing yet, not an error
             f.seek(offset)
             return f.read(size)
     except FileNotFoundError:

@@ -35,6 +35,7 @@ _LEVELS = {"info", "warning", "error"}
 _PROGRESS_KEYS = ("step", "total_steps", "epoch", "eta_seconds")
 _METRIC_KEYS = ("train_loss", "valid_loss", "learning_rate", "grad_norm", "tokens_per_second")
 _MESSAGE_CHARS = 4000
+_SECRET_ENV = frozenset({"RP_TOKEN"})
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 Outcome = Literal["cancelled", "succeeded", "paused", "failed"]
@@ -89,7 +90,8 @@ def prepare_job_dir(
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     log_file.write(f"--- rp_service: attempt {attempt} starting at {stamp}\n".encode())
     log_file.flush()
-    env = dict(os.environ)
+    # Not the daemon's secrets: a worker runs code from user-supplied model folders.
+    env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p

@@ -8,25 +8,52 @@ resolved, that `data.seq_len` fits the model, that enough GPUs exist.
 from __future__ import annotations
 
 import json
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from engine.catalog import FAMILIES, max_lora_rank, projection_shapes
 from rp_service.errors import InvalidRequest
 from rp_service.jobs.hostmem import budget_bytes, check_spec
 from rp_service.jobs.store import Store
-from rp_service.schemas import JobSpec
+from rp_service.schemas import JobSpec, LoraSection
 from rp_service.settings import Settings
-from rp_service.shapes import PRESET_DEFAULTS, check_lora_rank
 
-__all__ = ["PRESET_MAX_POSITIONS", "SpecResolver"]
+__all__ = ["SpecResolver", "check_lora_rank", "config_max_positions", "under_roots"]
 
-# Context length of a preset when `model.config` does not override
-# max_position_embeddings: Qwen3's released configs use 40960, Llama 3's 8192.
-PRESET_MAX_POSITIONS = {"qwen3": 40960, "llama": 8192}
-# The other families: Qwen2.5's and Mistral 7B v0.3's 32768, Qwen3-30B-A3B's 40960,
-# gpt-oss's 131072.
-PRESET_MAX_POSITIONS.update(qwen2=32768, mistral=32768, qwen3_moe=40960, gpt_oss=131072)
+
+def _within(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return False
+    return True
+
+
+def under_roots(raw: str, roots: list[Path]) -> Path | None:
+    """The resolved path when `raw` is absolute, exists and lies under one of `roots`.
+
+    None otherwise, for a missing path and for one outside alike, so neither can be told
+    from the other. A path outside every root by its text is refused before the file
+    system is asked anything about it; symlinks are then resolved and checked again.
+    """
+    path = Path(raw)
+    if not path.is_absolute():
+        return None
+    lexical = Path(os.path.normpath(path))
+    bases = [Path(os.path.normpath(root.absolute())) for root in roots]
+    if not any(_within(lexical, base) for base in bases):
+        bases_resolved = [root.resolve() for root in roots]  # a root given through a symlink
+        if not any(_within(lexical, base) for base in bases_resolved):
+            return None
+    try:
+        resolved = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    if any(_within(resolved, root.resolve()) for root in roots):
+        return resolved
+    return None
 
 
 def _under_roots(raw: str, roots: list[Path], *, param: str, env: str) -> Path:
@@ -38,30 +65,41 @@ def _under_roots(raw: str, roots: list[Path], *, param: str, env: str) -> Path:
             code="path_not_allowed",
             param=param,
         )
-    path = Path(raw)
-    if not path.is_absolute():
+    if not Path(raw).is_absolute():
         raise InvalidRequest(
             f"{param}: give an absolute path under {env} ({', '.join(map(str, roots))}); got {raw!r}",
             code="path_not_allowed",
             param=param,
         )
-    try:
-        resolved = path.resolve(strict=True)
-    except (OSError, RuntimeError):
+    resolved = under_roots(raw, roots)
+    if resolved is None:
+        # One message for "missing" and "outside": which files exist is not told.
         raise InvalidRequest(
-            f"{param}: {raw!r} does not exist", code="path_not_found", param=param
-        ) from None
-    for root in roots:
-        try:
-            resolved.relative_to(root.resolve())
-            return resolved
-        except ValueError:
-            continue
-    raise InvalidRequest(
-        f"{param}: {raw!r} resolves outside the allowed roots {env}={','.join(map(str, roots))}",
-        code="path_not_allowed",
-        param=param,
-    )
+            f"{param}: {raw!r} is not an existing path under the allowed roots "
+            f"{env}={','.join(map(str, roots))}",
+            code="path_not_allowed",
+            param=param,
+        )
+    return resolved
+
+
+def check_lora_rank(lora: LoraSection, config: dict[str, Any]) -> None:
+    """Raise InvalidRequest (param ``lora.rank``) when the rank is above an adapted layer's
+    `engine.catalog.max_lora_rank` (the engine refuses it as well, later)."""
+    shapes = projection_shapes(config)
+    if shapes is None:
+        return
+    limits = {name: max_lora_rank(*shapes[name]) for name in lora.target_modules}
+    narrowest = min(limits, key=lambda name: limits[name])
+    limit = limits[narrowest]
+    if lora.rank > limit:
+        fan_in, fan_out = shapes[narrowest]
+        raise InvalidRequest(
+            f"lora.rank: {lora.rank} is above the width of the model's {narrowest} layers "
+            f"({fan_in} -> {fan_out} features); use a rank of at most {limit}",
+            code="lora_rank_too_large",
+            param="lora.rank",
+        )
 
 
 def config_max_positions(config: dict[str, Any] | None) -> int | None:
@@ -78,7 +116,8 @@ class SpecResolver:
         self.store = store
 
     def check(self, spec: JobSpec, *, gpu_count: int) -> None:
-        """Raise InvalidRequest, naming the field, for what this daemon cannot run."""
+        """Raise InvalidRequest or JobFailure, naming the field, for what this daemon
+        cannot run."""
         path_config = self._path_config(spec)  # config.json of a model folder, read once
         max_positions = self._max_positions(spec, path_config)
         if max_positions is not None and spec.data.seq_len > max_positions:
@@ -139,6 +178,7 @@ class SpecResolver:
             "tokenizer_path": tokenizer_path,
             "output_dir": str(job_dir / "output"),
             "checkpoint_dir": str(job_dir / "checkpoints"),
+            "min_free_bytes": self.settings.min_free_bytes,
         }
 
     def _model_dir(self, raw: str, *, param: str) -> Path:
@@ -158,7 +198,7 @@ class SpecResolver:
             override = spec.model.config.get("max_position_embeddings")
             if isinstance(override, int) and not isinstance(override, bool) and override > 0:
                 return override
-            return PRESET_MAX_POSITIONS[spec.model.preset]
+            return FAMILIES[spec.model.preset].max_positions
         return config_max_positions(path_config)
 
     def _path_config(self, spec: JobSpec) -> dict[str, Any] | None:
@@ -181,7 +221,7 @@ class SpecResolver:
     ) -> dict[str, Any] | None:
         """The model's HF config fields: a preset's defaults with the overrides, or config.json."""
         if spec.model.preset is not None:
-            defaults = PRESET_DEFAULTS.get(spec.model.preset)
+            defaults = FAMILIES[spec.model.preset].config_defaults
             if defaults is None:
                 return None  # no shape defaults here: the worker checks the rank (invalid_lora)
             return {**defaults, **spec.model.config}

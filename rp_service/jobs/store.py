@@ -1,5 +1,7 @@
 """All SQL: jobs, events, files, checkpoints and idempotency keys in SQLite (WAL).
 
+The OpenAI-compatible API's table and reads are in `rp_service.jobs.openai_store`.
+
 One connection per thread (sqlite3 objects must not cross threads); async callers go
 through `asyncio.to_thread`. Writes that must be atomic (a transition and its status
 event, a job and its idempotency key) run in one `BEGIN IMMEDIATE` transaction.
@@ -18,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rp_service.errors import Conflict
+from rp_service.errors import Conflict, ServiceError
+from rp_service.schemas import TERMINAL_STATUSES
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -26,15 +29,12 @@ __all__ = [
     "EventRecord",
     "FileRecord",
     "JobRecord",
-    "OpenAIJobRecord",
-    "OpenAIStore",
     "Store",
     "StoreUnusable",
 ]
 
 log = logging.getLogger(__name__)
 
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 # Each entry migrates from version i to i + 1; `PRAGMA user_version` records where a DB is.
 _MIGRATIONS: list[str] = [
@@ -102,6 +102,11 @@ _MIGRATIONS: list[str] = [
     """
     ALTER TABLE jobs ADD COLUMN parameters TEXT;
     """,
+    # 3: when a finished job was deleted (DELETE /v1/jobs/{id}): its row stays, so its id
+    # and idempotency key are never reused, but no read returns it.
+    """
+    ALTER TABLE jobs ADD COLUMN deleted_at INTEGER;
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -148,6 +153,7 @@ class JobRecord:
     worker_started: str | None = None
     seq: int = 0
     parameters: dict[str, int] | None = None
+    deleted_at: int | None = None
 
 
 @dataclass(slots=True)
@@ -222,8 +228,11 @@ def _encode(key: str, value: Any) -> Any:
     return json.dumps(value) if key in _JSON_COLUMNS and value is not None else value
 
 
-class StoreUnusable(RuntimeError):
+class StoreUnusable(ServiceError, RuntimeError):
     """The store file exists but is not a usable RoundPipe store; the daemon refuses to start."""
+
+    status_code = 503
+    default_code = "store_unusable"
 
 
 class Store:
@@ -357,6 +366,13 @@ class Store:
                     existing = conn.execute(
                         "SELECT * FROM jobs WHERE id = ?", (row["job_id"],)
                     ).fetchone()
+                    if existing["deleted_at"] is not None:
+                        raise Conflict(
+                            f"this Idempotency-Key made job {row['job_id']}, which has been "
+                            "deleted; use a new key for a new job",
+                            code="idempotency_key_reused",
+                            param="Idempotency-Key",
+                        )
                     return _job_from_row(existing), False, None
             conn.execute(
                 "INSERT INTO jobs (id, name, status, created_at, priority, spec) "
@@ -381,24 +397,25 @@ class Store:
             return _job_from_row(row), True, event
 
     def get_job(self, job_id: str) -> JobRecord | None:
-        row = self._conn().execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = (
+            self._conn()
+            .execute("SELECT * FROM jobs WHERE id = ? AND deleted_at IS NULL", (job_id,))
+            .fetchone()
+        )
         return _job_from_row(row) if row is not None else None
 
     def list_jobs(
         self, *, status: str | None = None, after: str | None = None, limit: int = 20
     ) -> tuple[list[JobRecord], bool]:
         """Newest first; `after` is the id of the last job of the previous page."""
-        where, args = [], []
+        where, args = ["deleted_at IS NULL"], []
         if status is not None:
             where.append("status = ?")
             args.append(status)
         if after is not None:
             where.append("seq < COALESCE((SELECT seq FROM jobs WHERE id = ?), -1)")
             args.append(after)
-        sql = "SELECT * FROM jobs"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY seq DESC LIMIT ?"
+        sql = "SELECT * FROM jobs WHERE " + " AND ".join(where) + " ORDER BY seq DESC LIMIT ?"
         rows = self._conn().execute(sql, (*args, limit + 1)).fetchall()
         return [_job_from_row(r) for r in rows[:limit]], len(rows) > limit
 
@@ -407,7 +424,8 @@ class Store:
         wanted = list(statuses)
         marks = ",".join("?" * len(wanted))
         rows = self._conn().execute(
-            f"SELECT * FROM jobs WHERE status IN ({marks}) ORDER BY priority DESC, seq ASC",
+            f"SELECT * FROM jobs WHERE status IN ({marks}) AND deleted_at IS NULL "
+            "ORDER BY priority DESC, seq ASC",
             wanted,
         )
         return [_job_from_row(r) for r in rows.fetchall()]
@@ -417,7 +435,9 @@ class Store:
         return [_job_from_row(r) for r in rows.fetchall()]
 
     def count_by_status(self) -> dict[str, int]:
-        rows = self._conn().execute("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status")
+        rows = self._conn().execute(
+            "SELECT status, COUNT(*) AS n FROM jobs WHERE deleted_at IS NULL GROUP BY status"
+        )
         return {r["status"]: r["n"] for r in rows.fetchall()}
 
     def update_job(self, job_id: str, **fields: Any) -> JobRecord | None:
@@ -457,7 +477,7 @@ class Store:
         Returns None (and changes nothing) when the job is not in one of `from_statuses`.
         A terminal status never changes, whatever `from_statuses` says.
         """
-        allowed = [s for s in from_statuses if s not in TERMINAL]
+        allowed = [s for s in from_statuses if s not in TERMINAL_STATUSES]
         if not allowed:
             return None
         with self._write() as conn:
@@ -465,7 +485,7 @@ class Store:
             if row is None or row["status"] not in allowed:
                 return None
             previous = row["status"]
-            if to in TERMINAL and "finished_at" not in fields:
+            if to in TERMINAL_STATUSES and "finished_at" not in fields:
                 fields["finished_at"] = _now()
             self._update(conn, job_id, {"status": to, **fields})
             data = {"status": to, "previous": previous, **(event_data or {})}
@@ -481,6 +501,30 @@ class Store:
                 conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
             )
         return job, event
+
+    def mark_deleted(self, job_id: str) -> JobRecord | None:
+        """Mark a finished job deleted and drop its events and checkpoint rows, atomically.
+
+        Returns the job as it was, or None when there is no such (undeleted) job.
+        Raises Conflict when the job has not finished.
+        """
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT * FROM jobs WHERE id = ? AND deleted_at IS NULL", (job_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            if row["status"] not in TERMINAL_STATUSES:
+                raise Conflict(
+                    f"job {job_id} is {row['status']}; only a finished job (succeeded, failed "
+                    "or cancelled) can be deleted: cancel it first",
+                    code="job_not_deletable",
+                    param="job_id",
+                )
+            conn.execute("UPDATE jobs SET deleted_at = ? WHERE id = ?", (_now(), job_id))
+            conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
+            conn.execute("DELETE FROM checkpoints WHERE job_id = ?", (job_id,))
+        return _job_from_row(row)
 
     # ------------------------------------------------------------ events
 
@@ -560,6 +604,19 @@ class Store:
         rows = self._conn().execute(sql, (*args, limit)).fetchall()
         return [_event_from_row(r) for r in rows]
 
+    def last_events(self, job_id: str, *, limit: int) -> list[EventRecord]:
+        """The newest `limit` events, ascending."""
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT * FROM (SELECT * FROM events WHERE job_id = ? ORDER BY id DESC LIMIT ?) "
+                "ORDER BY id ASC",
+                (job_id, limit),
+            )
+            .fetchall()
+        )
+        return [_event_from_row(r) for r in rows]
+
     def count_events(self) -> int:
         return int(self._conn().execute("SELECT COUNT(*) FROM events").fetchone()[0])
 
@@ -570,6 +627,13 @@ class Store:
             "SELECT * FROM checkpoints WHERE job_id = ? ORDER BY step ASC", (job_id,)
         )
         return [_checkpoint_from_row(r) for r in rows.fetchall()]
+
+    def delete_checkpoints(self, job_id: str, steps: Iterable[int]) -> None:
+        with self._write() as conn:
+            conn.executemany(
+                "DELETE FROM checkpoints WHERE job_id = ? AND step = ?",
+                [(job_id, step) for step in steps],
+            )
 
     def get_checkpoint(self, job_id: str, step: int) -> CheckpointRecord | None:
         row = (
@@ -627,131 +691,3 @@ class Store:
 def _file_from_row(row: sqlite3.Row) -> FileRecord:
     values = {k: row[k] for k in row.keys() if k != "seq"}  # noqa: SIM118
     return FileRecord(**values)
-
-
-# ---------------------------------------------------------------- OpenAI-compatible API
-
-# What the OpenAI fine-tuning API keeps about a job beyond the JobSpec (model name as
-# given, suffix, metadata, the hyperparameters as resolved, the request's hash for retry
-# detection). A table of its own, created on first use with IF NOT EXISTS rather than as
-# a schema migration: a database from before opens unchanged, and an older daemon opening
-# a newer database just never reads the table.
-_OPENAI_SCHEMA = """
-CREATE TABLE IF NOT EXISTS openai_jobs (
-    job_id TEXT PRIMARY KEY,
-    body_sha256 TEXT NOT NULL,
-    created_at INTEGER NOT NULL,
-    fields TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS openai_jobs_body ON openai_jobs (body_sha256, created_at);
-"""
-
-
-@dataclass(slots=True)
-class OpenAIJobRecord:
-    job_id: str
-    body_sha256: str
-    created_at: int
-    fields: dict[str, Any]
-
-
-def _openai_job_from_row(row: sqlite3.Row) -> OpenAIJobRecord:
-    return OpenAIJobRecord(
-        job_id=row["job_id"],
-        body_sha256=row["body_sha256"],
-        created_at=row["created_at"],
-        fields=json.loads(row["fields"]),
-    )
-
-
-class OpenAIStore:
-    """The OpenAI API's side of the store: its job table, and the reads it needs that the
-    native API does not (events newest first, a retried upload). Shares `Store`'s
-    connections, so it sees every write of the native API at once."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._created = False
-
-    def _conn(self) -> sqlite3.Connection:
-        conn = self.store._conn()
-        if not self._created:
-            conn.executescript(_OPENAI_SCHEMA)  # idempotent, so a race between threads is harmless
-            self._created = True
-        return conn
-
-    def add_job(self, record: OpenAIJobRecord) -> None:
-        self._conn().execute(
-            "INSERT OR REPLACE INTO openai_jobs (job_id, body_sha256, created_at, fields) "
-            "VALUES (?, ?, ?, ?)",
-            (record.job_id, record.body_sha256, record.created_at, json.dumps(record.fields)),
-        )
-
-    def get_jobs(self, job_ids: Iterable[str]) -> dict[str, OpenAIJobRecord]:
-        """The OpenAI records of these jobs; jobs made through the native API have none."""
-        wanted = list(job_ids)
-        if not wanted:
-            return {}
-        marks = ",".join("?" * len(wanted))
-        rows = (
-            self._conn()
-            .execute(f"SELECT * FROM openai_jobs WHERE job_id IN ({marks})", wanted)
-            .fetchall()
-        )
-        return {r["job_id"]: _openai_job_from_row(r) for r in rows}
-
-    def find_retried_job(self, body_sha256: str, *, since: int) -> OpenAIJobRecord | None:
-        """The newest job created since `since` from a request body with this hash."""
-        row = (
-            self._conn()
-            .execute(
-                "SELECT * FROM openai_jobs WHERE body_sha256 = ? AND created_at >= ? "
-                "ORDER BY created_at DESC LIMIT 1",
-                (body_sha256, since),
-            )
-            .fetchone()
-        )
-        return _openai_job_from_row(row) if row is not None else None
-
-    def list_jobs_by_metadata(
-        self, metadata: dict[str, str] | None, *, after: str | None, limit: int
-    ) -> tuple[list[JobRecord], bool]:
-        """Jobs newest first whose metadata has every pair given; None: jobs without metadata
-        (those of the native API included). Keys are bound as JSON paths, never spliced."""
-        sql = "SELECT j.* FROM jobs j LEFT JOIN openai_jobs o ON o.job_id = j.id WHERE "
-        if metadata is None:
-            where = ["json_extract(o.fields, '$.metadata') IS NULL"]
-            args: list[Any] = []
-        else:
-            where = ["json_extract(o.fields, ?) = ?"] * len(metadata)
-            args = [a for k, v in metadata.items() for a in (f'$.metadata."{k}"', v)]
-        if after is not None:
-            where.append("j.seq < COALESCE((SELECT seq FROM jobs WHERE id = ?), -1)")
-            args.append(after)
-        sql += " AND ".join(where) + " ORDER BY j.seq DESC LIMIT ?"
-        rows = self._conn().execute(sql, (*args, limit + 1)).fetchall()
-        return [_job_from_row(r) for r in rows[:limit]], len(rows) > limit
-
-    def list_events_desc(self, job_id: str, *, before: int | None, limit: int) -> list[EventRecord]:
-        """Events newest first, with id < `before` (all when None): OpenAI's order."""
-        sql = "SELECT * FROM events WHERE job_id = ?"
-        args: list[Any] = [job_id]
-        if before is not None:
-            sql += " AND id < ?"
-            args.append(before)
-        sql += " ORDER BY id DESC LIMIT ?"
-        rows = self._conn().execute(sql, (*args, limit)).fetchall()
-        return [_event_from_row(r) for r in rows]
-
-    def find_retried_file(self, sha256: str, filename: str, *, since: int) -> FileRecord | None:
-        """The newest upload since `since` of the same bytes under the same name."""
-        row = (
-            self._conn()
-            .execute(
-                "SELECT * FROM files WHERE sha256 = ? AND filename = ? AND created_at >= ? "
-                "ORDER BY seq DESC LIMIT 1",
-                (sha256, filename, since),
-            )
-            .fetchone()
-        )
-        return _file_from_row(row) if row is not None else None

@@ -5,10 +5,15 @@ into a hidden temporary sibling, flushed to disk, then renamed into place, so a 
 with a checkpoint name is always whole: a crash leaves at most a ``.tmp-*`` directory,
 which `remove_partial` deletes on the next start. After each commit only the newest
 `keep` checkpoints stay.
+
+A training job's checkpoint (`save_training_checkpoint`, `read_training_checkpoint`) holds
+four safetensors files (the model copy the next forward reads, the master weights, the
+optimizer state, the random generators), the model's config.json and state.json.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -24,16 +29,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 __all__ = [
+    "CHECKPOINT_VERSION",
+    "MASTER_FILE",
+    "MODEL_FILE",
+    "OPTIMIZER_FILE",
+    "RNG_FILE",
     "STATE_FILE",
     "CheckpointInfo",
+    "TrainingState",
     "capture_rng",
     "flatten_optimizer_state",
     "latest_checkpoint",
     "list_checkpoints",
     "read_checkpoint",
+    "read_training_checkpoint",
     "remove_partial",
     "restore_rng",
     "rotate",
+    "save_training_checkpoint",
     "unflatten_optimizer_state",
     "write_checkpoint",
 ]
@@ -117,6 +130,7 @@ def write_checkpoint(
     state: dict[str, Any],
     files: dict[str, bytes] | None = None,
     keep: int,
+    min_free_bytes: int = 0,
 ) -> tuple[Path, int]:
     """Write and commit the checkpoint of `step`, then rotate; return `(path, size_bytes)`.
 
@@ -125,9 +139,18 @@ def write_checkpoint(
         state: JSON-serialisable state, written last as ``state.json``.
         files: other files (name -> bytes), e.g. ``config.json``.
         keep: how many checkpoints to keep after this one is committed.
+        min_free_bytes: refuse to start writing (ENOSPC) with less free space than this.
     """
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if free < min_free_bytes:
+        # Refused before a byte is written: a checkpoint is whole or absent, never half.
+        raise OSError(
+            errno.ENOSPC,
+            f"{free} bytes free, below RP_MIN_FREE_BYTES={min_free_bytes}",
+            str(root),
+        )
     final = root / _dir_name(step)
     tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
     if tmp.exists():
@@ -242,3 +265,101 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     )
     py = meta["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+
+
+# ---------------------------------------------------------------- a training job's checkpoint
+
+MODEL_FILE = "model.safetensors"  # HF names, model dtype: what the next forward reads
+MASTER_FILE = "master.safetensors"  # the optimizer-side weights, keyed "0", "1", ...
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+CHECKPOINT_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingState:
+    """A job's checkpoint read back: what a resumed run restores."""
+
+    path: Path
+    step: int
+    model: dict[str, torch.Tensor]  # the weights the first resumed forward reads
+    masters: list[torch.Tensor]  # in the RoundPipe's optim_parameters() order
+    optimizer: dict[str, Any]  # an optimizer state_dict
+    scheduler: dict[str, Any]  # an lr scheduler state_dict
+    trained_tokens: int
+    num_blocks: int | None  # training sequences when it was written
+    rng_tensors: dict[str, torch.Tensor]
+    rng_meta: dict[str, Any]
+
+    def restore_rng(self) -> None:
+        """Put the random generators back to where the checkpoint left them."""
+        restore_rng(self.rng_tensors, self.rng_meta)
+
+
+def save_training_checkpoint(
+    checkpoint_dir: str | Path,
+    step: int,
+    *,
+    model: dict[str, torch.Tensor],
+    masters: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    progress: dict[str, Any],
+    config_json: bytes,
+    keep: int,
+    min_free_bytes: int = 0,
+) -> tuple[Path, int]:
+    """Commit the checkpoint of `step` (`write_checkpoint`); return `(path, size_bytes)`.
+
+    Args:
+        model: the model-copy weights the next forward reads (all, or a LoRA job's adapters).
+        masters: the optimizer-side weights.
+        progress: JSON fields of the run beside the step (total_steps, trained_tokens,
+            num_blocks, data_position, metrics, method).
+        config_json: the model's config.json.
+        min_free_bytes: as `write_checkpoint`.
+    """
+    opt_tensors, opt_meta = flatten_optimizer_state(optimizer.state_dict())
+    rng_tensors, rng_meta = capture_rng()
+    tensors = {
+        MODEL_FILE: model,
+        MASTER_FILE: {str(i): p.detach().clone() for i, p in enumerate(masters)},
+        OPTIMIZER_FILE: opt_tensors,
+        RNG_FILE: rng_tensors,
+    }
+    state = {
+        "version": CHECKPOINT_VERSION,
+        "step": step,
+        **progress,
+        "optimizer": opt_meta,
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_meta,
+        "parameter_shapes": [list(p.shape) for p in masters],
+    }
+    return write_checkpoint(
+        checkpoint_dir,
+        step,
+        tensors=tensors,
+        state=state,
+        files={"config.json": config_json},
+        keep=keep,
+        min_free_bytes=min_free_bytes,
+    )
+
+
+def read_training_checkpoint(info: CheckpointInfo) -> TrainingState:
+    """The checkpoint `save_training_checkpoint` wrote at `info`."""
+    tensors, state = read_checkpoint(info.path)
+    masters = tensors[MASTER_FILE]
+    return TrainingState(
+        path=info.path,
+        step=int(state["step"]),
+        model=tensors[MODEL_FILE],
+        masters=[masters[str(i)] for i in range(len(masters))],
+        optimizer=unflatten_optimizer_state(tensors[OPTIMIZER_FILE], state["optimizer"]),
+        scheduler=state["scheduler"],
+        trained_tokens=int(state.get("trained_tokens", 0)),
+        num_blocks=state.get("num_blocks"),
+        rng_tensors=tensors[RNG_FILE],
+        rng_meta=state["rng"],
+    )

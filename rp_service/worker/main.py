@@ -231,8 +231,9 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
     """Run the job in `job_dir`; return the process exit code."""
     from pydantic import ValidationError
 
+    from ..errors import JobFailure
     from ..schemas import JobSpec
-    from .training import JobFailure, JobPaths, run_job
+    from .training import JobPaths, run_job
 
     try:
         payload = json.loads((job_dir / "spec.json").read_text())

@@ -1,8 +1,8 @@
 """Build the Hugging Face model a job trains: a randomly initialised preset or a local directory.
 
 Presets map to transformers classes (``qwen3`` -> Qwen3Config / Qwen3ForCausalLM, ``llama``
--> LlamaConfig / LlamaForCausalLM, and ``qwen2``, ``mistral``, ``qwen3_moe``, ``gpt_oss``;
-see `PRESETS`), the ones the engine has sequential presets for; the
+-> LlamaConfig / LlamaForCausalLM, and ``qwen2``, ``mistral``, ``qwen3_moe``, ``gpt_oss``),
+the families of `engine.catalog.FAMILIES`, which the engine has sequential presets for; the
 spec's ``model.config`` overrides the config's defaults. A local directory must hold a
 ``config.json`` of one of those model types and ``*.safetensors`` weights.
 """
@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 
+from engine.catalog import FAMILIES, PRESET_NAMES
+
+from ..errors import JobFailure
+
 __all__ = [
     "DTYPES",
-    "PRESETS",
     "ModelError",
     "build_model",
 ]
@@ -29,33 +32,21 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-PRESETS: dict[str, tuple[str, str]] = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # Qwen2 and Qwen2.5
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
-}
-"""Preset name (and HF ``model_type``) -> (config class, model class) in transformers."""
-
 _VOCAB_MULTIPLE = 8  # embedding rows a preset's vocabulary is rounded up to
 
 
-class ModelError(ValueError):
+class ModelError(JobFailure, ValueError):
     """The model section cannot be built; `param` names the spec field to change."""
 
     def __init__(self, message: str, *, param: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+        super().__init__("invalid_model", message, param=param)
 
 
 def _classes(model_type: str) -> tuple[Any, Any]:
     import transformers
 
-    config_name, model_name = PRESETS[model_type]
-    return getattr(transformers, config_name), getattr(transformers, model_name)
+    family = FAMILIES[model_type]
+    return getattr(transformers, family.config_class), getattr(transformers, family.model_class)
 
 
 def _preset_config(preset: str, overrides: dict[str, Any], vocab_size: int) -> Any:
@@ -107,7 +98,7 @@ def build_model(
     """Return the HF causal LM of a job, in `dtype`, in training mode, without KV cache.
 
     Args:
-        preset: a `PRESETS` name for a randomly initialised model (seeded by `seed`).
+        preset: an `engine.catalog.PRESET_NAMES` name for a randomly initialised model (seeded by `seed`).
         config_overrides: HF config fields for a preset.
         path: a local HF model directory instead of a preset.
         vocab_size: ids of the job's tokenizer; the embedding must cover them.
@@ -117,9 +108,9 @@ def build_model(
     """
     torch_dtype = DTYPES[dtype]
     if preset is not None:
-        if preset not in PRESETS:
+        if preset not in FAMILIES:
             raise ModelError(
-                f"unknown model.preset {preset!r}; use one of {sorted(PRESETS)}",
+                f"unknown model.preset {preset!r}; use one of {sorted(PRESET_NAMES)}",
                 param="model.preset",
             )
         config = _preset_config(preset, config_overrides, vocab_size)
@@ -140,10 +131,10 @@ def build_model(
             raise ModelError(
                 f"cannot read {directory / 'config.json'}: {exc}", param="model.path"
             ) from exc
-        if config.model_type not in PRESETS:
+        if config.model_type not in FAMILIES:
             raise ModelError(
                 f"model type {config.model_type!r} has no RoundPipe preset; supported: "
-                f"{sorted(PRESETS)}",
+                f"{sorted(PRESET_NAMES)}",
                 param="model.path",
             )
         if config.vocab_size < vocab_size:

@@ -112,7 +112,7 @@ def test_fp32_lora_trains_like_peft_on_cuda(
     cuda_devices: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import engine.models
-    from engine.adapters.lora import adapter_state_dict, load_adapter_state_dict
+    from engine.adapters.peft_format import adapter_state_dict, load_adapter_state_dict
     from engine.attribute import ParamAttribute
     from engine.models import causal_lm_loss_fn
     from engine.optim import Adam
@@ -161,7 +161,7 @@ def test_fp32_lora_trains_like_peft_on_cuda(
 
 def test_fp16_lora_compiled_on_cuda_against_peft(cuda_devices: int) -> None:
     import engine.models
-    from engine.adapters.lora import load_adapter_state_dict
+    from engine.adapters.peft_format import load_adapter_state_dict
     from engine.models import _common, causal_lm_loss_fn
 
     assert not engine.models.DISABLE_TORCH_COMPILE

@@ -288,7 +288,8 @@ def test_compiled_chunked_loss_on_cuda(dtype: torch.dtype) -> None:
     largest entry (an fp32 exp that differs in its last bit can flip a rounding).
     """
     import engine.models
-    from engine.models import _common, chunked_cross_entropy_sum
+    from engine.models import chunked_cross_entropy_sum
+    from engine.models import loss as loss_module
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens, hidden_size, vocab = 1001, 128, 5003
@@ -296,7 +297,7 @@ def test_compiled_chunked_loss_on_cuda(dtype: torch.dtype) -> None:
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.05).to(dtype)
     targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     targets[::7] = -100
-    assert _common._fused_loss_kernels(hidden) is not None
+    assert loss_module._fused_loss_kernels(hidden) is not None
 
     def run(disable: bool):
         engine.models.DISABLE_TORCH_COMPILE = disable
@@ -360,7 +361,6 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
     )
     results = {}
     for recompute, compile_ in ((True, False), (False, False), (False, True)):
-        engine.models.RECOMPUTE_ATTENTION = recompute
         engine.models.DISABLE_TORCH_COMPILE = not compile_
         cudnn_calls.clear()
         try:
@@ -369,6 +369,7 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
                 model,
                 optim_dtype=torch.float32,
                 model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+                recompute_attention=recompute,
             )
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(_attention, "_cudnn_forward", counting_forward)
@@ -379,7 +380,6 @@ def test_attention_output_is_saved_not_recomputed_on_cuda(
                 )
             rp.synchronize()
         finally:
-            engine.models.RECOMPUTE_ATTENTION = False
             engine.models.DISABLE_TORCH_COMPILE = False
         results[(recompute, compile_)] = (loss.float(), hf_grads(model))
         if not compile_:

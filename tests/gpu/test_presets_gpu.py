@@ -161,7 +161,6 @@ def test_mistral_saves_attention_when_the_window_covers_the_sequence(
 ) -> None:
     """A window at least as long as the sequence is plain causal attention: the cuDNN
     output is kept for the recompute; a shorter one takes HF's masked attention."""
-    import engine.models
     from engine import ModelExecutePlan
     from engine.models import _attention
 
@@ -183,19 +182,21 @@ def test_mistral_saves_attention_when_the_window_covers_the_sequence(
 
     results = []
     for recompute in (True, False):
-        engine.models.RECOMPUTE_ATTENTION = recompute
-        try:
-            model = copy.deepcopy(ref)
-            rp = wrap(model, num_microbatch=2, optim_dtype=torch.float32, execute_plan=plan)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(_attention, "_cudnn_forward", counting_forward)
-                loss = rp.forward_backward(
-                    input_kwargs={"input_ids": ids, "labels": ids},
-                    loss_fn=lambda out, _: out.loss / 2,
-                )
-            rp.synchronize()
-        finally:
-            engine.models.RECOMPUTE_ATTENTION = False
+        model = copy.deepcopy(ref)
+        rp = wrap(
+            model,
+            num_microbatch=2,
+            optim_dtype=torch.float32,
+            execute_plan=plan,
+            recompute_attention=recompute,
+        )
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_attention, "_cudnn_forward", counting_forward)
+            loss = rp.forward_backward(
+                input_kwargs={"input_ids": ids, "labels": ids},
+                loss_fn=lambda out, _: out.loss / 2,
+            )
+        rp.synchronize()
         results.append((loss.float().cpu(), grads(model)))
     covers = window >= SEQ
     # With saving on: one kernel call per decoder layer and micro-batch, or none.

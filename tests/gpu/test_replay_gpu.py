@@ -36,27 +36,23 @@ def replay_settings() -> Iterator[None]:
 
 @pytest.fixture
 def math_attention() -> Iterator[None]:
-    """Deterministic attention: SDPA's math kernels, attention recomputed (not cuDNN's)."""
-    import engine.models
-
+    """Deterministic attention: SDPA's math kernels (not cuDNN's); the tests using it
+    also recompute attention (`_train(recompute_attention=True)`)."""
     backends = torch.backends.cuda
     saved = (
         backends.flash_sdp_enabled(),
         backends.mem_efficient_sdp_enabled(),
         backends.cudnn_sdp_enabled(),
-        engine.models.RECOMPUTE_ATTENTION,
     )
     backends.enable_flash_sdp(False)
     backends.enable_mem_efficient_sdp(False)
     backends.enable_cudnn_sdp(False)
-    engine.models.RECOMPUTE_ATTENTION = True
     try:
         yield
     finally:
         backends.enable_flash_sdp(saved[0])
         backends.enable_mem_efficient_sdp(saved[1])
         backends.enable_cudnn_sdp(saved[2])
-        engine.models.RECOMPUTE_ATTENTION = saved[3]
 
 
 def _model() -> torch.nn.Module:
@@ -72,7 +68,12 @@ PLAN = ModelExecutePlan.from_ranges(
 
 
 def _train(
-    *, replay: bool, grain: str, num_microbatch: int, steps: int = 3
+    *,
+    replay: bool,
+    grain: str,
+    num_microbatch: int,
+    steps: int = 3,
+    recompute_attention: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
     graphs.ENABLED = replay
     graphs.REPLAY_MAX_TOKENS = None
@@ -84,6 +85,7 @@ def _train(
         model_run_config=RoundPipeRunConfig(
             num_microbatch=num_microbatch, recompute_grain=grain, execute_plan=PLAN
         ),
+        recompute_attention=recompute_attention,
     )
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-3)
 
@@ -106,9 +108,10 @@ def _train(
 def test_replay_trains_bit_for_bit_like_the_compiled_calls(
     cuda_devices: int, replay_settings: None, math_attention: None, grain: str, num_microbatch: int
 ) -> None:
-    got_losses, got, counts = _train(replay=True, grain=grain, num_microbatch=num_microbatch)
-    expected_losses, expected, _ = _train(replay=False, grain=grain, num_microbatch=num_microbatch)
-    again_losses, again, _ = _train(replay=False, grain=grain, num_microbatch=num_microbatch)
+    kwargs = {"grain": grain, "num_microbatch": num_microbatch, "recompute_attention": True}
+    got_losses, got, counts = _train(replay=True, **kwargs)
+    expected_losses, expected, _ = _train(replay=False, **kwargs)
+    again_losses, again, _ = _train(replay=False, **kwargs)
     assert counts["replays"] > 0 and counts["failed"] == 0
     # the oracle is deterministic, or the bit-for-bit comparison below would mean nothing
     assert again_losses == expected_losses

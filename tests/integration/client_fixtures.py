@@ -121,7 +121,10 @@ class Daemon:
         return env
 
     def client(self, **kwargs: object) -> Client:
-        kwargs.setdefault("token", self.token)
+        if self.token is None:  # the token the daemon made (RP_DATA_DIR/token)
+            kwargs.setdefault("token_file", self.data_dir / "token")
+        else:
+            kwargs.setdefault("token", self.token)
         return Client(self.url, **kwargs)
 
     def start(self) -> None:
@@ -136,8 +139,9 @@ class Daemon:
             )
         deadline = time.monotonic() + START_TIMEOUT_S
         with httpx.Client(timeout=5.0) as http:
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
             while True:
+                token = self.token or _read(self.data_dir / "token")
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
                 if self.proc.poll() is not None:
                     pytest.fail(f"daemon exited ({self.proc.returncode}):\n{self.log_tail()}")
                 try:
@@ -166,6 +170,13 @@ class Daemon:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _require_server() -> None:

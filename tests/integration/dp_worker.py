@@ -61,7 +61,13 @@ def loss_fn(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def build(
-    *, shard: bool, microbatches: int, optimizer: str, process_group: Any, width: int = 17
+    *,
+    shard: bool,
+    microbatches: int,
+    optimizer: str,
+    process_group: Any,
+    width: int = 17,
+    batch_is_global: bool | None = None,
 ) -> tuple[Any, torch.optim.Optimizer]:
     from engine import RoundPipe, RoundPipeRunConfig
     from engine.optim import Adam
@@ -70,7 +76,9 @@ def build(
     rp = RoundPipe(
         make_model(width),
         optim_dtype=torch.float32,
-        model_run_config=RoundPipeRunConfig(num_microbatch=microbatches),
+        model_run_config=RoundPipeRunConfig(
+            num_microbatch=microbatches, batch_is_global=batch_is_global
+        ),
         process_group=AUTO_GROUP if process_group == "auto" else process_group,
         shard_optimizer=shard,
     )
@@ -90,7 +98,9 @@ def run_steps(
     last: int,
     sync: bool,
     norms: list[float] | None = None,
+    rows: slice = slice(None),
 ) -> list[float]:
+    """Steps `first..last` on batch(k)[rows] (all rows: the global batch); the losses."""
     from engine.parallel.data_parallel import grad_norm
 
     def step_fn() -> None:
@@ -102,7 +112,7 @@ def run_steps(
     losses = []
     for k in range(first, last):
         x, y = batch(k)
-        losses.append(float(rp.forward_backward((x,), label=y, loss_fn=loss_fn)))
+        losses.append(float(rp.forward_backward((x[rows],), label=y[rows], loss_fn=loss_fn)))
         rp.step(step_fn, is_async=not sync)
     return losses
 
@@ -172,6 +182,74 @@ def _auto_split() -> None:
     wrap_model_to_roundpipe(
         _TwoLayers(), use_sequential_preset=False, lower_threshold=0, upper_threshold=500
     )
+
+
+def gloo_worker_threads() -> int:
+    """How many gloo worker threads ('pt_gloo_runloop', two a group) this process runs."""
+    tasks = Path("/proc/self/task")
+    return sum((t / "comm").read_text().strip() == "pt_gloo_runloop" for t in tasks.iterdir())
+
+
+def _modes(rank: int, world: int) -> dict[str, Any]:
+    """The two batch modes side by side, a mismatched batch, then close()."""
+    from engine import RoundPipeRunConfig
+
+    mine = slice(rank * GLOBAL_ROWS // world, (rank + 1) * GLOBAL_ROWS // world)
+    result: dict[str, Any] = {}
+
+    def train_mode(rp: Any, opt: torch.optim.Optimizer, rows: slice) -> dict[str, Any]:
+        losses = run_steps(rp, opt, 0, STEPS, sync=False, rows=rows)
+        rp.synchronize()
+        weights = {n: p.detach().clone() for n, p in rp.named_parameters()}
+        return {"losses": losses, "weights": weights}
+
+    def build_mode(batch_is_global: bool) -> tuple[Any, torch.optim.Optimizer]:
+        return build(
+            shard=True,
+            microbatches=MICROBATCHES_PER_RANK,
+            optimizer="engine",
+            process_group="auto",
+            batch_is_global=batch_is_global,
+        )
+
+    rp, opt = build_mode(True)
+    with rp:  # closed at the block's end: its groups go with it
+        result["global"] = train_mode(rp, opt, slice(None))
+    rp, opt = build_mode(False)
+    result["shard"] = train_mode(rp, opt, mine)
+    # The shard-mode model given the global batch for one call, a different one per rank.
+    x, y = batch(7 if rank == 0 else 8)
+    start = time.monotonic()
+    result["mismatch"] = _expect_error(
+        lambda: rp.forward_backward(
+            (x,), label=y, loss_fn=loss_fn, run_config=RoundPipeRunConfig(batch_is_global=True)
+        )
+    )
+    result["mismatch_s"] = time.monotonic() - start
+    x, y = batch(7, rows=GLOBAL_ROWS + world)  # other shapes on one rank only
+    result["mismatch_shape"] = _expect_error(
+        lambda: rp.forward_backward(
+            (x if rank == 0 else x[:GLOBAL_ROWS],),
+            label=y if rank == 0 else y[:GLOBAL_ROWS],
+            loss_fn=loss_fn,
+            run_config=RoundPipeRunConfig(batch_is_global=True),
+        )
+    )
+    x, y = batch(7)
+    result["after_mismatch"] = float(
+        rp.forward_backward(
+            (x,), label=y, loss_fn=loss_fn, run_config=RoundPipeRunConfig(batch_is_global=True)
+        )
+    )
+    # close(): the engine's two groups go (two gloo worker threads each); idempotent.
+    result["gloo_threads_open"] = gloo_worker_threads()
+    rp.close()
+    rp.close()
+    result["gloo_threads_closed"] = gloo_worker_threads()
+    result["after_close"] = _expect_error(
+        lambda: rp.forward_backward((x,), label=y, loss_fn=loss_fn)
+    )
+    return result
 
 
 def _init(rank: int, world: int, port: int, timeout_s: float, nccl: bool = False) -> None:
@@ -252,6 +330,8 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
                     width=17 if rank == 0 else 19,
                 )
             )
+        elif scenario == "modes":
+            result = _modes(rank, world)
         elif scenario == "dead":
             rp, opt = build(shard=True, microbatches=2, optimizer="engine", process_group="auto")
             run_steps(rp, opt, 0, 1, sync=False)
@@ -267,3 +347,33 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
         os._exit(1)
     # Leave without torch.distributed's teardown: a dead peer can keep it waiting.
     os._exit(0)
+
+
+if __name__ == "__main__":
+    # python -m tests.integration.dp_worker RANK WORLD PORT OUT_DIR: a whole rank process
+    # as a user writes it, at module level: asynchronous steps, synchronize, a checkpoint,
+    # destroy_process_group(), then the interpreter's own exit (no os._exit). Exit status
+    # 0 means it ran to its end (an exception exits with 1). The model stays referenced
+    # to the exit, as a script's globals are, and nothing runs after the destroy: a model
+    # freed earlier, or a call that releases the GIL, would hide the race it is for.
+    import sys
+
+    import torch.distributed as dist
+
+    from engine.parallel.data_parallel import save_checkpoint
+
+    _rank, _world, _port, _out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    os.environ["RP_DEVICES"] = "cpu:1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{_port}",
+        rank=_rank,
+        world_size=_world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    model, optimizer = build(shard=True, microbatches=2, optimizer="engine", process_group="auto")
+    run_steps(model, optimizer, 0, STEPS, sync=False)
+    model.synchronize()
+    save_checkpoint(Path(_out) / "ckpt.pt", model, optimizer, extra={"step": STEPS})
+    dist.destroy_process_group()

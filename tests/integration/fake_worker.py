@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -79,6 +80,7 @@ def main() -> int:
     step_s = float(os.environ.get("FAKE_STEP_S", "0.05"))
     checkpoint_dir = Path(resolved["checkpoint_dir"])
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    min_free = int(resolved.get("min_free_bytes") or 0)
     print(f"fake worker attempt {payload['attempt']} pid {os.getpid()}", file=sys.stderr)
     if spec.get("name") == "fail-input":
         emit(
@@ -134,6 +136,15 @@ def main() -> int:
             full = OSError(errno.ENOSPC, "No space left on device", where)
             return _fail_for(emit, full, SimpleNamespace(checkpoint_dir=checkpoint_dir))
         saved = bool(interval and step % interval == 0 and step < total)
+        if saved and shutil.disk_usage(checkpoint_dir).free < min_free:
+            # As the real worker (rp_service.worker.checkpoint): refused before a byte.
+            from types import SimpleNamespace
+
+            from rp_service.worker.main import _fail_for
+
+            below = f"below RP_MIN_FREE_BYTES={min_free}"
+            full = OSError(errno.ENOSPC, below, str(checkpoint_dir))
+            return _fail_for(emit, full, SimpleNamespace(checkpoint_dir=checkpoint_dir))
         if saved:
             save_checkpoint(checkpoint_dir, step)
         if step == kill_at:

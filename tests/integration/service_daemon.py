@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,16 @@ def free_port() -> int:
 class Daemon:
     """One daemon process; `restart()` keeps its data dir, `kill()` is `kill -9`."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        env: dict[str, str],
+        *,
+        preexec: Callable[[], None] | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.env = env
+        self.preexec = preexec  # run in the child before exec (e.g. a lower open-file limit)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"daemon-{self.port}.log"
@@ -37,8 +45,19 @@ class Daemon:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def token(self) -> str | None:
+        """RP_TOKEN when given; else the token the daemon made in its data directory (None
+        before it has, or with RP_AUTH=none)."""
+        if self.env.get("RP_TOKEN"):
+            return self.env["RP_TOKEN"]
+        try:
+            return (self.data_dir / "token").read_text().strip() or None
+        except OSError:
+            return None
+
     def headers(self) -> dict[str, str]:
-        token = self.env.get("RP_TOKEN")
+        token = self.token
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     def client(self, **kwargs: Any) -> httpx.Client:
@@ -57,7 +76,12 @@ class Daemon:
         }
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rp_service"], cwd=REPO, env=env, stdout=log, stderr=log
+            [sys.executable, "-m", "rp_service"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=log,
+            preexec_fn=self.preexec,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

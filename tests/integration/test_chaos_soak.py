@@ -9,7 +9,12 @@ jobs (a worker SIGKILLed now and then); its RSS and open fds (store connections 
 most one per thread) after 20 jobs and after all of them must stay within RSS_SLACK_BYTES
 and FD_SLACK. Then every job must have succeeded,
 every checkpoint on disk must load, event ids must be 1..n per job, and /metrics must hold
-one row per step. Seeded by RP_SOAK_SEED; the figures are printed at the end.
+one row per step. Phase 3 (disk full): the daemon restarts with RP_MIN_FREE_BYTES above
+the free space (a full disk, injected: CI cannot mount a small filesystem), while a job that
+has checkpointed is re-queued; every submission must get a clear 507 disk_full, the job must
+fail with disk_full at its next checkpoint with no half-written one left and its last one
+still loading; once space is back (the floor lowered again) a job runs to success. Seeded by
+RP_SOAK_SEED; the figures are printed at the end.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -115,7 +121,7 @@ class _Submitter(threading.Thread):
                 r = httpx.post(
                     f"{self.daemon_.base_url}/v1/jobs",
                     json=body,
-                    headers={"Idempotency-Key": key},
+                    headers={"Idempotency-Key": key, **self.daemon_.headers()},
                     timeout=10,
                 )
                 if r.status_code in (200, 201):
@@ -156,7 +162,7 @@ class _Follower(threading.Thread):
     def follow(self, job_id: str) -> None:
         last = 0
         while not self.stop.is_set():
-            headers = {"Accept": "text/event-stream"}
+            headers = {"Accept": "text/event-stream", **self.daemon_.headers()}
             if last:
                 headers["Last-Event-ID"] = str(last)
             try:
@@ -238,7 +244,49 @@ def _idle_figures(daemon: Daemon) -> tuple[int, int]:
     return _rss_bytes(daemon.proc.pid), _fd_count(daemon.proc.pid)
 
 
-@pytest.mark.timeout(480)
+def _disk_full_phase(daemon: Daemon) -> dict[str, Any]:
+    """Phase 3: the disk fills while a job runs and submissions keep coming, then frees."""
+    with daemon.client() as c:
+        job_id = c.post(
+            "/v1/jobs", json=spec(name="fill", train={"steps": 400, "checkpoint_interval": 3})
+        ).json()["id"]
+    daemon.wait_for_step(job_id, 4)
+    daemon.stop()  # graceful: the job checkpoints and goes back to the queue
+    free = shutil.disk_usage(daemon.data_dir).free
+    daemon.env["RP_MIN_FREE_BYTES"] = str(free + (1 << 30))  # the disk is now "full"
+    daemon.start()
+    refused = 0
+    with daemon.client() as c:
+        ids_before = [j["id"] for j in c.get("/v1/jobs", params={"limit": 100}).json()["data"]]
+        for n in range(20):
+            r = c.post("/v1/jobs", json=spec(name=f"refused-{n}"))
+            assert r.status_code == 507 and r.json()["error"]["code"] == "disk_full", r.text
+            refused += 1
+        ids_after = [j["id"] for j in c.get("/v1/jobs", params={"limit": 100}).json()["data"]]
+        assert ids_after == ids_before  # no refused submission left a row
+    failed = daemon.wait_for(job_id, _TERMINAL, timeout_s=60)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "disk_full", failed
+    root = daemon.data_dir / "jobs" / job_id / "checkpoints"
+    half_written = [p.name for p in root.iterdir() if not (p / "state.json").is_file()]
+    assert half_written == []
+    kept = _check_checkpoints(daemon.data_dir / "jobs" / job_id, real=False)
+    assert kept == 1  # the last one before the disk filled, kept by the retention
+    daemon.stop()
+    del daemon.env["RP_MIN_FREE_BYTES"]  # space is back
+    daemon.start()
+    with daemon.client() as c:
+        after = c.post("/v1/jobs", json=spec(name="after-full", train={"steps": 4})).json()
+        assert c.delete(f"/v1/jobs/{job_id}").status_code == 200
+    assert daemon.wait_for(after["id"], _TERMINAL)["status"] == "succeeded"
+    assert not (daemon.data_dir / "jobs" / job_id).exists()
+    return {
+        "disk_full_submissions_refused": refused,
+        "disk_full_jobs_failed_cleanly": 1,
+        "half_written_checkpoints": len(half_written),
+    }
+
+
+@pytest.mark.timeout(540)
 def test_chaos_soak(make_daemon, capsys: pytest.CaptureFixture[str]) -> None:
     started = time.monotonic()
     rng = random.Random(SEED)
@@ -361,6 +409,8 @@ def test_chaos_soak(make_daemon, capsys: pytest.CaptureFixture[str]) -> None:
         "chaos_s": round(chaos_s, 1),
         "total_s": round(time.monotonic() - started, 1),
     }
+    report.update(_disk_full_phase(daemon))
+    report["total_s"] = round(time.monotonic() - started, 1)
     with capsys.disabled():
         print("\nchaos soak:", json.dumps(report))
     assert kills["daemon"] >= 20 and kills["worker"] >= 10

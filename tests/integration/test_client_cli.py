@@ -173,12 +173,19 @@ def test_rp_serve_runs_the_daemon_and_stops_on_sigterm(tmp_path):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    token_file = tmp_path / "data" / "token"  # made by the daemon: no --token given
     try:
         deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            token = token_file.read_text().strip() if token_file.exists() else ""
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                ready = httpx.get(
+                    f"http://127.0.0.1:{port}/readyz",
+                    headers={"Authorization": f"Bearer {token}"},
+                    timeout=2,
+                )
+                if ready.status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -186,6 +193,7 @@ def test_rp_serve_runs_the_daemon_and_stops_on_sigterm(tmp_path):
             time.sleep(0.25)
         assert (tmp_path / "data" / "rp.sqlite3").exists()
         assert f"dashboard: http://127.0.0.1:{port}/" in (tmp_path / "serve.log").read_text()
+        assert f"token: in {token_file}" in (tmp_path / "serve.log").read_text()
         page = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)
         assert page.status_code == 200 and "/ui/app.js" in page.text
         proc.send_signal(signal.SIGTERM)  # reaches the daemon itself: rp serve execs it

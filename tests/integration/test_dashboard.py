@@ -205,8 +205,9 @@ def test_dashboard_drives_jobs_with_a_token(
     page.click("#cancel-button")
     wait_until("cancelled", lambda: shown_status(page) == "cancelled")
     assert daemon.wait_for(second["id"], {"cancelled"})["status"] == "cancelled"
-    page.click("#cancel-button")
-    page.wait_for_selector("#action-message.error:has-text('job_not_cancellable')")
+    # A finished job's controls are disabled: cancelling again is not offered.
+    wait_until("cancel disabled", lambda: page.is_disabled("#cancel-button"))
+    assert page.is_disabled("#pause-button") and page.is_disabled("#resume-button")
 
     # Jobs page: both jobs, live; the status filter narrows it to the cancelled one.
     page.click("a[data-nav=jobs]")
@@ -249,7 +250,7 @@ def test_dashboard_drives_jobs_with_a_token(
 def test_new_job_page_shows_validation_errors_without_a_token(
     make_daemon: Callable[..., Daemon], browser: Any, tmp_path: Path
 ) -> None:
-    daemon = make_daemon()
+    daemon = make_daemon(RP_AUTH="none")  # no token dialog in the way
     page = browser.new_page()
     page.set_default_timeout(WAIT_S * 1000)
     console = Console(page, expected_statuses=(422,))
@@ -316,6 +317,51 @@ def test_new_job_page_shows_validation_errors_without_a_token(
     page.close()
 
 
+def test_a_finished_jobs_page_shows_its_log_once_and_no_controls(
+    make_daemon: Callable[..., Daemon], browser: Any
+) -> None:
+    daemon = make_daemon(RP_TOKEN=TOKEN, FAKE_STEP_S="0.02")
+    with daemon.client() as api:
+        job = api.post("/v1/jobs", json=spec(name="finished", train={"steps": 6})).json()
+        daemon.wait_for(job["id"], {"succeeded"})
+        stored_log = api.get(f"/v1/jobs/{job['id']}/logs").text
+    assert "fake worker attempt 1" in stored_log
+
+    context = browser.new_context()
+    context.set_default_timeout(WAIT_S * 1000)
+    context.add_init_script(f"sessionStorage.setItem('rp.token', {json.dumps(TOKEN)})")
+    page = context.new_page()
+    console = Console(page)
+    log_reads = {"sent": 0, "done": 0}
+    is_log = re.compile(r"/v1/jobs/[^/]+/logs\b")
+
+    def count(key: str) -> Callable[[Any], None]:
+        return lambda r: is_log.search(r.url) and log_reads.__setitem__(key, log_reads[key] + 1)
+
+    page.on("request", count("sent"))
+    page.on("requestfinished", count("done"))
+    page.on("requestfailed", count("done"))
+    # The poll and the end of the stream both read the log as the page opens.
+    page.goto(f"{daemon.base_url}/#/jobs/{job['id']}")
+    page.wait_for_selector("#stream-state[data-state=ended]")
+    wait_until("the status shown", lambda: shown_status(page) == "succeeded")
+
+    def answered() -> bool:
+        page.wait_for_timeout(100)  # Playwright delivers request events while it waits
+        return log_reads["sent"] >= 2 and log_reads["sent"] == log_reads["done"]
+
+    wait_until("every log read answered", answered)
+    shown = page.inner_text("#worker-log")
+    lines = [line for line in shown.splitlines() if line.strip()]
+    assert lines and len(lines) == len(set(lines)), f"a log line shown twice: {shown!r}"
+    assert shown.strip() == stored_log.strip()
+    for action in ("pause", "resume", "cancel"):
+        assert page.is_disabled(f"#{action}-button"), f"{action} enabled on a finished job"
+    assert page.is_enabled("#clone-button")
+    assert console.unexpected() == []
+    context.close()
+
+
 def _oracle(
     xs: list[float], ys: list[float | None], x0: float, x1: float, columns: int
 ) -> list[int]:
@@ -351,7 +397,7 @@ def _decimate(page: Any, xs: list[float], ys: list[float | None], cases: list[tu
 def test_decimation_matches_its_oracle_and_bounds_what_is_drawn(
     make_daemon: Callable[..., Daemon], browser: Any
 ) -> None:
-    daemon = make_daemon()
+    daemon = make_daemon(RP_AUTH="none")  # no token dialog in the way
     page = browser.new_page()
     page.set_default_timeout(WAIT_S * 1000)
     console = Console(page)
@@ -424,7 +470,7 @@ def test_sse_parser_reads_the_daemons_stream_however_it_is_split(
     make_daemon: Callable[..., Daemon], browser: Any
 ) -> None:
     """The page's text/event-stream parser on a real stream, cut at every possible byte."""
-    daemon = make_daemon(FAKE_STEP_S="0.01")
+    daemon = make_daemon(FAKE_STEP_S="0.01", RP_AUTH="none")  # no token dialog
     with daemon.client() as api:
         job = api.post("/v1/jobs", json=spec(train={"steps": 4, "checkpoint_interval": 2})).json()
         daemon.wait_for(job["id"], {"succeeded"})

@@ -139,3 +139,43 @@ def test_a_dead_rank_fails_the_others_within_the_timeout(tmp_path: Path) -> None
     assert "DistributedError" in survivor["error"] or "StepError" in survivor["error"]
     assert "rank 0 of 2" in survivor["error"] and "died" in survivor["error"]
     assert survivor["elapsed_s"] < 30.0
+
+
+@pytest.fixture(scope="module")
+def modes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The 'modes' scenario once: global and shard batches, a mismatch, close()."""
+    ranks = _spawn("modes", tmp_path_factory.mktemp("dp-modes"))
+    reset_devices()
+    return ranks
+
+
+def test_own_shards_train_as_the_global_batch(modes: list[dict[str, Any]]) -> None:
+    """batch_is_global=False with rank r given rows r*6..r*6+6: the run of the global batch."""
+    for rank, got in enumerate(modes):
+        assert len(got["shard"]["losses"]) == dp_worker.STEPS
+        # The same rows through the same kernels on each rank: equal, not merely close.
+        assert got["shard"]["losses"] == got["global"]["losses"]
+        for name, w in got["global"]["weights"].items():
+            assert torch.equal(got["shard"]["weights"][name], w), f"rank {rank} {name}"
+    expected = _oracle(sync=False, shard=True)  # one process, the global batch
+    torch.testing.assert_close(modes[0]["global"]["losses"], expected["losses"][:-1], **TOL)
+
+
+def test_different_batches_fail_on_every_rank_naming_the_option(
+    modes: list[dict[str, Any]],
+) -> None:
+    for got in modes:
+        for key, what in (("mismatch", "values"), ("mismatch_shape", "shapes")):
+            assert got[key].startswith("ConfigError"), got[key]
+            assert "different batches" in got[key] and what in got[key]
+            assert "batch_is_global=False" in got[key]
+        assert got["mismatch_s"] < 5.0  # raised at once, no rank left in a collective
+        assert got["after_mismatch"] > 0  # the ranks stay in step: the next call works
+
+
+def test_close_joins_the_engine_group_threads(modes: list[dict[str, Any]]) -> None:
+    for got in modes:
+        # Three groups (the default one, the engine's control and bulk), two threads each.
+        assert got["gloo_threads_open"] == 6
+        assert got["gloo_threads_closed"] == 2
+        assert "ConfigError" in got["after_close"] and "closed RoundPipe" in got["after_close"]

@@ -76,6 +76,8 @@ def real_daemon(tmp_path_factory: pytest.TempPathFactory, model_root: Path) -> I
         tmp_path_factory.mktemp("real"),
         RP_MODEL_ROOTS=str(model_root),
         RP_WORKER_MODULE="rp_service.worker",
+        # Every checkpoint kept after the end (the default keeps the last), to page them.
+        RP_KEEP_FINISHED_CHECKPOINTS="100",
     )
     yield daemon
     daemon.stop()
@@ -161,7 +163,7 @@ def test_a_chat_file_fine_tunes_a_model_folder_to_succeeded(
     assert done.method.type == "supervised"
     assert done.trained_tokens and done.trained_tokens > 0
     assert done.finished_at is not None and done.error is None
-    assert (Path(done.fine_tuned_model) / "config.json").is_file()
+    assert done.fine_tuned_model == f"ft:{MODEL}:{done.id}"
 
 
 def test_the_job_is_the_same_job_through_the_native_api(
@@ -172,7 +174,7 @@ def test_the_job_is_the_same_job_through_the_native_api(
         native = c.get(f"/v1/jobs/{done.id}").json()
         listed = [j["id"] for j in c.get("/v1/jobs").json()["data"]]
     assert native["status"] == "succeeded" and done.id in listed
-    assert native["output_model_path"] == done.fine_tuned_model
+    assert (Path(native["output_model_path"]) / "config.json").is_file()
     assert native["trained_tokens"] == done.trained_tokens
     train = native["spec"]["train"]
     assert (train["epochs"], train["batch_size"], train["seed"]) == (2.0, 4, 1234)
@@ -323,7 +325,8 @@ def test_a_dpo_method_runs_to_succeeded(real_daemon: Daemon) -> None:
         native = c.get(f"/v1/jobs/{done.id}").json()
     assert done.status == "succeeded", (done, log[-3000:])
     assert native["spec"]["train"]["objective"] == "dpo" and native["spec"]["dpo"]["beta"] == 0.2
-    assert (Path(done.fine_tuned_model) / "config.json").is_file()
+    assert done.fine_tuned_model == f"ft:{MODEL}:{done.id}"  # the chat model id, as for SFT
+    assert (Path(native["output_model_path"]) / "config.json").is_file()
     events = list(client.fine_tuning.jobs.list_events(done.id, limit=100))
     metrics = [e.data for e in events if e.type == "metrics"]
     assert len(metrics) == 4  # 2 epochs of 8 pairs, 4 a step

@@ -132,6 +132,8 @@ def _error(r: httpx.Response, status: int) -> dict:
         ({"model": {"path": "/etc"}}, "model.path", "RP_MODEL_ROOTS"),
         ({"train": {"steps": 5, "epochs": 1}}, "train", "exactly one"),
         ({"engine": {"gpus": 0, "colour": "red"}}, "engine.colour", "Extra inputs"),
+        # more micro-batches than the 8 sequences of a step (train.batch_size's default)
+        ({"engine": {"gpus": 0, "num_microbatch": 9}}, "engine.num_microbatch", "at most 8"),
     ],
 )
 def test_bad_job_specs_are_422_naming_the_field(
@@ -162,8 +164,15 @@ def test_paths_under_roots_only(make_daemon, tmp_path: Path) -> None:
         for bad in (str(root / ".." / "secret.jsonl"), str(root / "link.jsonl"), "d.jsonl"):
             err = _error(c.post("/v1/jobs", json=spec(data={"train": bad})), 422)
             assert err["param"] == "data.train" and err["code"] == "path_not_allowed", err
-        err = _error(c.post("/v1/jobs", json=spec(data={"train": str(root / "none")})), 422)
-        assert err["code"] == "path_not_found"
+        # Missing and outside read alike, so a token holder cannot probe which files exist.
+        missing, outside_err = (
+            _error(c.post("/v1/jobs", json=spec(data={"train": p})), 422)
+            for p in (str(root / "none"), str(outside))
+        )
+        assert missing["code"] == outside_err["code"] == "path_not_allowed"
+        assert missing["message"].replace(str(root / "none"), "P") == outside_err[
+            "message"
+        ].replace(str(outside), "P")
 
 
 def test_malformed_upload_names_the_first_bad_line(service_daemon: Daemon) -> None:

@@ -14,7 +14,9 @@ from tests.integration.service_daemon import Daemon
 @pytest.fixture(scope="module")
 def fuzzed_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     # Slow steps: the jobs fuzzing submits sit in the queue instead of keeping a CPU busy.
-    daemon = Daemon(tmp_path_factory.mktemp("fuzz") / "data", {"FAKE_STEP_S": "5"})
+    # No token (RP_AUTH=none, loopback only), so every input reaches the routes.
+    env = {"FAKE_STEP_S": "5", "RP_AUTH": "none"}
+    daemon = Daemon(tmp_path_factory.mktemp("fuzz") / "data", env)
     daemon.start()
     yield daemon
     daemon.stop()

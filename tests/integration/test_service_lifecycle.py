@@ -21,7 +21,10 @@ def _statuses(events: list[dict]) -> list[str]:
     return [e["data"]["status"] for e in events if e["type"] == "status"]
 
 
-def test_submit_runs_to_success_with_events_in_order(service_daemon: Daemon) -> None:
+def test_submit_runs_to_success_with_events_in_order(make_daemon) -> None:
+    # Every checkpoint kept after the end (the default keeps the last one; see
+    # test_service_security.py), so all three can be listed and one downloaded.
+    service_daemon: Daemon = make_daemon(RP_KEEP_FINISHED_CHECKPOINTS="100")
     with service_daemon.client() as c:
         r = c.post("/v1/jobs", json=spec())
         assert r.status_code == 201, r.text

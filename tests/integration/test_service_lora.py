@@ -153,8 +153,9 @@ def test_a_rank_the_model_cannot_take_fails_the_job_naming_the_field(tmp_path: P
     # it trains (in-process here: the failure comes before any device is used).
     import threading
 
+    from rp_service.errors import JobFailure
     from rp_service.schemas import JobSpec
-    from rp_service.worker.training import JobFailure, JobPaths, run_job
+    from rp_service.worker.training import JobPaths, run_job
 
     job_dir = make_job(tmp_path / "wide", {**SMALL_LORA, "lora": {"rank": 40}})
     payload = json.loads((job_dir / "spec.json").read_text())

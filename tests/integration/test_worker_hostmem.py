@@ -30,13 +30,23 @@ LOW = {
     "engine.pin_model": "arena",
 }
 
+# issue 35: bf16 weights as the masters, 8-bit moments (with their block scales) in the
+# checkpoint.
+COMPACT = {
+    **SMALL,
+    "model.dtype": "bfloat16",
+    "engine.optim_memory": "compact",
+    "engine.pin_model": "arena",
+}
 
-def test_low_precision_job_pauses_and_resumes_exactly(tmp_path: Path) -> None:
-    straight = make_job(tmp_path / "straight", LOW)
+
+@pytest.mark.parametrize("mode", [LOW, COMPACT], ids=["lean", "compact"])
+def test_low_precision_job_pauses_and_resumes_exactly(tmp_path: Path, mode) -> None:
+    straight = make_job(tmp_path / "straight", mode)
     code, straight_events = run(straight)
     assert code == 0, (straight / "worker.log").read_text()[-3000:]
 
-    job_dir = make_job(tmp_path / "paused", LOW)
+    job_dir = make_job(tmp_path / "paused", mode)
 
     def pause_early(proc: subprocess.Popen[str], event: dict[str, Any]) -> None:
         if event["type"] == "metrics" and event["data"]["step"] == 3:

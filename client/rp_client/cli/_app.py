@@ -68,6 +68,14 @@ def stdout() -> Console:
     return console
 
 
+def printable(text: str) -> str:
+    """`text` with control and invisible characters escaped (ESC as \\x1b), so a job name or
+    a log line cannot move the cursor, recolour or rewrite the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
 def fail(message: str, code: int = EXIT_FAILED) -> typer.Exit:
     """Prints `error: message` on stderr; returns the Exit to raise."""
     typer.echo(f"error: {message}", err=True)

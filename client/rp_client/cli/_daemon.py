@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO
 
 from .._client import Client
+from .._token import DEFAULT_DATA_DIR
 from ..errors import APIConnectionError, APIStatusError
 
 INSTALL_HINT = (
@@ -57,6 +58,11 @@ def dashboard_url(env: dict[str, str]) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{env.get('RP_PORT') or 8321}/"
+
+
+def token_file(env: dict[str, str]) -> Path:
+    """Where a daemon started with `env` keeps the token it makes: $RP_DATA_DIR/token."""
+    return (Path(env.get("RP_DATA_DIR") or DEFAULT_DATA_DIR) / "token").resolve()
 
 
 def start_daemon(env: dict[str, str], log: IO[bytes] | None = None) -> subprocess.Popen[bytes]:

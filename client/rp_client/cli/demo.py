@@ -22,6 +22,7 @@ from ._daemon import (
     start_daemon,
     stop_daemon,
     tail,
+    token_file,
     wait_ready,
 )
 from .progress import follow_job, report_outcome
@@ -68,7 +69,11 @@ def demo(
     say(f"starting a RoundPipe daemon on {url} (data in {data}, log in {log_path})")
     env = daemon_env(host="127.0.0.1", port=port, data_dir=data, gpus=gpus)
     env.pop("RP_URL", None)
-    with log_path.open("ab") as log, Client(url, token=env.get("RP_TOKEN")) as client:
+    token_path = token_file(env)
+    with (
+        log_path.open("ab") as log,
+        Client(url, token=env.get("RP_TOKEN"), token_file=token_path) as client,
+    ):
         proc = start_daemon(env, log)
         try:
             wait_ready(client, proc, start_timeout_s)
@@ -76,6 +81,8 @@ def demo(
                 f"dashboard: {dashboard_url(env)} (live loss curves while the demo trains; "
                 "the daemon stops when it ends)"
             )
+            if not env.get("RP_TOKEN"):
+                say(f"token: in {token_path} (the dashboard asks for it once)")
             job = client.jobs.create(
                 _demo_body(client.demo_spec(), lora=lora, steps=steps, dpo=dpo)
             )

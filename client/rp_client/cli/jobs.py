@@ -1,4 +1,4 @@
-"""`rp submit`, `jobs`, `status`, `follow`, `cancel`, `pause`, `resume`, `logs`."""
+"""`rp submit`, `jobs`, `status`, `follow`, `cancel`, `pause`, `resume`, `rm`, `logs`."""
 
 from __future__ import annotations
 
@@ -10,10 +10,19 @@ from typing import Any
 
 import typer
 import yaml
+from rich.markup import escape
 from rich.table import Table
 
 from ..models import Job, ParameterCounts, load_spec_file
-from ._app import app, get_client, handle_errors, job_exit_code, print_json, stdout
+from ._app import (
+    app,
+    get_client,
+    handle_errors,
+    job_exit_code,
+    print_json,
+    printable,
+    stdout,
+)
 from .progress import follow_job, report_outcome
 
 
@@ -90,7 +99,7 @@ def jobs(
         loss = job.metrics.get("train_loss")
         table.add_row(
             job.id,
-            job.name or "-",
+            escape(printable(job.name or "-")),  # a table cell is rich markup otherwise
             job.status,
             _steps(job),
             f"{loss:.4f}" if isinstance(loss, int | float) else "-",
@@ -113,7 +122,7 @@ def status(
         return
     lines = [
         ("id", job.id),
-        ("name", job.name or "-"),
+        ("name", printable(job.name or "-")),
         ("status", job.status),
         ("step", _steps(job)),
         ("attempt", str(job.attempt)),
@@ -133,7 +142,7 @@ def status(
     if job.error:
         param = f" ({job.error.param})" if job.error.param else ""
         code = f"[{job.error.code}] " if job.error.code else ""
-        lines.append(("error", f"{code}{job.error.message}{param}"))
+        lines.append(("error", printable(f"{code}{job.error.message}{param}")))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         sys.stdout.write(f"{key:<{width}}  {value}\n")
@@ -192,6 +201,23 @@ def resume(
 ) -> None:
     """Resume a paused job from its checkpoint."""
     _transition(ctx, job_id, "resume", json_lines)
+
+
+@app.command()
+@handle_errors
+def rm(
+    ctx: typer.Context,
+    job_ids: list[str] = typer.Argument(..., metavar="JOB..."),
+    json_lines: bool = typer.Option(False, "--json"),
+) -> None:
+    """Delete finished jobs with their checkpoints, outputs and logs."""
+    client = get_client(ctx)
+    for job_id in job_ids:
+        deleted = client.jobs.delete(job_id)
+        if json_lines:
+            print_json(deleted.model_dump(mode="json"))
+        else:
+            sys.stdout.write(f"{deleted.id} deleted\n")
 
 
 @app.command()

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .._client import Client
 from ..models import Event, Job
-from ._app import print_json
+from ._app import print_json, printable
 
 
 def _fmt_eta(seconds: Any) -> str:
@@ -54,7 +54,7 @@ def _describe(event: Event) -> str | None:
     if event.type == "message" and event.level == "info" and "status" in data:
         return None  # the worker's own report of a transition the status events already show
     level = "" if event.level == "info" else f"{event.level}: "
-    return f"{event.job_id}: {level}{event.message}"
+    return f"{event.job_id}: {level}{printable(event.message)}"
 
 
 def follow_job(client: Client, job_id: str, *, json_lines: bool = False) -> Job:

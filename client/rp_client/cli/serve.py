@@ -8,7 +8,14 @@ from pathlib import Path
 import typer
 
 from ._app import EXIT_FAILED, app, fail
-from ._daemon import INSTALL_HINT, daemon_env, dashboard_url, exec_daemon, server_installed
+from ._daemon import (
+    INSTALL_HINT,
+    daemon_env,
+    dashboard_url,
+    exec_daemon,
+    server_installed,
+    token_file,
+)
 
 
 @app.command()
@@ -41,7 +48,12 @@ def serve(
         dataset_roots=[str(p.resolve()) for p in dataset_root] if dataset_root else None,
         log_level=log_level,
     )
-    asks = " (it asks for the token once)" if env.get("RP_TOKEN") else ""
-    sys.stderr.write(f"dashboard: {dashboard_url(env)}{asks}\n")
+    sys.stderr.write(f"dashboard: {dashboard_url(env)} (it asks for the token once)\n")
+    if not env.get("RP_TOKEN") and env.get("RP_AUTH", "token") != "none":
+        where = token_file(env)
+        sys.stderr.write(
+            f"token: in {where} (made on the first start; `rp` and the SDK on this machine "
+            "read it, give it to others as RP_TOKEN)\n"
+        )
     code = exec_daemon(env)
     raise typer.Exit(code if code >= 0 else 1)

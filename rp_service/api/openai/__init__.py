@@ -1,11 +1,19 @@
-"""OpenAI's fine-tuning API over the native job service (one store, one orchestrator).
+"""OpenAI's API over the native services (one store, one orchestrator).
 
 Its files API is the native `/v1/files` (rp_service/api/files.py serves both shapes);
-this package adds `/v1/fine_tuning/jobs`. The mapping is documented in docs/API.md.
+this package adds `/v1/fine_tuning/jobs` (jobs.py), `/v1/chat/completions` (chat.py) and
+`/v1/models` (models.py). The mapping is documented in docs/API.md and docs/CHAT.md.
 """
 
 from __future__ import annotations
 
-from rp_service.api.openai.jobs import router
+from fastapi import APIRouter
+
+from rp_service.api.openai import chat, jobs, models
+
+router = APIRouter()
+router.include_router(jobs.router)
+router.include_router(chat.router)
+router.include_router(models.router)
 
 __all__ = ["router"]

@@ -48,7 +48,7 @@ def bad_request(exc: RequestValidationError) -> BadRequest:
         if kind == "extra_forbidden":
             message = (
                 f"unsupported parameter {param!r}: this daemon does not implement it; "
-                "remove it (see docs/API.md, OpenAI-compatible fine-tuning API)"
+                "remove it (docs/API.md lists what each OpenAI route takes)"
             )
             code = "unsupported_parameter"
         elif kind == "missing":

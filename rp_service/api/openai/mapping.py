@@ -22,9 +22,11 @@ from rp_service.api.openai.schemas import (
     ResolvedHyperparameters,
 )
 from rp_service.errors import BadRequest
+from rp_service.jobs.openai_store import OpenAIJobRecord
 from rp_service.jobs.results import result_file_id
-from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, OpenAIJobRecord
+from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord
 from rp_service.schemas import (
+    MAX_INT64,
     TERMINAL_STATUSES,
     DataSection,
     DpoSection,
@@ -33,6 +35,7 @@ from rp_service.schemas import (
     ModelSection,
     TrainSection,
 )
+from rp_service.serving.models import fine_tuned_id
 
 __all__ = [
     "AUTO_BATCH_SIZE",
@@ -271,7 +274,9 @@ def openai_job(
         id=job.id,
         created_at=job.created_at,
         error=error,
-        fine_tuned_model=job.output_model_path if job.status == "succeeded" else None,
+        # The id chat.completions takes (rp_service/serving/models.py); the native job
+        # keeps the output folder's path in output_model_path.
+        fine_tuned_model=fine_tuned_id(job),
         finished_at=job.finished_at if job.status in TERMINAL_STATUSES else None,
         hyperparameters=hyperparameters,
         method=method,
@@ -309,7 +314,11 @@ def checkpoint_id(job_id: str, step: int) -> str:
 def parse_cursor(value: str, *, prefix: str, job_id: str, param: str = "after") -> int:
     """The number inside an `after` cursor of this job's events or checkpoints."""
     head, _, number = value.rpartition("-")
-    if head != f"{prefix}-{job_id.removeprefix('job-')}" or not number.isdigit():
+    if (
+        head != f"{prefix}-{job_id.removeprefix('job-')}"
+        or not (number.isascii() and number.isdigit())
+        or int(number) > MAX_INT64
+    ):
         raise BadRequest(
             f"{param}: {value[:80]!r} is not an id of this job's list (expected "
             f"{_cursor_id(prefix, job_id, 1)!r}, the id of the last item of the previous page)",

@@ -148,7 +148,8 @@ class FineTuningJob(BaseModel):
     created_at: int
     error: _JobError | None
     fine_tuned_model: str | None = Field(
-        description="The trained model's folder (Hugging Face format) once the job succeeded."
+        description="The trained model's id (ft:<base>:<job-id>) once the job succeeded: the "
+        "model chat.completions.create takes; the native job's output_model_path is its folder."
     )
     finished_at: int | None
     hyperparameters: ResolvedHyperparameters

@@ -12,6 +12,7 @@ import secrets
 import time
 from pathlib import Path
 
+from engine.catalog import FAMILIES
 from rp_service.api.deps import Services
 from rp_service.api.openai.mapping import (
     openai_checkpoint,
@@ -26,10 +27,11 @@ from rp_service.api.openai.schemas import (
     FineTuningJobCreate,
     FineTuningJobEvent,
 )
-from rp_service.errors import BadRequest, Conflict, InvalidRequest
+from rp_service.errors import BadRequest, Conflict, InvalidRequest, JobFailure
 from rp_service.jobs.files import RETRY_WINDOW_S
-from rp_service.jobs.resolve import PRESET_MAX_POSITIONS, config_max_positions
-from rp_service.jobs.store import FileRecord, JobRecord, OpenAIJobRecord, OpenAIStore
+from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
+from rp_service.jobs.resolve import config_max_positions, under_roots
+from rp_service.jobs.store import FileRecord, JobRecord
 from rp_service.schemas import ModelSection
 
 __all__ = ["FineTuning"]
@@ -107,7 +109,7 @@ class FineTuning:
             job, created = await self.orchestrator.submit(plan.spec, idempotency_key=key)
         except BadRequest:
             raise
-        except InvalidRequest as exc:  # the resolver's 422, in OpenAI's terms: a 400
+        except (InvalidRequest, JobFailure) as exc:  # the resolver's 422, in OpenAI's terms: a 400
             param = _PARAMS.get(exc.param or "", exc.param)
             raise BadRequest(exc.message, code=exc.code, param=param) from None
         if created:
@@ -119,17 +121,21 @@ class FineTuning:
 
     def _model(self, name: str) -> tuple[ModelSection, int | None]:
         """A preset, or a model folder under RP_MODEL_ROOTS; blocking."""
-        if name in PRESET_MAX_POSITIONS:
-            return ModelSection(preset=name), PRESET_MAX_POSITIONS[name]  # type: ignore[arg-type]
+        if name in FAMILIES:
+            return ModelSection(preset=name), FAMILIES[name].max_positions  # type: ignore[arg-type]
         relative = Path(name)
-        if not relative.is_absolute() and ".." not in relative.parts:
-            for root in self.settings.model_roots:
-                folder = root / relative
-                if (folder / "config.json").is_file():
-                    return ModelSection(path=str(folder)), _max_positions(folder)
-        if relative.is_absolute() and (relative / "config.json").is_file():
-            # The resolver checks at submission that it lies under RP_MODEL_ROOTS.
-            return ModelSection(path=str(relative)), _max_positions(relative)
+        roots = self.settings.model_roots
+        # The roots first: nothing outside them is read or even looked at (config.json).
+        if relative.is_absolute():
+            candidates = [relative]
+        elif ".." not in relative.parts:
+            candidates = [root.absolute() / relative for root in roots]
+        else:
+            candidates = []
+        for folder in candidates:
+            resolved = under_roots(str(folder), roots)
+            if resolved is not None and (resolved / "config.json").is_file():
+                return ModelSection(path=str(folder)), _max_positions(resolved)
         found = self._model_names()
         listed = ", ".join(found[:_MODELS_NAMED]) or "none"
         raise BadRequest(

@@ -15,6 +15,7 @@ import {
   statusBadge,
   time,
 } from "../format.js";
+import { chatPanel } from "./chat.js";
 
 const POLL_MS = 2000;
 export const DRAFT_KEY = "rp.draft";
@@ -84,6 +85,7 @@ export function renderJob(view, jobId) {
   const eventsList = el("ol", { id: "events", class: "events", reversed: true });
   const showMetrics = el("input", { type: "checkbox", id: "show-metrics" });
   const log = el("pre", { id: "worker-log", class: "log" });
+  const chat = chatPanel(jobId); // shown once the job succeeded (pages/chat.js)
 
   view.append(
     el(
@@ -126,6 +128,7 @@ export function renderJob(view, jobId) {
       ),
       el("div", {}, el("h2", {}, "Worker log"), log),
     ),
+    chat.node,
   );
 
   let job = null;
@@ -138,6 +141,8 @@ export function renderJob(view, jobId) {
     job = next;
     title.textContent = job.name ? `${job.name}` : job.id;
     badge.replaceChildren(statusBadge(job.status));
+    // a finished job takes no more controls (the API would refuse each with a 409)
+    for (const button of buttons) button.disabled = TERMINAL.has(job.status);
     const m = job.metrics || {};
     const p = job.progress || {};
     const rows = [
@@ -160,6 +165,7 @@ export function renderJob(view, jobId) {
       rows.push(["error", el("span", { class: "error" }, `${job.error.code}: ${job.error.message}`)]);
     summary.replaceChildren(...rows.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
     if (!specText.textContent) specText.textContent = dump(job.spec, { lineWidth: 100 });
+    chat.update(job);
   }
 
   async function refreshJob() {
@@ -312,7 +318,16 @@ export function renderJob(view, jobId) {
     }
   }
 
-  async function readLog() {
+  // One log read at a time: poll() and the stream's end both read the log, and two reads
+  // from one offset would append the same lines twice.
+  let logReads = Promise.resolve();
+  function readLog() {
+    const read = logReads.then(readLogOnce);
+    logReads = read.catch(() => {});
+    return read;
+  }
+
+  async function readLogOnce() {
     const response = await authFetch(`${path}/logs?offset=${logOffset}`);
     if (!response.ok) return;
     const text = await response.text();
@@ -363,5 +378,6 @@ export function renderJob(view, jobId) {
     stopped = true;
     clearTimeout(pollTimer);
     stream.close();
+    chat.close();
   };
 }

@@ -22,6 +22,7 @@ import torch
 from ...data.formats import DataFormatError, iter_records
 from ...data.preference import PreferencePairs, build_pairs, synthetic_pairs
 from ...demo import SYNTHETIC, SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_VALID_RECORDS
+from ...errors import JobFailure
 from . import dpo
 from .reference import REFERENCE_FILE, data_digest, read_reference, write_reference
 
@@ -37,12 +38,6 @@ log = logging.getLogger(__name__)
 _MAX_EVAL_PAIRS = 256  # validation pairs per evaluation (the first ones, in order)
 
 
-def _failure(code: str, message: str, **kwargs: Any) -> Exception:
-    from ..training import JobFailure
-
-    return JobFailure(code, message, **kwargs)
-
-
 def _load_pairs(
     source: str, param: str, spec: JobSpec, tokenizer: JobTokenizer, *, valid: bool
 ) -> PreferencePairs:
@@ -52,7 +47,7 @@ def _load_pairs(
             records = list(enumerate(synthetic_pairs(count, seed=0, valid=valid), start=1))
         else:
             if not Path(source).is_file():
-                raise _failure("invalid_data", f"{param}: file {source!r} not found", param=param)
+                raise JobFailure("invalid_data", f"{param}: file {source!r} not found", param=param)
             fmt = spec.data.format
             records = []
             for line, line_format, record in iter_records(source, fmt):
@@ -66,7 +61,7 @@ def _load_pairs(
         return build_pairs(records, tokenizer, seq_len=spec.data.seq_len)
     except DataFormatError as exc:
         where = f"{param} line {exc.line}: " if exc.line else f"{param}: "
-        raise _failure("invalid_data", where + exc.message, param=param, line=exc.line) from exc
+        raise JobFailure("invalid_data", where + exc.message, param=param, line=exc.line) from exc
 
 
 class DpoObjective:
@@ -114,7 +109,7 @@ class DpoObjective:
         if resuming:
             # The weights have moved since the reference was taken: it cannot be redone.
             why = "is missing" if stored is None else "belongs to other data"
-            raise _failure(
+            raise JobFailure(
                 "reference_mismatch",
                 f"the stored DPO reference {self.reference_path} {why}; the training data "
                 "changed since the job started, or the file was removed. Start a new job",

@@ -150,7 +150,7 @@ def test_bad_chunk_size_is_a_config_error() -> None:
 
 def test_chunk_functions_match_cross_entropy() -> None:
     """The two functions that the CUDA half-precision path compiles, run eagerly here."""
-    from engine.models._common import grad_logits_of_chunk, lse_and_loss_of_chunk
+    from engine.models.loss import grad_logits_of_chunk, lse_and_loss_of_chunk
 
     hidden, weight, targets = make_inputs(seed=3)
     logits = (hidden @ weight.t()).detach().requires_grad_()
@@ -168,12 +168,12 @@ def test_chunk_functions_match_cross_entropy() -> None:
 
 def test_fused_chunk_path_equals_full_cross_entropy(monkeypatch: pytest.MonkeyPatch) -> None:
     """The chunk loop through the fused functions (compiled on CUDA, eager here)."""
-    from engine.models import _common
+    from engine.models import loss
 
     monkeypatch.setattr(
-        _common,
+        loss,
         "_fused_loss_kernels",
-        lambda _: (_common.lse_and_loss_of_chunk, _common.grad_logits_of_chunk),
+        lambda _: (loss.lse_and_loss_of_chunk, loss.grad_logits_of_chunk),
     )
     hidden, weight, targets = make_inputs(seed=4)
     expected, grad_h, grad_w = full_loss_and_grads(hidden, weight, targets)
@@ -185,7 +185,7 @@ def test_fused_chunk_path_equals_full_cross_entropy(monkeypatch: pytest.MonkeyPa
 
 
 def test_fused_path_only_for_half_precision_on_cuda() -> None:
-    from engine.models._common import _fused_loss_kernels
+    from engine.models.loss import _fused_loss_kernels
 
     assert _fused_loss_kernels(torch.zeros(2, 2)) is None
     assert _fused_loss_kernels(torch.zeros(2, 2, dtype=torch.float16)) is None  # CPU

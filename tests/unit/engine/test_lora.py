@@ -22,12 +22,11 @@ from engine.adapters.lora import (
     DEFAULT_TARGET_MODULES,
     LoraConfig,
     LoraLinear,
-    adapter_state_dict,
     apply_lora,
     count_parameters,
-    load_adapter_state_dict,
     lora_modules,
 )
+from engine.adapters.peft_format import adapter_state_dict, load_adapter_state_dict
 from engine.attribute import ParamAttribute
 from engine.models import causal_lm_loss_fn
 from engine.optim import Adam
@@ -384,7 +383,9 @@ def test_lora_through_the_auto_split_keeps_the_model_names(cpu3: int) -> None:
 
 
 def test_the_service_offers_the_engines_target_modules() -> None:
-    """rp_service.schemas keeps its own copy (it must not import torch on the request path)."""
-    from rp_service.schemas import LORA_TARGET_MODULES
+    """The JobSpec's default targets are the engine's: both are the catalog's."""
+    from engine.catalog import LORA_TARGET_MODULES
+    from rp_service.schemas import LoraSection
 
     assert LORA_TARGET_MODULES == DEFAULT_TARGET_MODULES
+    assert tuple(LoraSection().target_modules) == DEFAULT_TARGET_MODULES

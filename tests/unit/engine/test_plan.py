@@ -87,7 +87,7 @@ H200_BWD = [20.0] + [71.0] * 28 + [430.0]
 
 
 def _makespan(plan: ModelExecutePlan, devices: int, nmb: int) -> float:
-    from engine.scheduler import simulate_plan
+    from engine.planning.simulate import simulate_plan
 
     return simulate_plan(plan, H200_FWD, H200_BWD, devices, nmb, handoff=24.5 / nmb)
 

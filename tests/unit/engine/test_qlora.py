@@ -17,13 +17,9 @@ import torch
 from torch import nn
 
 from engine import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
-from engine.adapters.lora import (
-    DEFAULT_TARGET_MODULES,
-    LoraConfig,
-    adapter_state_dict,
-    load_adapter_state_dict,
-)
+from engine.adapters.lora import DEFAULT_TARGET_MODULES, LoraConfig
 from engine.adapters.nf4 import NF4Weight, host_base_bytes, quantize_base_nf4
+from engine.adapters.peft_format import adapter_state_dict, load_adapter_state_dict
 from engine.attribute import ParamAttribute
 from engine.memory import packed_form
 from engine.models import causal_lm_loss_fn
@@ -181,3 +177,26 @@ def test_the_bench_runs_tiny_on_the_cpu(cpu3: int) -> None:
     assert all(r["tokens_per_s"] > 0 for r in (nf4, bf16, baseline))
     assert all(math.isfinite(x) for x in nf4["losses"] + bf16["losses"])
     assert nf4["base_host_bytes"] < bf16["base_host_bytes"] / 2
+
+
+def test_merged_weight_decodes_a_packed_base(cpu3: int) -> None:
+    """The merged export (W + s B A) reads the decoded base, not the parameter's stand-in."""
+    from engine.adapters.lora import LoraLinear
+
+    hf = tiny_model("qwen3", layers=2)
+    quantize_base_nf4(hf)
+    rp = wrap_model_to_roundpipe(hf, lora_config=LoraConfig(rank=RANK, alpha=ALPHA))
+    lora_layers = [m for m in hf.modules() if isinstance(m, LoraLinear)]
+    assert len(lora_layers) == 7 * 2
+    torch.manual_seed(3)
+    for layer in lora_layers:
+        with torch.no_grad():
+            layer.lora_B.weight.normal_()  # peft's init leaves B zero: make the delta count
+        packed = packed_form(layer.base_layer.weight)
+        expected = bnb_decoded(packed).float() + layer.scaling * (
+            layer.lora_B.weight.float() @ layer.lora_A.weight.float()
+        )
+        merged = layer.merged_weight()
+        assert torch.isfinite(merged).all()
+        torch.testing.assert_close(merged.float(), expected.to(merged.dtype).float())
+    rp.synchronize()

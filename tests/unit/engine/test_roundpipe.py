@@ -397,7 +397,7 @@ def test_call_state_is_freed_without_the_cycle_collector(num_devices: int) -> No
     pin fresh host memory (cudaHostAlloc blocks the issuing thread for tens of ms)."""
     import gc
 
-    from engine.run import RunState
+    from engine.run_state import RunState
 
     rp = RoundPipe(make_model().eval(), model_run_config=RoundPipeRunConfig(num_microbatch=2))
     x, y = make_batch()

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench import simulate
-from engine.scheduler import ModelExecutePlan, pipeline_makespan, simulate_plan
+from engine.planning.simulate import pipeline_makespan, simulate_plan
+from engine.scheduler import ModelExecutePlan
 
 INPUTS = Path(__file__).resolve().parents[3] / "bench" / "sim_inputs"
 # Per-layer times (ms over 16 micro-batches), as in test_split_tail.

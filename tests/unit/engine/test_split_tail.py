@@ -18,7 +18,8 @@ import torch
 from engine import ModelExecutePlan, RoundPipeRunConfig
 from engine.errors import ConfigError
 from engine.models import count_loss_tokens
-from engine.scheduler import pipeline_makespan, plan_from_times, simulate_plan
+from engine.planning.simulate import pipeline_makespan, simulate_plan
+from engine.scheduler import plan_from_times
 from engine.wrapper import wrap_model_to_roundpipe
 from tests.tiny_models import tiny_model
 

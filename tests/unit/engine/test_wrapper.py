@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import wrapper
+from engine import models, wrapper
 from engine.run_config import RoundPipeRunConfig
 from tests.tiny_models import WIDE, tiny_model
 
@@ -37,16 +37,11 @@ class FakeAutoRoundPipe(FakeRoundPipe):
     pass
 
 
-# `models.wrap_model` imports RoundPipe from engine.roundpipe; point it at the fake.
+# `models.wrap_model` builds the RoundPipe it imported from engine.roundpipe; point it at
+# the fake, and the auto-split at both fakes.
 @pytest.fixture(autouse=True)
 def _fake_roundpipe_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-    import types
-
-    fake = types.ModuleType("engine.roundpipe")
-    fake.RoundPipe = FakeRoundPipe  # type: ignore[attr-defined]
-    fake.AutoRoundPipe = FakeAutoRoundPipe  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engine.roundpipe", fake)
+    monkeypatch.setattr(models, "RoundPipe", FakeRoundPipe)
     monkeypatch.setattr(wrapper, "_roundpipe_classes", lambda: (FakeRoundPipe, FakeAutoRoundPipe))
 
 

@@ -11,11 +11,15 @@ from fastapi.testclient import TestClient
 from rp_service.app import create_app
 from rp_service.settings import Settings
 
+LOOPBACK = "http://127.0.0.1:8321"  # TestClient's own "testserver" is not an allowed Host
+
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
     settings = Settings(data_dir=tmp_path, gpus="none", token="tok", max_request_bytes=4096)
-    with TestClient(create_app(settings), headers={"Authorization": "Bearer tok"}) as c:
+    with TestClient(
+        create_app(settings), base_url=LOOPBACK, headers={"Authorization": "Bearer tok"}
+    ) as c:
         yield c
 
 

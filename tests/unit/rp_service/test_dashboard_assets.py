@@ -79,7 +79,7 @@ def test_public_paths(path: str, public: bool) -> None:
 @pytest.fixture
 def anonymous(tmp_path: Path) -> Iterator[TestClient]:
     settings = Settings(data_dir=tmp_path, gpus="none", token="tok")
-    with TestClient(create_app(settings)) as c:
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as c:
         yield c
 
 

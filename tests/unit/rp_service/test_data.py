@@ -65,6 +65,28 @@ def test_first_bad_line_is_named(bad, needle):
     assert needle in info.value.message
 
 
+@pytest.mark.parametrize(
+    ("line", "where"),
+    [
+        ('{"text": "a"', "Expecting ',' delimiter where the line ends, after column 12"),
+        ('{"text": "a",', "where the line ends, after column 13"),
+        ('{"text": "a"}  x', "Extra data at column 16"),
+        ('{"text": "\u00e9", x}', "at column 15"),  # columns count characters, not bytes
+        ('{"text": "a\tb"}', "Invalid control character at column 12"),
+    ],
+)
+@pytest.mark.parametrize("ending", ["\n", "\r\n", ""])
+def test_a_json_error_names_a_column_inside_the_line(line, where, ending, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(('{"text": "ok"}\n' + line + ending).encode())
+    with pytest.raises(DataFormatError) as info:
+        validate_jsonl(path)
+    assert info.value.line == 2
+    assert info.value.message.startswith("not valid JSON (")
+    assert where in info.value.message
+    assert f"column {len(line) + 1}" not in info.value.message  # never past the end
+
+
 def test_chat_validation_names_the_message():
     no_assistant = {"messages": [{"role": "user", "content": "hi"}]}
     bad_role = {"messages": [{"role": "robot", "content": "hi"}]}

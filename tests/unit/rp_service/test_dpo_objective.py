@@ -22,13 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
-from engine.adapters.lora import (
-    LoraConfig,
-    adapter_state_dict,
-    adapters_disabled,
-    load_adapter_state_dict,
-    lora_modules,
-)
+from engine.adapters.lora import LoraConfig, adapters_disabled, lora_modules
+from engine.adapters.peft_format import adapter_state_dict, load_adapter_state_dict
 from rp_service.worker.objectives import dpo
 from tests import tiny_models
 from tests.unit.engine.conftest import use_devices

@@ -13,12 +13,12 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from engine.catalog import FAMILIES
 from engine.planning.memory_plan import ModelShape
 from rp_service.app import create_app
 from rp_service.jobs.hostmem import _BYTE_VOCAB_ROUNDED, plan_for_spec
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
-from rp_service.shapes import PRESET_DEFAULTS
 
 TINY = {
     "hidden_size": 32,
@@ -42,8 +42,8 @@ def _spec(**engine: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(data_dir=tmp_path, gpus="none", host_memory_budget="160GiB")
-    with TestClient(create_app(settings)) as c:
+    settings = Settings(data_dir=tmp_path, gpus="none", host_memory_budget="160GiB", auth="none")
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as c:
         yield c
 
 
@@ -81,7 +81,8 @@ def test_tiny_job_fits_and_system_reports_the_budget(client: TestClient) -> None
 def test_default_budget_is_the_available_memory_less_a_margin(tmp_path: Path) -> None:
     from engine.planning.memory_plan import available_host_bytes
 
-    with TestClient(create_app(Settings(data_dir=tmp_path, gpus="none"))) as c:
+    settings = Settings(data_dir=tmp_path, gpus="none", auth="none")
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as c:
         budget = c.get("/v1/system").json()["host_memory_budget_bytes"]
     available = available_host_bytes()
     assert 0.85 * available < budget < available
@@ -92,15 +93,17 @@ def test_bad_budget_setting_is_rejected(tmp_path: Path) -> None:
         Settings(data_dir=tmp_path, host_memory_budget="plenty")
 
 
-@pytest.mark.parametrize("preset", sorted(PRESET_DEFAULTS))
+@pytest.mark.parametrize(
+    "preset", sorted(name for name, f in FAMILIES.items() if f.config_defaults is not None)
+)
 def test_preset_defaults_are_transformers_defaults(preset: str) -> None:
     import transformers
 
     from rp_service.data.tokenizer import BYTE_VOCAB_SIZE
-    from rp_service.worker.modeling import PRESETS
 
-    config = getattr(transformers, PRESETS[preset][0])()
-    assert ModelShape.from_config(PRESET_DEFAULTS[preset]) == ModelShape.from_config(config)
+    family = FAMILIES[preset]
+    config = getattr(transformers, family.config_class)()
+    assert ModelShape.from_config(family.config_defaults) == ModelShape.from_config(config)
     assert _BYTE_VOCAB_ROUNDED == -(-BYTE_VOCAB_SIZE // 8) * 8
 
 
@@ -131,12 +134,12 @@ import sys
 from rp_service.jobs.resolve import SpecResolver
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
-from rp_service.errors import InvalidRequest
+from rp_service.errors import HostMemoryExceeded
 resolver = SpecResolver(Settings(data_dir={str(tmp_path)!r}, host_memory_budget="1GiB"), None)
 spec = JobSpec.model_validate({_spec()!r})
 try:
     resolver.check(spec, gpu_count=0)
-except InvalidRequest as exc:
+except HostMemoryExceeded as exc:
     assert exc.code == "host_memory_exceeded", exc.code
 else:
     raise SystemExit("not refused")

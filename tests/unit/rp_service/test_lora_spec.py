@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.catalog import FAMILIES, LORA_TARGET_MODULES, projection_shapes
 from rp_service.app import create_app
 from rp_service.jobs.pipe import WorkerHandle
 from rp_service.jobs.store import SCHEMA_VERSION, JobRecord, Store
-from rp_service.schemas import LORA_TARGET_MODULES, Job, JobSpec
+from rp_service.schemas import Job, JobSpec
 from rp_service.settings import Settings
-from rp_service.shapes import PRESET_DEFAULTS, projection_shapes
 
 BASE = {
     "model": {"preset": "qwen3", "config": {"hidden_size": 64, "head_dim": 16}},
@@ -26,8 +26,10 @@ LORA = {**BASE, "train": {"method": "lora"}}
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(data_dir=tmp_path / "data", gpus="none", model_roots=[tmp_path])
-    with TestClient(create_app(settings)) as c:
+    settings = Settings(
+        data_dir=tmp_path / "data", gpus="none", model_roots=[tmp_path], auth="none"
+    )
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as c:
         yield c
 
 
@@ -127,7 +129,8 @@ def test_preset_defaults_are_transformers_defaults() -> None:
 
     for preset, class_name in (("qwen3", "Qwen3Config"), ("llama", "LlamaConfig")):
         config = getattr(transformers, class_name)()
-        got = projection_shapes(PRESET_DEFAULTS[preset])
+        assert FAMILIES[preset].config_class == class_name
+        got = projection_shapes(FAMILIES[preset].config_defaults)
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         assert got == {

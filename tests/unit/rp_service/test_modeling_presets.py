@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from engine.catalog import FAMILIES
 from rp_service.schemas import ModelSection
-from rp_service.worker.modeling import PRESETS, build_model
+from rp_service.worker.modeling import build_model
 
 pytest.importorskip("transformers")
 
@@ -30,8 +31,8 @@ MOE = {
 def test_presets_match_the_engine_and_the_schema() -> None:
     from engine.models import SUPPORTED_MODELS
 
-    assert set(PRESETS) == set(SUPPORTED_MODELS)
-    for name in PRESETS:
+    assert set(FAMILIES) == set(SUPPORTED_MODELS)
+    for name in FAMILIES:
         assert ModelSection(preset=name).preset == name
 
 

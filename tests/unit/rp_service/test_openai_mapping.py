@@ -26,15 +26,9 @@ from rp_service.api.openai.mapping import (
 )
 from rp_service.api.openai.schemas import FineTuningJobCreate
 from rp_service.errors import BadRequest
+from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
 from rp_service.jobs.results import ResultFiles, is_result_file_id, result_file_id
-from rp_service.jobs.store import (
-    CheckpointRecord,
-    EventRecord,
-    JobRecord,
-    OpenAIJobRecord,
-    OpenAIStore,
-    Store,
-)
+from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
 from rp_service.schemas import JobSpec, JobStatus, ModelSection
 
 FOLDER = ModelSection(path="/models/tiny")
@@ -247,7 +241,8 @@ def test_an_openai_job_shows_the_fields_it_was_created_with() -> None:
     extra = OpenAIJobRecord(job_id="job-abc", body_sha256="x", created_at=100, fields=fields)
     job = openai_job(_job("succeeded", output_model_path="/out"), extra)
     assert (job.model, job.suffix, job.metadata) == ("tiny", "mine", {"team": "a"})
-    assert job.fine_tuned_model == "/out"
+    # The model id chat.completions takes; the folder stays on the native job.
+    assert job.fine_tuned_model == f"ft:llama:{job.id}"
     assert job.method.supervised.hyperparameters.n_epochs == 3
 
 
@@ -333,6 +328,19 @@ def test_results_csv_has_one_row_per_metrics_event(tmp_path: Path) -> None:
     store.transition("job-abc", ["queued"], "succeeded")
     record, content = results.record(file_id)
     assert record.bytes == len(content) and record.line_count == 2 and record.format == "csv"
+    store.close()
+
+
+def test_a_deleted_job_leaves_the_openai_listing(tmp_path: Path) -> None:
+    store = Store(tmp_path / "rp.sqlite3")
+    store.open()
+    openai = OpenAIStore(store)
+    store.create_job(_job("succeeded"))
+    assert [j.id for j in openai.list_jobs_by_metadata(None, after=None, limit=10)[0]] == [
+        "job-abc"
+    ]
+    assert store.mark_deleted("job-abc") is not None
+    assert openai.list_jobs_by_metadata(None, after=None, limit=10) == ([], False)
     store.close()
 
 

@@ -42,7 +42,8 @@ def jsonl(*records: Any) -> bytes:
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    with TestClient(create_app(Settings(data_dir=tmp_path, gpus="none"))) as c:
+    settings = Settings(data_dir=tmp_path, gpus="none", auth="none")
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as c:
         yield c
 
 

@@ -1,0 +1,158 @@
+"""Issue 35's benchmark: the compact host-memory mode (RoundPipe optim_memory='compact':
+bf16 weights as the masters, 8-bit Adam moments, the bf16 gradient in place).
+
+One JSON line per result (each run is bench/train.py in its own process, so every peak host
+memory figure is that run's alone), then one line per comparison:
+
+  14b          Qwen3-14B shape, 32 x 2048 tokens a step, compact: tokens/s, peak host memory
+               (RSS) against the plan's prediction; the issue asks <= 112 GiB, >= 4,800 tok/s
+  8b           Qwen3-8B shape, the same tokens: compact against the 12-byte lean mode (bf16
+               moments, the half gradient in place, fp32 masters); within 5% of its tok/s
+  1.7b         Qwen3-1.7B shape, 200 steps of generated text (the demo's stories): the
+               final loss (mean of the last 20 steps) of compact against the fp32-master
+               path (fp32 masters and moments); within 1%
+
+On the GPU box (one H100, 125 GiB host):
+
+    python bench/host_lean.py                    # all three cases, ~25 min
+    python bench/host_lean.py --cases 14b 8b     # the throughput cases only
+
+On a CPU (tiny shapes, RP_DEVICES=cpu:2, seconds): `python bench/host_lean.py --tiny`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Options every run shares: bf16 model, pinned arena, attention recomputed (the saved
+# attention outputs alone are 25.6 GiB of host memory at 14B and 32 x 2048 tokens).
+COMMON = ["--dtype", "bfloat16", "--pin-model", "arena", "--recompute-attention"]
+COMPACT = ["--optim-memory", "compact"]
+LEAN = ["--optim-state-dtype", "bfloat16", "--optim-grad-dtype", "model"]  # 12 bytes
+FP32_MASTER: list[str] = []  # fp32 masters, fp32 moments, fp32 gradient buffer: 20 bytes
+
+THROUGHPUT = ["--seqs-per-step", "32", "--seq-len", "2048", "--steps", "5", "--warmup", "2"]
+ACCURACY = [
+    *("--seqs-per-step", "8", "--seq-len", "2048", "--steps", "195", "--warmup", "5"),
+    *("--text", "--lr", "3e-4"),
+]
+TINY_THROUGHPUT = ["--seqs-per-step", "8", "--seq-len", "32", "--steps", "3", "--warmup", "1"]
+TINY_ACCURACY = [
+    *("--seqs-per-step", "8", "--seq-len", "32", "--steps", "25", "--warmup", "5"),
+    *("--text", "--lr", "3e-3"),
+]
+
+
+def _runs(case: str, tiny: bool) -> list[tuple[str, list[str]]]:
+    """(name, bench/train.py arguments) of one case."""
+    throughput = TINY_THROUGHPUT if tiny else THROUGHPUT
+    accuracy = TINY_ACCURACY if tiny else ACCURACY
+    model = {"14b": "qwen3-14b", "8b": "qwen3-8b", "1.7b": "qwen3-1.7b"}[case]
+    if tiny:
+        model = "tiny"
+    base = ["--model", model, *COMMON]
+    if case == "14b":
+        return [("compact", [*base, *throughput, *COMPACT])]
+    if case == "8b":
+        return [("compact", [*base, *throughput, *COMPACT]), ("lean", [*base, *throughput, *LEAN])]
+    return [
+        ("compact", [*base, *accuracy, *COMPACT]),
+        ("fp32_master", [*base, *accuracy, *FP32_MASTER]),
+    ]
+
+
+def run_train(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """bench/train.py with `argv` in a fresh process; its result line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.train", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"bench/train.py {' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+def _summary(case: str, name: str, result: dict[str, Any]) -> dict[str, Any]:
+    plan = result.get("plan_host_parts_gib") or {}
+    return {
+        "bench": "host_lean",
+        "case": case,
+        "mode": name,
+        "model": result["model"],
+        "params": result["params"],
+        "tokens_per_step": result["tokens_per_step"],
+        "tokens_per_s": result["tokens_per_s"],
+        "peak_host_mem_gib": result["peak_host_mem_gib"],
+        "plan_host_gib": result.get("plan_host_gib"),
+        "plan_host_parts_gib": plan,
+        "optimizer_state_bytes": result.get("optimizer_state_bytes"),
+        "optimizer_s_median": result.get("optimizer_s_median"),
+        "loss_first": result["loss_first"],
+        "loss_tail_mean": result.get("loss_tail_mean"),
+        "peak_gpu_mem_gib": result.get("peak_gpu_mem_gib"),
+        "device": result["device"],
+    }
+
+
+def compare(case: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The case's comparison line (8b: tok/s ratio; 1.7b: final-loss difference)."""
+    if case == "8b":
+        ratio = rows["compact"]["tokens_per_s"] / rows["lean"]["tokens_per_s"]
+        return {
+            "bench": "host_lean",
+            "case": case,
+            "compact_over_lean_tokens_per_s": round(ratio, 4),
+        }
+    if case == "1.7b":
+        got, ref = rows["compact"]["loss_tail_mean"], rows["fp32_master"]["loss_tail_mean"]
+        return {
+            "bench": "host_lean",
+            "case": case,
+            "final_loss_compact": got,
+            "final_loss_fp32_master": ref,
+            "final_loss_rel_diff": round((got - ref) / ref, 5),
+        }
+    return None
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--cases", nargs="+", choices=["14b", "8b", "1.7b"], default=["14b", "8b", "1.7b"]
+    )
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on RP_DEVICES=cpu:2")
+    args = p.parse_args(argv)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if args.tiny:
+        env["RP_DEVICES"] = "cpu:2"
+    out = []
+    for case in args.cases:
+        rows = {}
+        for name, train_args in _runs(case, args.tiny):
+            rows[name] = _summary(case, name, run_train(train_args, env))
+            print(json.dumps(rows[name]), flush=True)
+            out.append(rows[name])
+        line = compare(case, rows)
+        if line is not None:
+            print(json.dumps(line), flush=True)
+            out.append(line)
+    return out
+
+
+if __name__ == "__main__":
+    main()

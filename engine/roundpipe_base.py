@@ -1,0 +1,398 @@
+"""RoundPipeBase: what RoundPipe and AutoRoundPipe share.
+
+Optimizer-side copies of the parameters (what a torch optimizer updates inside a step_fn),
+the attribute shim that reaches the original model, and the step: on the optimizer thread,
+publish the previous step's weights into the model and fold the new gradients into the
+optimizer-side ones, layer by layer (`publish_weights_take_grads`), then run step_fn.
+`engine.roundpipe` re-exports the class (the seed's place for it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .accel.weight_buffers import publish_param
+from .adapters.peft_format import save_adapter
+from .attribute import ParamAttribute
+from .call_site import get_call_location
+from .context import OptimizerCtx, doing_optimizer
+from .errors import ConfigError
+from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
+from .threads import AnnotatedEvent, track_open
+
+if TYPE_CHECKING:
+    from .run_state import RunState
+
+__all__ = ["RoundPipeBase", "publish_weights_take_grads"]
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+class RoundPipeBase(nn.Module):
+    """What RoundPipe and AutoRoundPipe share: optimizer-side parameters and the step.
+
+    Every parameter gets a ParamAttribute with an optimizer-side copy (in `optim_dtype`,
+    default the parameter's dtype). Inside a step_fn (an OptimizerCtx) `parameters()` and
+    `named_parameters()` yield those copies, so any torch optimizer works.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        name: str | None = None,
+        optim_dtype: torch.dtype | None = None,
+        optim_grad_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.model = model
+        object.__setattr__(self, "name", name or get_call_location(2))
+        object.__setattr__(self, "original_model", None)
+        object.__setattr__(self, "optim_dtype", optim_dtype)
+        object.__setattr__(self, "optim_grad_dtype", optim_grad_dtype)
+        object.__setattr__(self, "layer_attrs", [])
+        object.__setattr__(self, "optim_updated", AnnotatedEvent("optim_updated", set_=True))
+        object.__setattr__(self, "_optim_ahead", False)  # optimizer copies newer than the model
+        object.__setattr__(self, "_dp", None)  # DataParallel when a process group is in effect
+        # The optimizer thread's time per step, by phase (the last steps): publishing the
+        # weights, folding the gradients, waiting for an overlapped call, step_fn.
+        object.__setattr__(self, "step_phases", collections.deque(maxlen=64))
+        track_open(self)  # closed at interpreter exit unless closed before (weakly held)
+
+    # ---- attribute shim ----------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            for target in (self.__dict__.get("original_model"), self._modules.get("model")):
+                if target is not None and hasattr(target, name):
+                    return getattr(target, name)
+            raise
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_rp_initialized") and name not in self.__dict__:
+            orig = self.__dict__.get("original_model")
+            if (
+                orig is not None
+                and not isinstance(value, (nn.Module, nn.Parameter))
+                and hasattr(orig, name)
+            ):
+                setattr(orig, name, value)
+                return
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        orig = self.__dict__.get("original_model")
+        if self.__dict__.get("_rp_initialized") and orig is not None and hasattr(orig, name):
+            delattr(orig, name)
+            return
+        super().__delattr__(name)
+
+    def set_original_model(self, original_model: nn.Module) -> None:
+        """Attach the pre-wrap model so its attributes (config, ...) stay reachable."""
+        object.__setattr__(self, "original_model", original_model)
+
+    # ---- parameters ----------------------------------------------------------------------
+    def _attach_param_attributes(self, layers: list[nn.Module]) -> None:
+        """Give every parameter a ParamAttribute owned by the first layer using it."""
+        for j, layer in enumerate(layers):
+            for p in layer.parameters():
+                if not ParamAttribute.has(p):
+                    ParamAttribute.set(
+                        p,
+                        j,
+                        self.optim_dtype or p.dtype,
+                        self.optim_grad_dtype,
+                        share_master=self.__dict__.get("optim_memory") == "compact",
+                    )
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        """Model parameters; the optimizer-side copies inside a step_fn."""
+        if doing_optimizer():
+            return self.optim_parameters()
+        return super().parameters(recurse)
+
+    def named_parameters(  # type: ignore[override]
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named model parameters; the optimizer-side copies inside a step_fn."""
+        if doing_optimizer():
+            return self.optim_named_parameters(prefix, remove_duplicate)
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named optimizer-side parameters (fp32 masters with optim_dtype=float32)."""
+        for name, p in super().named_parameters(prefix, True, remove_duplicate):
+            if ParamAttribute.has(p):
+                optim = ParamAttribute.get(p).optim
+                if optim is not None:
+                    yield name, optim
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        """Optimizer-side parameters: build the optimizer from these."""
+        for _, p in self.optim_named_parameters():
+            yield p
+
+    def _all_params(self) -> list[tuple[nn.Parameter, ParamAttribute]]:
+        out = []
+        for p in super().parameters(True):
+            if ParamAttribute.has(p):
+                out.append((p, ParamAttribute.get(p)))
+        return out
+
+    # ---- step ------------------------------------------------------------------------------
+    def finish_pending(self) -> None:
+        """Wait for the rest of an overlapped call (RoundPipe overlap_calls); none here."""
+
+    def _params_by_owner(self) -> list[list[tuple[nn.Parameter, ParamAttribute]]]:
+        owned: list[list[tuple[nn.Parameter, ParamAttribute]]] = [[] for _ in self.layer_attrs]
+        for p, pa in self._all_params():
+            owned[pa.owner_layer].append((p, pa))
+        return owned
+
+    def step(
+        self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
+    ) -> None:
+        """Run `step_fn(*args, **kwargs)` on the optimizer thread.
+
+        Asynchronous (default): return at once; the next iteration computes with the
+        weights from before this step (staleness one). Synchronous: wait, so the next
+        iteration uses the updated weights. An error in step_fn surfaces at the next call.
+        """
+        if not callable(step_fn):
+            raise ConfigError(f"step_fn must be callable, got {type(step_fn).__name__}")
+        check_optim_error()
+        pending = self.__dict__.get("_pending_run")
+        for attr in self.layer_attrs:
+            if self.__dict__.get("overlap_calls"):
+                attr.renew()  # the pending call keeps waiting on the step before
+            else:
+                attr.param_copied.clear()
+                attr.grad_copied.clear()
+        events = [(attr.param_copied, attr.grad_copied) for attr in self.layer_attrs]
+        self.optim_updated.clear()
+        launch_optim_kernel(self._step_kernel, step_fn, args, kwargs, not is_async, pending, events)
+        if not is_async:
+            synchronize_optim()
+
+    def _step_kernel(
+        self,
+        step_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sync: bool,
+        pending: RunState | None,
+        events: list[tuple[Any, Any]],
+    ) -> None:
+        """On the optimizer thread: publish w[k], take the gradients, then update.
+
+        `pending`: the call whose backward may still run (overlapped calls): each layer is
+        published once that call's uploads of it are done, each gradient taken once it is
+        downloaded. `events`: this step's (param_copied, grad_copied) per layer.
+        """
+        # "swapped": parameters published by swapping in the copy the optimizer wrote.
+        phases = {"publish_s": 0.0, "fold_s": 0.0, "wait_s": 0.0, "step_fn_s": 0.0, "swapped": 0.0}
+        start = time.perf_counter()
+        try:
+            if self._dp is not None:
+                self._dp.publish_weights_take_grads(self)
+            else:
+                published = self._optim_ahead
+                publish_weights_take_grads(self, self._params_by_owner(), pending, events, phases)
+                if published and self.__dict__.get("second_copy_bytes") and not phases["swapped"]:
+                    _warn_once(
+                        f"second-copy:{id(self)}",
+                        f"{self.name}: double_buffer_weights is on but the step function's "
+                        "optimizer did not write the second weight copy (engine.optim.Adam "
+                        "does), so each step converts the weights as without it; pass "
+                        "double_buffer_weights=False to save its host memory",
+                    )
+            try:
+                t0 = time.perf_counter()
+                with OptimizerCtx():
+                    step_fn(*args, **kwargs)
+                phases["step_fn_s"] = time.perf_counter() - t0
+            finally:
+                # Also after a failed step_fn: it may have updated some master weights
+                # before raising, and the model must not drift from them.
+                object.__setattr__(self, "_optim_ahead", True)
+            if sync:
+                self.sync_optim_param()
+        finally:
+            for param_copied, grad_copied in events:
+                param_copied.set()
+                grad_copied.set()
+            self.optim_updated.set()
+            phases["total_s"] = time.perf_counter() - start
+            self.step_phases.append(phases)
+
+    def sync_optim_param(self) -> None:
+        """Copy the optimizer-side weights into the model parameters (if newer)."""
+        if self._dp is not None:
+            self._dp.sync_optim_param(self)
+            return
+        if not self._optim_ahead:
+            return
+        for p, pa in self._all_params():
+            publish_param(p, pa)
+        object.__setattr__(self, "_optim_ahead", False)
+
+    def synchronize(self) -> None:
+        """Wait for every step; then the model's parameters hold the latest weights and
+        `.grad` the gradients accumulated since the optimizer last zeroed them (under
+        data parallel: summed over ranks; a collective, every rank calls it)."""
+        self.finish_pending()
+        if self._dp is not None:
+            self._dp.synchronize(self)
+            return
+        synchronize_optim()
+        self.sync_optim_param()
+        for p, pa in self._all_params():
+            pa.fold_grad()
+            if pa.optim is not None and pa.optim.grad is not None:
+                p.grad = pa.optim.grad.detach().to(p.dtype, copy=True)
+            else:
+                p.grad = None
+
+    def save_adapter(self, path: str | os.PathLike[str], *, merged_path: Any = None) -> None:
+        """Write the LoRA adapters in peft's format (see
+        `engine.adapters.peft_format.save_adapter`); `merged_path`: also the model with the
+        adapters folded in, HF format."""
+        save_adapter(self, path, merged_path=merged_path)
+
+    def rp_unwrap(self) -> tuple[nn.Module, nn.Module]:
+        """(the module this wrapper runs, the user's model behind it): how code the wrappers
+        import (engine.adapters) looks through one without importing them."""
+        return self.model, self.original_model or self.model
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient: pending host gradients, optimizer-side and model `.grad`."""
+        self.finish_pending()
+        synchronize_optim()
+        for p, pa in self._all_params():
+            pa.grad_pending = False
+            if pa.optim is not None:
+                pa.optim.grad = None
+            p.grad = None
+
+    # ---- teardown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the queued steps, then stop what this model owns; a second call does nothing.
+
+        Under data parallel the engine's own process groups are destroyed and their worker
+        threads joined (engine.parallel.data_parallel: DataParallel.close), so nothing of
+        the engine outlives the user's process group. The optimizer and device threads,
+        shared by every model, stop when no open model is left (a later model starts
+        them again). It publishes nothing: call `synchronize()` first to read the latest
+        weights and `.grad`. Runs by itself at interpreter exit; `with RoundPipe(...) as
+        rp:` closes at the block's end.
+        """
+        from .device import reset_devices
+        from .optim_stream import shutdown_optim
+        from .threads import any_open, mark_closed
+
+        if not mark_closed(self):
+            return
+        try:
+            self.finish_pending()
+            synchronize_optim()  # the queued steps' collectives end on every rank
+        finally:
+            for sub in self.__dict__.get("_subs", ()):
+                sub.close()
+            if self._dp is not None:
+                self._dp.close()
+            if not any_open():
+                shutdown_optim()
+                reset_devices()
+
+    def __enter__(self) -> RoundPipeBase:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _PhaseClock:
+    """`with clock(name):` adds the block's seconds to `phases[name]` (no-op without)."""
+
+    def __init__(self, phases: dict[str, float] | None) -> None:
+        self.phases = phases
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if self.phases is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+
+def publish_weights_take_grads(
+    owner: RoundPipeBase,
+    groups: list[list[tuple[nn.Parameter, ParamAttribute]]],
+    pending: RunState | None = None,
+    events: list[tuple[Any, Any]] | None = None,
+    phases: dict[str, float] | None = None,
+) -> None:
+    """On the optimizer thread, per layer and in layer order: publish the weights of the
+    previous step into the model (if newer), then fold the new gradients into the
+    optimizer-side ones, setting each layer's event as soon as its part is done.
+
+    With a `pending` call still running (overlapped calls), a layer is published once
+    that call's uploads of the layers using its parameters are done, and the gradients are
+    taken from the last layer down (the order the backward downloads them), each once it
+    is down. `phases` gets the seconds spent publishing, folding and waiting.
+    """
+    clock = _PhaseClock(phases)
+    users = owner.__dict__.get("_owner_users")
+    if events is None:
+        events = [(attr.param_copied, attr.grad_copied) for attr in owner.layer_attrs]
+    for j, ((param_copied, _), params) in enumerate(zip(events, groups, strict=True)):
+        if owner._optim_ahead:
+            if pending is not None and users is not None:
+                with clock("wait_s"):
+                    pending.wait_uploads(users[j])
+            with clock("publish_s"):
+                swapped = sum(publish_param(p, pa) for p, pa in params)
+            if phases is not None:
+                phases["swapped"] = phases.get("swapped", 0.0) + swapped
+        # Weights the optimizer writes in place (optim_memory='compact') are the next
+        # uploads' only copy: the caller sets the event once step_fn has returned.
+        if not any(pa.master_shared for _, pa in params):
+            param_copied.set()
+    object.__setattr__(owner, "_optim_ahead", False)
+    order = list(zip(events, groups, strict=True))
+    if pending is not None:
+        order.reverse()
+    for (_, grad_copied), params in order:
+        for p, pa in params:
+            if pending is not None and pa.optim is not None:
+                with clock("wait_s"):
+                    pending.wait_grads(p)
+            with clock("fold_s"):
+                pa.fold_grad()
+        # A gradient read in place stays the optimizer's until step_fn returns (the
+        # caller sets every event then).
+        if not any(pa.grad_in_place for _, pa in params):
+            grad_copied.set()

@@ -1,0 +1,65 @@
+"""OpenAI's chat route: `POST /v1/chat/completions` (docs/CHAT.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from rp_service.api.openai._route import OpenAIRoute
+from rp_service.api.openai.chat_schemas import ChatCompletion, ChatCompletionCreate
+from rp_service.schemas import ErrorEnvelope
+from rp_service.serving.chat import Chat
+from rp_service.serving.manager import ServingManager
+
+__all__ = ["chat_service", "router"]
+
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+
+_ERRORS = {
+    400: {"model": ErrorEnvelope, "description": "an invalid or unsupported parameter"},
+    404: {"model": ErrorEnvelope, "description": "no such model"},
+    503: {"model": ErrorEnvelope, "description": "every GPU is in use (see Retry-After)"},
+}
+
+
+def chat_service(request: Request) -> Chat:
+    """One chat service (and serving manager) per app, made on first use."""
+    state = request.app.state
+    service = getattr(state, "openai_chat", None)
+    if service is None:
+        services = state.services
+        manager = ServingManager(services.settings, services.orchestrator)
+        service = state.openai_chat = Chat(services, manager)
+    return service
+
+
+ChatDep = Annotated[Chat, Depends(chat_service)]
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletion,
+    responses={
+        **_ERRORS,
+        200: {
+            "description": "a chat.completion, or with stream=true server-sent "
+            "chat.completion.chunk events ending in `data: [DONE]`",
+            "content": {"text/event-stream": {}},
+        },
+    },
+)
+async def create_chat_completion(
+    body: ChatCompletionCreate, service: ChatDep
+) -> ChatCompletion | StreamingResponse:
+    """`chat.completions.create`: the model's answer to `messages` (its chat template)."""
+    opened = await service.open(body)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            service.chunks(opened, include_usage=include_usage),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+    return await service.complete(opened)

@@ -1,0 +1,130 @@
+"""A job's model in the engine: the host-memory check, the adapters, the wrap, the optimizer.
+
+Each step reads the spec through `rp_service.spec_to_engine`'s options, the ones the
+daemon planned host memory with at submission.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import JobFailure
+from ..schemas import JobSpec
+from ..spec_to_engine import EngineOptions, LoraOptions
+from .modeling import DTYPES
+
+__all__ = ["apply_lora", "check_host_memory", "make_optimizer", "wrap"]
+
+log = logging.getLogger(__name__)
+
+
+def check_host_memory(spec: JobSpec, model_path: str | None) -> None:
+    """The submission's host-memory plan again, against what this box has now (another job
+    may hold memory the daemon could not count at submission): refuse before allocating
+    rather than be ended by the OOM killer.
+
+    Raises:
+        JobFailure: code ``host_memory_exceeded``, naming the field to change.
+    """
+    from engine.device import host_memory_budget_setting
+    from engine.planning.memory_plan import default_budget_bytes, process_rss_bytes
+
+    from ..errors import HostMemoryExceeded
+    from ..jobs.hostmem import check_spec
+
+    config = None
+    if model_path is not None:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    budget = default_budget_bytes(host_memory_budget_setting(), in_use_bytes=process_rss_bytes())
+    cuda = torch.cuda.is_available() and spec.engine.gpus > 0
+    try:
+        check_spec(spec, path_config=config, cuda=cuda, budget=budget)
+    except HostMemoryExceeded as exc:
+        # The error event keeps the message (which has the figures) and the field.
+        raise JobFailure(exc.code, exc.message, param=exc.param) from None
+
+
+def apply_lora(hf_model: torch.nn.Module, lora: LoraOptions, *, seed: int | None) -> list[str]:
+    """Add the adapters in place and freeze the base; return the adapters' state_dict names.
+
+    Args:
+        seed: seeds the adapters' random init; None continues the generator's stream (a
+            preset's build seeded it; seeding again would start the base and the adapters
+            from the same random numbers).
+
+    Raises:
+        JobFailure: code ``invalid_lora``, naming the lora field the engine refused.
+    """
+    from engine.adapters.lora import LoraConfig
+    from engine.adapters.lora import apply_lora as engine_apply_lora
+    from engine.errors import ConfigError
+
+    config = LoraConfig(
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=lora.target_modules,
+    )
+    if seed is not None:
+        torch.manual_seed(seed)  # the adapters' init is part of the job's reproducible state
+    try:
+        engine_apply_lora(hf_model, config)
+    except ConfigError as exc:
+        raise JobFailure("invalid_lora", str(exc), param=exc.field or "lora") from exc
+    adapter_keys = [n for n, p in hf_model.named_parameters() if p.requires_grad]
+    if not adapter_keys:
+        raise JobFailure(
+            "invalid_lora",
+            f"lora.target_modules {list(lora.target_modules)} matched no layer of the model",
+            param="lora.target_modules",
+        )
+    log.info("LoRA: %d adapter tensors on %s", len(adapter_keys), list(lora.target_modules))
+    return adapter_keys
+
+
+def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
+    """The job's RoundPipe over `hf_model`, with the spec's run config and wrap options."""
+    from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
+
+    if options.optim_memory == "compact":  # the bf16 weights are the masters
+        return wrap_model_to_roundpipe(
+            hf_model,
+            model_run_config=RoundPipeRunConfig(**options.run_config),
+            pin_model=options.pin_model,
+            recompute_attention=options.recompute_attention,
+            optim_memory="compact",
+        )
+    grad_dtype = options.optim_grad_dtype
+    return wrap_model_to_roundpipe(
+        hf_model,
+        optim_dtype=DTYPES[options.optim_dtype],
+        optim_grad_dtype=None if grad_dtype is None else DTYPES[grad_dtype],
+        model_run_config=RoundPipeRunConfig(**options.run_config),
+        pin_model=options.pin_model,
+        recompute_attention=options.recompute_attention,
+    )
+
+
+def make_optimizer(
+    masters: list[torch.Tensor], spec: JobSpec, options: EngineOptions
+) -> torch.optim.Optimizer:
+    """The C Adam over the master weights, with the spec's hyperparameters (8-bit moments
+    with optim_memory compact)."""
+    from engine.optim import Adam
+
+    train = spec.train
+    return Adam(
+        masters,
+        lr=train.lr,
+        betas=tuple(train.betas),
+        weight_decay=train.weight_decay,
+        decoupled_weight_decay=True,
+        state_dtype=torch.uint8
+        if options.optim_memory == "compact"
+        else DTYPES[options.optim_state_dtype],
+    )
