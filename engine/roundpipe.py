@@ -429,6 +429,11 @@ class RoundPipe(RoundPipeBase):
             and torch.is_grad_enabled()
             and (any(p.requires_grad for p, _ in self._all_params()) or any(flags))
         )
+        if wants_grad and cfg.output_fn is not None:
+            raise ConfigError(
+                "run_config.output_fn is for forwards without gradients; run this forward "
+                "under torch.no_grad() or with requires_grad=False"
+            )
         run_type: RunType = "train" if wants_grad else "infer"
         plan = self._plan(run_type, cfg)
         run = RunState(self, cfg, plan, run_type, acts, flags)

@@ -228,6 +228,8 @@ def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
                     keep_for_backward=run.enable_grad,
                     group=group,
                 )
+                if last and run.cfg.output_fn is not None:
+                    out = run.cfg.output_fn(out, mb)
             out_leaves, tree = _flatten(out)
             # The last group's outputs go to the caller: real tensors, not HostPieces.
             host, ev = async_d2h(dev, out_leaves, pieces=not last)

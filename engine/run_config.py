@@ -45,6 +45,10 @@ class RoundPipeRunConfig:
             `[out_i, ...] -> out`, True (automatic) or False (return a RoundPipePackedData
             that another RoundPipe model consumes without re-splitting). Default: automatic.
         execute_plan: A ModelExecutePlan. Default: ModelExecutePlan.auto from timings.
+        output_fn: Forward without gradients only: `(output, micro_batch_index) -> output`
+            applied on the device to each micro-batch's output of the last layer group,
+            before its download (e.g. to reduce a head's output to a few numbers per
+            sequence). Default: none.
         batch_is_global: Under data parallel (engine.parallel.data_parallel), whether
             `forward_backward` is given the global batch on every rank (True: each rank
             keeps its equal share of the rows, and the ranks check that they were given
@@ -61,6 +65,7 @@ class RoundPipeRunConfig:
     split_label: Any = None
     merge_output: Any = None
     execute_plan: ModelExecutePlan | None = None
+    output_fn: Callable[[Any, int], Any] | None = None
     batch_is_global: bool | None = None
 
     def __post_init__(self) -> None:
@@ -92,6 +97,10 @@ class RoundPipeRunConfig:
                 "run_config.execute_plan must be a ModelExecutePlan, "
                 f"got {type(self.execute_plan).__name__}"
             )
+        if self.output_fn is not None and not callable(self.output_fn):
+            raise ConfigError(
+                f"run_config.output_fn must be callable, got {type(self.output_fn).__name__}"
+            )
 
     def over(self, base: RoundPipeRunConfig) -> RoundPipeRunConfig:
         """This config, with unset fields taken from `base`."""
@@ -115,6 +124,7 @@ class FullRoundPipeRunConfig:
         "merge_output",
         "num_microbatch",
         "output_device",
+        "output_fn",
         "preserve_rng_state",
         "recompute_grain",
         "requires_grad",
@@ -145,6 +155,7 @@ class FullRoundPipeRunConfig:
         self.split_label: Any = c.split_label
         self.merge_output: Any = True if c.merge_output is None else c.merge_output
         self.execute_plan: ModelExecutePlan | None = c.execute_plan
+        self.output_fn: Callable[[Any, int], Any] | None = c.output_fn
         self.batch_is_global: bool = True if c.batch_is_global is None else c.batch_is_global
 
     def __repr__(self) -> str:

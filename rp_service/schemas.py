@@ -20,6 +20,7 @@ __all__ = [
     "TERMINAL_STATUSES",
     "Checkpoint",
     "DataSection",
+    "DpoSection",
     "EngineSection",
     "ErrorBody",
     "ErrorEnvelope",
@@ -64,7 +65,7 @@ JobStatus = Literal[
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 EventType = Literal["status", "metrics", "checkpoint", "log", "message"]
 EventLevel = Literal["info", "warning", "error"]
-FileFormat = Literal["text", "chat", "prompt_completion"]
+FileFormat = Literal["text", "chat", "prompt_completion", "preference"]
 DType = Literal["float32", "float16", "bfloat16"]
 ConfigValue = int | float | str | bool | None | list[int | float | str | bool | None]
 
@@ -124,7 +125,7 @@ class DataSection(_Section):
         description='"file-..." id, an absolute path under RP_DATASET_ROOTS, or "synthetic".',
     )
     valid: str | None = Field(None, min_length=1, max_length=4096, description="Same forms.")
-    format: Literal["auto", "text", "chat", "prompt_completion"] = "auto"
+    format: Literal["auto", "text", "chat", "prompt_completion", "preference"] = "auto"
     seq_len: int = Field(256, ge=2, le=1 << 20, description="Tokens per sequence.")
     packing: bool = True
 
@@ -145,6 +146,11 @@ class TrainSection(_Section):
     keep_checkpoints: int = Field(2, ge=1, le=1000)
     method: Literal["full", "lora"] = Field(
         "full", description="full: train every weight; lora: frozen base + LoRA adapters."
+    )
+    objective: Literal["sft", "dpo"] = Field(
+        "sft",
+        description="sft: next-token loss on the trained tokens; dpo: preference pairs "
+        "(data format preference), options in the dpo section.",
     )
 
     @model_validator(mode="before")
@@ -224,6 +230,17 @@ class LoraSection(_Section):
         return names
 
 
+class DpoSection(_Section):
+    """Options of a `train.objective: dpo` job (TRL's and OpenAI's names)."""
+
+    beta: float = Field(
+        0.1, gt=0, le=1000, description="Strength of the pull towards the reference."
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Probability that a pair's label is flipped (cDPO)."
+    )
+
+
 class JobSpec(_Section):
     """What to train and how: the body of `POST /v1/jobs`."""
 
@@ -236,6 +253,9 @@ class JobSpec(_Section):
     engine: EngineSection = Field(default_factory=EngineSection)
     lora: LoraSection | None = Field(
         None, description="With train.method lora; null there means the defaults."
+    )
+    dpo: DpoSection | None = Field(
+        None, description="With train.objective dpo; null there means the defaults."
     )
 
     @field_validator("name")
@@ -264,6 +284,19 @@ class JobSpec(_Section):
             )
         return lora
 
+    @field_validator("dpo")
+    @classmethod
+    def _dpo_needs_the_objective(
+        cls, dpo: DpoSection | None, info: ValidationInfo
+    ) -> DpoSection | None:
+        train = info.data.get("train")
+        if dpo is not None and isinstance(train, TrainSection) and train.objective != "dpo":
+            raise ValueError(
+                f"a dpo section is given but train.objective is {train.objective!r}; set "
+                "train.objective to 'dpo' or remove the dpo section"
+            )
+        return dpo
+
     @model_validator(mode="after")
     def _compact_needs_bf16(self) -> JobSpec:
         if self.engine.optim_memory == "compact" and self.model.dtype != "bfloat16":
@@ -277,6 +310,8 @@ class JobSpec(_Section):
     def _lora_defaults(self) -> JobSpec:
         if self.train.method == "lora" and self.lora is None:
             self.lora = LoraSection()
+        if self.train.objective == "dpo" and self.dpo is None:
+            self.dpo = DpoSection()
         return self
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
     "DEFAULT_TARGET_MODULES",
     "LoraConfig",
     "LoraLinear",
+    "adapters_disabled",
     "apply_lora",
     "count_parameters",
     "lora_config_of",
@@ -53,6 +55,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = LORA_TARGET_MODULES  # the catalog's: all seven
+# Inside `adapters_disabled`: every LoraLinear computes its base layer alone. Process-wide,
+# not per module: the engine's device replicas are deep copies made once, which a flag on
+# the host module would not reach.
+_disabled_depth = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,7 +287,8 @@ class LoraLinear(nn.Module):
         w = self.base_layer.weight
         bias = self.base_layer.bias
         if (
-            (self.training and isinstance(self.lora_dropout, nn.Dropout))
+            _disabled_depth
+            or (self.training and isinstance(self.lora_dropout, nn.Dropout))
             or w.requires_grad
             or (bias is not None and bias.requires_grad)
         ):
@@ -293,6 +300,8 @@ class LoraLinear(nn.Module):
         self.merged = True
 
     def forward(self, x: Tensor) -> Tensor:
+        if _disabled_depth and not self.merged:
+            return self.base_layer(x)
         if self.merged:
             return _MergedLoraLinear.apply(
                 x,
@@ -329,6 +338,27 @@ class LoraLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, scaling={self.scaling:g}"
+
+
+@contextmanager
+def adapters_disabled(model_or_rp: nn.Module | None = None) -> Iterator[None]:
+    """Run the base model alone inside: every `LoraLinear` skips its adapter.
+
+    For a reference forward (preference tuning: the base is the reference model), with no
+    second copy of the weights. Device replicas uploaded inside skip the adapter merge, so
+    the whole forward call must run inside; `model_or_rp`'s pending calls (an overlapped
+    backward that would upload layers in here) are finished first. Process-wide: every
+    model's adapters are off inside.
+    """
+    global _disabled_depth
+    finish = getattr(model_or_rp, "finish_pending", None)
+    if callable(finish):
+        finish()
+    _disabled_depth += 1
+    try:
+        yield
+    finally:
+        _disabled_depth -= 1
 
 
 # ---- finding the model's modules ---------------------------------------------------------

@@ -186,6 +186,12 @@ def build_blocks(
     Raises:
         DataFormatError: ``line=0`` when the data is too short to form one sequence.
     """
+    if fmt == "preference":
+        raise DataFormatError(
+            "the data holds preference pairs, which train with train.objective dpo; set it, "
+            "or give text, chat or prompt_completion data",
+            line=0,
+        )
     examples = tokenize_records(records, fmt, tokenizer)
     if packing:
         return _pack(examples, seq_len)

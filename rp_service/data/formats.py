@@ -1,9 +1,10 @@
 """jsonl dataset formats and their line checks: what an upload and training both accept.
 
-Three formats, one JSON object a line (blank lines are skipped, but counted in line
+Four formats, one JSON object a line (blank lines are skipped, but counted in line
 numbers): ``text`` ``{"text": str}``; ``chat`` ``{"messages": [{"role", "content"}, ...]}``;
-``prompt_completion`` ``{"prompt": str, "completion": str}``. No torch here: the daemon
-checks uploads with these functions without loading it.
+``prompt_completion`` ``{"prompt": str, "completion": str}``; ``preference`` (pairs for
+DPO, see `preference`). No torch here: the daemon checks uploads with these functions
+without loading it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Literal
 
 from rp_service.errors import JobFailure
 
+from .preference import check_preference, is_preference
+
 __all__ = [
     "CHAT_ROLES",
     "FORMATS",
@@ -25,8 +28,8 @@ __all__ = [
     "validate_jsonl",
 ]
 
-DataFormat = Literal["text", "chat", "prompt_completion"]
-FORMATS: tuple[DataFormat, ...] = ("text", "chat", "prompt_completion")
+DataFormat = Literal["text", "chat", "prompt_completion", "preference"]
+FORMATS: tuple[DataFormat, ...] = ("text", "chat", "prompt_completion", "preference")
 IGNORE_INDEX = -100
 """Label value that takes no loss (padding, prompts, non-assistant chat turns)."""
 
@@ -89,10 +92,17 @@ def _check_chat(record: dict[str, Any]) -> None:
         )
 
 
-_CHECKS = {"text": _check_text, "chat": _check_chat, "prompt_completion": _check_prompt_completion}
+_CHECKS = {
+    "text": _check_text,
+    "chat": _check_chat,
+    "prompt_completion": _check_prompt_completion,
+    "preference": check_preference,
+}
 
 
 def _detect(record: dict[str, Any]) -> DataFormat:
+    if is_preference(record):
+        return "preference"
     if "messages" in record:
         return "chat"
     if "prompt" in record or "completion" in record:
@@ -101,7 +111,8 @@ def _detect(record: dict[str, Any]) -> DataFormat:
         return "text"
     keys = ", ".join(sorted(record)[:8]) or "none"
     raise ValueError(
-        'cannot tell the format: expected a "text", "messages" or "prompt"/"completion" key, '
+        'cannot tell the format: expected a "text", "messages" or "prompt"/"completion" key '
+        '(or "chosen"/"rejected", "preferred_output" for preference pairs), '
         f"found keys: {keys}"
     )
 
@@ -132,7 +143,7 @@ def iter_records(
     Args:
         source: a jsonl file path, or its lines (str or bytes).
         format: ``auto`` (decided by the first record; every later line must match it),
-            ``text``, ``chat`` or ``prompt_completion``.
+            ``text``, ``chat``, ``prompt_completion`` or ``preference``.
 
     Raises:
         DataFormatError: at the first malformed line, naming it.

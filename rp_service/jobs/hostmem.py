@@ -81,7 +81,8 @@ def plan_for_spec(
     devices = max(spec.engine.gpus, 1)
     model_bytes = _DTYPE_BYTES[options.model_dtype]
     run = RunShape(
-        tokens_per_step=spec.train.batch_size * spec.data.seq_len,
+        # a DPO step runs two rows (chosen, rejected) per pair of train.batch_size
+        tokens_per_step=spec.train.batch_size * spec.data.seq_len * _rows_per_item(spec),
         seq_len=spec.data.seq_len,
         # spec_to_engine refuses a num_microbatch above the batch size; the default
         # (devices + 1) may be above it, and the plan counts whole sequences.
@@ -150,3 +151,7 @@ def parse_budget_setting(value: str | None) -> str | None:
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
     return value.strip()
+
+
+def _rows_per_item(spec: JobSpec) -> int:
+    return 2 if spec.train.objective == "dpo" else 1

@@ -25,6 +25,15 @@ SERIES_COLUMNS = (
     "learning_rate",
     "tokens_per_second",
 )
+# A DPO job's metrics (TRL's names): columns of its series, absent from other jobs'.
+PREFERENCE_COLUMNS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 _LOG_CHUNK_BYTES = 1 << 20
 _TAR_CHUNK_BYTES = 1 << 20
 
@@ -64,14 +73,17 @@ class JobOutputs:
         latest attempt's values (events are read in id order, so later rows overwrite)."""
         await self._job(job_id)
         rows: dict[int, dict[str, float | int | None]] = {}
+        names = SERIES_COLUMNS
         after = 0
         while True:
             page = await self.io.read(
                 self.store.list_events, job_id, after=after, limit=5000, type_="metrics"
             )
             for event in page:
+                if names is SERIES_COLUMNS and PREFERENCE_COLUMNS[0] in event.data:
+                    names = SERIES_COLUMNS + PREFERENCE_COLUMNS
                 row = {}
-                for name in SERIES_COLUMNS:
+                for name in names:
                     value = event.data.get(name)
                     row[name] = value if isinstance(value, int | float) else None
                 step = event.data.get("step")
@@ -80,7 +92,7 @@ class JobOutputs:
                 break
             after = page[-1].id
         ordered = [rows[k] for k in sorted(rows)]
-        return {name: [row[name] for row in ordered] for name in SERIES_COLUMNS}
+        return {name: [row.get(name) for row in ordered] for name in names}
 
     def _log_path(self, job_id: str) -> Path:
         return self.settings.jobs_dir / job_id / "worker.log"

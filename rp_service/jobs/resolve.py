@@ -133,9 +133,9 @@ class SpecResolver:
                 check_lora_rank(spec.lora, config)
         if spec.tokenizer.path is not None:
             self._model_dir(spec.tokenizer.path, param="tokenizer.path")
-        self._data("data.train", spec.data.train, spec.data.format)
+        self._data("data.train", spec.data.train, spec.data.format, spec.train.objective)
         if spec.data.valid is not None:
-            self._data("data.valid", spec.data.valid, spec.data.format)
+            self._data("data.valid", spec.data.valid, spec.data.format, spec.train.objective)
         if gpu_count > 0 and spec.engine.gpus > gpu_count:
             raise InvalidRequest(
                 f"engine.gpus: {spec.engine.gpus} requested but this daemon has {gpu_count} "
@@ -166,9 +166,11 @@ class SpecResolver:
             else None
         )
         return {
-            "train_path": self._data("data.train", spec.data.train, spec.data.format),
+            "train_path": self._data(
+                "data.train", spec.data.train, spec.data.format, spec.train.objective
+            ),
             "valid_path": (
-                self._data("data.valid", spec.data.valid, spec.data.format)
+                self._data("data.valid", spec.data.valid, spec.data.format, spec.train.objective)
                 if spec.data.valid is not None
                 else None
             ),
@@ -225,7 +227,7 @@ class SpecResolver:
             return {**defaults, **spec.model.config}
         return path_config
 
-    def _data(self, param: str, raw: str, fmt: str) -> str:
+    def _data(self, param: str, raw: str, fmt: str, objective: str) -> str:
         if raw == "synthetic":
             return "synthetic"
         if raw.startswith("file-"):
@@ -240,6 +242,15 @@ class SpecResolver:
             if fmt != "auto" and record.format != fmt:
                 raise InvalidRequest(
                     f"{param}: file {raw} holds {record.format} records but data.format is {fmt!r}",
+                    code="format_mismatch",
+                    param=param,
+                )
+            if (record.format == "preference") != (objective == "dpo"):
+                want = "preference pairs" if objective == "dpo" else "no preference pairs"
+                raise InvalidRequest(
+                    f"{param}: file {raw} holds {record.format} records but train.objective "
+                    f"{objective!r} trains on {want}; set train.objective to "
+                    f"{'sft' if objective == 'dpo' else 'dpo'!r} or upload other data",
                     code="format_mismatch",
                     param=param,
                 )

@@ -35,8 +35,11 @@ class Meter:
     speed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_SPEED_WINDOW))
     last: dict[str, Any] = field(default_factory=dict)
 
-    def record(self, step: int, loss: float, lr: float, tokens: int) -> None:
-        """Note step `step` (1-based) as done on the main thread."""
+    def record(
+        self, step: int, loss: float, lr: float, tokens: int, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Note step `step` (1-based) as done on the main thread; `extra`: the objective's
+        own metrics (DPO's rewards and log-probabilities)."""
         now = time.perf_counter()
         # this step's wall time: since the previous step, or since this attempt started
         step_seconds = now - (self.speed[-1][0] if self.speed else self.start_time)
@@ -63,6 +66,7 @@ class Meter:
                 "trained_tokens": self.trained_tokens,
                 "gpu_mem_bytes": _gpu_mem_bytes(),
                 "eta_seconds": None if eta is None else round(eta, 3),
+                **(extra or {}),
             }
         )
 

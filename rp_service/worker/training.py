@@ -171,15 +171,24 @@ class _Run:
         train = spec.train
 
         self.tokenizer = _load_tokenizer(spec, paths)
-        self.blocks = _load_blocks(
-            paths.train_path, "data.train", spec, self.tokenizer, valid=False
-        )
         valid_source = paths.valid_path or (SYNTHETIC if spec.data.valid == SYNTHETIC else None)
-        self.valid = (
-            _load_blocks(valid_source, "data.valid", spec, self.tokenizer, valid=True)
-            if valid_source
-            else None
-        )
+        # train.objective dpo: pairs instead of blocks, its own step and evaluation
+        self.dpo: Any = None
+        if train.objective == "dpo":
+            from .objectives.dpo_job import DpoObjective
+
+            self.dpo = DpoObjective(spec, paths, self.tokenizer, valid_source=valid_source)
+            self.blocks: Any = self.dpo.train
+            self.valid: Any = self.dpo.valid
+        else:
+            self.blocks = _load_blocks(
+                paths.train_path, "data.train", spec, self.tokenizer, valid=False
+            )
+            self.valid = (
+                _load_blocks(valid_source, "data.valid", spec, self.tokenizer, valid=True)
+                if valid_source
+                else None
+            )
         self.order = BatchOrder(len(self.blocks), train.batch_size, seed=train.seed)
         self.total_steps = train.steps or self.order.steps_for_epochs(train.epochs or 1.0)
         log.info(
@@ -206,6 +215,10 @@ class _Run:
         self.adapter_keys: list[str] | None = None
         self.hf_model = self._build_model()
         self.rp = wrap(self.hf_model, self.options)
+        if self.dpo is not None:  # the full-tuning reference: before any step moves weights
+            self.dpo.prepare(
+                self.rp, lora=self.adapter_keys is not None, resuming=self.resume is not None
+            )
         self.masters = list(self.rp.optim_parameters())
         self.parameters = {
             "trainable": sum(p.numel() for p in self.masters),
@@ -316,6 +329,8 @@ class _Run:
     def _forward_backward(self, step: int) -> tuple[torch.Tensor, int]:
         from engine.models import causal_lm_loss_fn
 
+        if self.dpo is not None:
+            return self.dpo.forward_backward(self.rp, self.order.indices(step - 1))
         input_ids, labels, tokens = self.blocks.batch(self.order.indices(step - 1))
         loss_fn = causal_lm_loss_fn(labels, shifted=True)
         loss = self.rp.forward_backward(
@@ -327,6 +342,8 @@ class _Run:
 
     def evaluate(self) -> float:
         """Mean token loss over the validation sequences with the current (synced) weights."""
+        if self.dpo is not None:
+            return self.dpo.evaluate(self.rp)
         assert self.valid is not None
         vocab = int(self.hf_model.config.vocab_size)
         return evaluate(
@@ -362,6 +379,7 @@ class _Run:
                 "data_position": self.order.position(step),
                 "metrics": metrics,
                 "method": self.spec.train.method,
+                "objective": self.spec.train.objective,
             },
             config_json=self.hf_model.config.to_json_string().encode(),
             keep=self.spec.train.keep_checkpoints,
@@ -417,7 +435,8 @@ class _Run:
             self.rp.step(self._step_fn(step), is_async=async_step)
             loss = float(loss_t)  # the one host sync of a step
             lr = train.lr * self._lr_factor(step - 1)
-            self.meter.record(step, loss, lr, tokens)
+            extra = self.dpo.metrics() if self.dpo is not None else None
+            self.meter.record(step, loss, lr, tokens, extra)
             if not (sync or pausing):
                 self.meter.flush()
                 continue

@@ -264,7 +264,9 @@ def test_refusals_come_as_the_sdks_exceptions(real_daemon: Daemon) -> None:
     assert info.value.param == "training_file"
     refused = [
         ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
-        ({"method": {"type": "dpo", "dpo": {}}}, "method.type"),
+        ({"method": {"type": "reinforcement"}}, "method.type"),
+        # DPO trains on preference pairs: a chat file is refused naming it
+        ({"method": {"type": "dpo", "dpo": {}}}, "training_file"),
         ({"extra_body": {"warmup_steps": 3}}, "warmup_steps"),
         ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs"),
     ]
@@ -283,6 +285,52 @@ def test_refusals_come_as_the_sdks_exceptions(real_daemon: Daemon) -> None:
         wrong.files.list()
     # Nothing refused left a job behind: both APIs list the same jobs.
     assert [j.id for j in client.fine_tuning.jobs.list()] == _native_ids(real_daemon, "/v1/jobs")
+
+
+def _pair(i: int) -> dict[str, Any]:
+    """OpenAI's preference format: the right sum preferred over a wrong one."""
+    return {
+        "input": {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}]},
+        "preferred_output": [{"role": "assistant", "content": f"{2 * i}."}],
+        "non_preferred_output": [{"role": "assistant", "content": f"{2 * i + 1}."}],
+    }
+
+
+def test_a_dpo_method_runs_to_succeeded(real_daemon: Daemon) -> None:
+    client = _sdk(real_daemon)
+    bad = (
+        _jsonl([_pair(1), _pair(2)])
+        + json.dumps({**_pair(3), "non_preferred_output": _pair(3)["preferred_output"]}).encode()
+        + b"\n"
+    )
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.files.create(file=("bad.jsonl", bad), purpose="fine-tune")
+    assert info.value.body["details"] == {"line": 3} and "identical" in info.value.message
+    train = client.files.create(
+        file=("pairs.jsonl", _jsonl([_pair(i) for i in range(8)])), purpose="fine-tune"
+    )
+    job = client.fine_tuning.jobs.create(
+        model=MODEL,
+        training_file=train.id,
+        method={
+            "type": "dpo",
+            "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 2, "batch_size": 4}},
+        },
+        seed=7,
+    )
+    assert job.method.type == "dpo" and job.method.dpo.hyperparameters.beta == 0.2
+    done = _wait(client, job.id, lambda j: j.status in TERMINAL, timeout_s=300)
+    with real_daemon.client() as c:
+        log = c.get(f"/v1/jobs/{done.id}/logs").text
+        native = c.get(f"/v1/jobs/{done.id}").json()
+    assert done.status == "succeeded", (done, log[-3000:])
+    assert native["spec"]["train"]["objective"] == "dpo" and native["spec"]["dpo"]["beta"] == 0.2
+    assert done.fine_tuned_model == f"ft:{MODEL}:{done.id}"  # the chat model id, as for SFT
+    assert (Path(native["output_model_path"]) / "config.json").is_file()
+    events = list(client.fine_tuning.jobs.list_events(done.id, limit=100))
+    metrics = [e.data for e in events if e.type == "metrics"]
+    assert len(metrics) == 4  # 2 epochs of 8 pairs, 4 a step
+    assert all("rewards/accuracies" in m and "logps/rejected" in m for m in metrics)
 
 
 # ---------------------------------------------------------------- the fake worker

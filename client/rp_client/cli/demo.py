@@ -28,6 +28,7 @@ from ._daemon import (
 from .progress import follow_job, report_outcome
 
 _LORA_DEMO_LR = 1e-2
+_DPO_DEMO_BETA = 0.1
 
 
 @app.command()
@@ -48,6 +49,12 @@ def demo(
     ),
     steps: int = typer.Option(
         None, "--steps", min=1, help="Optimizer steps instead of the demo's own."
+    ),
+    dpo: bool = typer.Option(
+        False,
+        "--dpo",
+        help="Preference-tune the demo model with DPO (train.objective dpo) on generated "
+        "pairs: a counting prompt, its continuation preferred over a repeated number.",
     ),
 ) -> None:
     """Start a local daemon, train the embedded demo model, print where it is saved."""
@@ -76,7 +83,9 @@ def demo(
             )
             if not env.get("RP_TOKEN"):
                 say(f"token: in {token_path} (the dashboard asks for it once)")
-            job = client.jobs.create(_demo_body(client.demo_spec(), lora=lora, steps=steps))
+            job = client.jobs.create(
+                _demo_body(client.demo_spec(), lora=lora, steps=steps, dpo=dpo)
+            )
             say(f"submitted {job.id}")
             job = follow_job(client, job.id, json_lines=json_lines)
         except DaemonStartError as exc:
@@ -100,8 +109,11 @@ def demo(
     raise typer.Exit(job_exit_code(job))
 
 
-def _demo_body(spec: dict[str, Any], *, lora: bool, steps: int | None) -> dict[str, Any]:
-    """The demo spec, as LoRA (with the merged model saved) and/or with other step counts."""
+def _demo_body(
+    spec: dict[str, Any], *, lora: bool, steps: int | None, dpo: bool = False
+) -> dict[str, Any]:
+    """The demo spec, as LoRA (with the merged model saved), as DPO on generated preference
+    pairs, and/or with other step counts."""
     train = dict(spec.get("train") or {})
     if steps is not None:
         train.update(steps=steps, epochs=None)
@@ -114,4 +126,9 @@ def _demo_body(spec: dict[str, Any], *, lora: bool, steps: int | None) -> dict[s
         # LoRA's usual learning rate is several times full fine-tuning's
         train["lr"] = _LORA_DEMO_LR
         spec = {**spec, "lora": {"rank": 16, "alpha": 32.0, "merge": True}}
+    if dpo:
+        # "synthetic" data of a DPO job is generated pairs (rp_service.data.preference)
+        train["objective"] = "dpo"
+        data = {**(spec.get("data") or {}), "format": "preference"}
+        spec = {**spec, "data": data, "dpo": {"beta": _DPO_DEMO_BETA}}
     return {**spec, "train": train}

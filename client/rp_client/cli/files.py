@@ -16,7 +16,9 @@ from ._app import app, get_client, handle_errors, print_json, stdout
 def upload(
     ctx: typer.Context,
     path: Path = typer.Argument(..., exists=True, dir_okay=False, help="A jsonl dataset."),
-    format: str = typer.Option(None, "--format", help="text | chat | prompt_completion"),
+    format: str = typer.Option(
+        None, "--format", help="text | chat | prompt_completion | preference"
+    ),
     json_lines: bool = typer.Option(False, "--json", help="The file object as JSON."),
 ) -> None:
     """Upload a dataset; prints its file id (use it as `data.train` in a spec)."""

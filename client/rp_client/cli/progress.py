@@ -26,6 +26,16 @@ def _fmt_num(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, int | float) else "-"
 
 
+def _loss_text(data: dict[str, Any]) -> str:
+    """The bar's loss field; a DPO step adds its reward accuracy and margin (TRL's
+    rewards/accuracies and rewards/margins)."""
+    text = _fmt_num(data.get("train_loss"), ".4f")
+    if isinstance(data.get("rewards/accuracies"), int | float):
+        text += f" acc {data['rewards/accuracies']:.2f}"
+        text += f" margin {_fmt_num(data.get('rewards/margins'), '+.3f')}"
+    return text
+
+
 def _describe(event: Event) -> str | None:
     """The line printed above the bar for an event, or None to keep it quiet."""
     data = event.data or {}
@@ -81,7 +91,7 @@ def follow_job(client: Client, job_id: str, *, json_lines: bool = False) -> Job:
                 if data.get("total_steps"):
                     update["total"] = data["total_steps"]
                 if data.get("train_loss") is not None:
-                    update["loss"] = _fmt_num(data["train_loss"], ".4f")
+                    update["loss"] = _loss_text(data)
                 if data.get("tokens_per_second") is not None:
                     update["tps"] = _fmt_num(data["tokens_per_second"], ",.0f")
                 if "eta_seconds" in data:

@@ -12,6 +12,7 @@ from typing import Any
 
 from rp_service.api.openai.schemas import (
     CheckpointMetrics,
+    DpoResolvedHyperparameters,
     FineTuningJob,
     FineTuningJobCheckpoint,
     FineTuningJobCreate,
@@ -28,6 +29,7 @@ from rp_service.schemas import (
     MAX_INT64,
     TERMINAL_STATUSES,
     DataSection,
+    DpoSection,
     EngineSection,
     JobSpec,
     ModelSection,
@@ -72,6 +74,10 @@ STATUSES: dict[str, OpenAIStatus] = {
 # preset's random initialisation (the JobSpec's default 1e-3, a pre-training rate), or LoRA
 # adapters (method.supervised.lora: 1e-4, the usual LoRA rate, whatever the base).
 BASE_LEARNING_RATE = {"pretrained": 1.0e-5, "preset": 1.0e-3, "lora": 1.0e-4}
+# The same for method.type dpo: a tenth (preference tuning moves a trained model a little;
+# TRL's DPO default rate is 1e-6 where its SFT default is 1e-5).
+DPO_LEARNING_RATE = {k: v / 10 for k, v in BASE_LEARNING_RATE.items()}
+DPO_BETA = 0.1  # "auto": the JobSpec's dpo.beta default (TRL's and OpenAI's)
 AUTO_EPOCHS = 3
 AUTO_BATCH_SIZE = 8  # the JobSpec's default; at most the training file's example count
 AUTO_LEARNING_RATE_MULTIPLIER = 1.0
@@ -98,21 +104,30 @@ def _hyperparameters(body: FineTuningJobCreate) -> Hyperparameters:
             param="integrations",
         )
     method = body.method
-    if method is not None and method.type != "supervised":
+    if method is not None and method.type == "reinforcement":
         raise BadRequest(
-            f"method.type {method.type!r} is not supported: this daemon trains with "
-            "supervised fine-tuning only; use method={'type': 'supervised'}",
+            "method.type 'reinforcement' is not supported: this daemon trains with "
+            "supervised fine-tuning or DPO; use method={'type': 'supervised'} or 'dpo'",
             code="unsupported_method",
             param="method.type",
         )
-    if method is not None and (method.dpo is not None or method.reinforcement is not None):
-        name = "dpo" if method.dpo is not None else "reinforcement"
+    if method is not None and method.reinforcement is not None:
         raise BadRequest(
-            f"method.{name} is not supported: only method.supervised settings apply",
+            "method.reinforcement is not supported: only method.supervised or method.dpo "
+            "settings apply",
             code="unsupported_method",
-            param=f"method.{name}",
+            param="method.reinforcement",
         )
-    nested = method.supervised.hyperparameters if method and method.supervised else None
+    other = "dpo" if method is not None and method.type == "supervised" else "supervised"
+    if method is not None and getattr(method, other) is not None:
+        raise BadRequest(
+            f"method.{other} is not supported with method.type {method.type!r}: give the "
+            f"settings under method.{method.type}",
+            code="unsupported_method",
+            param=f"method.{other}",
+        )
+    inner = (method.supervised or method.dpo) if method is not None else None
+    nested = inner.hyperparameters if inner is not None else None
     if nested is not None and body.hyperparameters is not None:
         raise BadRequest(
             "give hyperparameters once: in method.supervised.hyperparameters (the top-level "
@@ -121,6 +136,10 @@ def _hyperparameters(body: FineTuningJobCreate) -> Hyperparameters:
             param="hyperparameters",
         )
     return nested or body.hyperparameters or Hyperparameters()
+
+
+def _is_dpo(body: FineTuningJobCreate) -> bool:
+    return body.method is not None and body.method.type == "dpo"
 
 
 def plan_job(
@@ -150,11 +169,16 @@ def plan_job(
         else hp.learning_rate_multiplier
     )
     method = body.method
-    lora = method.supervised.lora if method is not None and method.supervised else None
+    inner = (method.supervised or method.dpo) if method is not None else None
+    lora = inner.lora if inner is not None else None
+    dpo = _is_dpo(body)
+    rates = DPO_LEARNING_RATE if dpo else BASE_LEARNING_RATE
     if lora is not None:
-        base_lr = BASE_LEARNING_RATE["lora"]
+        base_lr = rates["lora"]
     else:
-        base_lr = BASE_LEARNING_RATE["preset" if model.preset is not None else "pretrained"]
+        base_lr = rates["preset" if model.preset is not None else "pretrained"]
+    beta = getattr(hp, "beta", "auto")
+    beta = DPO_BETA if beta == "auto" else beta
     steps_per_epoch = max(1, math.ceil(train_examples / batch_size))
     seq_len = min(MAX_SEQ_LEN, max_positions) if max_positions else MAX_SEQ_LEN
     spec = JobSpec(
@@ -175,6 +199,7 @@ def plan_job(
             batch_size=batch_size,
             lr=base_lr * multiplier,
             method="lora" if lora is not None else "full",
+            objective="dpo" if dpo else "sft",
             # Linear decay without warm-up: the Hugging Face Trainer's defaults.
             schedule="linear",
             warmup_steps=0,
@@ -185,6 +210,7 @@ def plan_job(
         ),
         engine=EngineSection(gpus=1 if gpu_count else 0),
         lora=lora,
+        dpo=DpoSection(beta=beta) if dpo else None,
     )
     resolved = ResolvedHyperparameters(
         n_epochs=n_epochs, batch_size=batch_size, learning_rate_multiplier=multiplier
@@ -235,6 +261,14 @@ def openai_job(
         else None
     )
     hyperparameters = ResolvedHyperparameters.model_validate(fields["hyperparameters"])
+    method: dict[str, Any] = {
+        "type": "supervised",
+        "supervised": {"hyperparameters": hyperparameters},
+    }
+    if job.spec.get("train", {}).get("objective") == "dpo":
+        beta = (job.spec.get("dpo") or {}).get("beta")
+        dpo_hp = DpoResolvedHyperparameters(**hyperparameters.model_dump(), beta=beta)
+        method = {"type": "dpo", "dpo": {"hyperparameters": dpo_hp}}
     error = job.error if job.status == "failed" and job.error else None
     return FineTuningJob(
         id=job.id,
@@ -245,7 +279,7 @@ def openai_job(
         fine_tuned_model=fine_tuned_id(job),
         finished_at=job.finished_at if job.status in TERMINAL_STATUSES else None,
         hyperparameters=hyperparameters,
-        method={"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+        method=method,
         model=fields["model"],
         organization_id=ORGANIZATION_ID,
         result_files=[result_file_id(job.id)] if job.status == "succeeded" else [],

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rp_service.schemas import LoraSection
 
 __all__ = [
+    "DpoHyperparameters",
+    "DpoMethod",
     "FineTuningJob",
     "FineTuningJobCheckpoint",
     "FineTuningJobCreate",
@@ -50,11 +52,24 @@ class SupervisedMethod(_Request):
     lora: LoraSection | None = None
 
 
+class DpoHyperparameters(Hyperparameters):
+    """OpenAI's DPO hyperparameters: the supervised ones and `beta` (the JobSpec's
+    dpo.beta; "auto" is its default, 0.1)."""
+
+    beta: Literal["auto"] | Annotated[float, Field(gt=0, le=1000)] = "auto"
+
+
+class DpoMethod(_Request):
+    hyperparameters: DpoHyperparameters | None = None
+    # As in SupervisedMethod: this daemon's LoRA extension.
+    lora: LoraSection | None = None
+
+
 class Method(_Request):
     type: Literal["supervised", "dpo", "reinforcement"]
     supervised: SupervisedMethod | None = None
-    # Accepted as shapes only so the refusal can name them (mapping.py refuses both).
-    dpo: dict[str, Any] | None = None
+    dpo: DpoMethod | None = None
+    # Accepted as a shape only so the refusal can name it (mapping.py refuses it).
     reinforcement: dict[str, Any] | None = None
 
 
@@ -106,6 +121,19 @@ class _MethodOut(BaseModel):
     supervised: _SupervisedOut
 
 
+class DpoResolvedHyperparameters(ResolvedHyperparameters):
+    beta: float | None = None
+
+
+class _DpoOut(BaseModel):
+    hyperparameters: DpoResolvedHyperparameters
+
+
+class _DpoMethodOut(BaseModel):
+    type: Literal["dpo"] = "dpo"
+    dpo: _DpoOut
+
+
 class _JobError(BaseModel):
     code: str
     message: str
@@ -125,7 +153,7 @@ class FineTuningJob(BaseModel):
     )
     finished_at: int | None
     hyperparameters: ResolvedHyperparameters
-    method: _MethodOut
+    method: _MethodOut | _DpoMethodOut
     model: str
     organization_id: str
     result_files: list[str]

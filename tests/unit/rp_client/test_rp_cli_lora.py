@@ -73,3 +73,21 @@ def test_demo_body_as_lora_with_fewer_steps() -> None:
     assert demo["train"]["steps"] == 200  # the fetched spec is not changed
     plain = _demo_body(demo, lora=False, steps=None)
     assert plain == demo
+
+
+def test_demo_body_as_dpo_on_generated_pairs() -> None:
+    demo = {"name": "demo", "data": {"train": "synthetic", "format": "text"}, "train": {"steps": 9}}
+    body = _demo_body(demo, lora=False, steps=None, dpo=True)
+    assert body["train"]["objective"] == "dpo" and body["dpo"] == {"beta": 0.1}
+    assert body["data"] == {"train": "synthetic", "format": "preference"}
+    assert demo["data"]["format"] == "text"  # the fetched spec is not changed
+    both = _demo_body(demo, lora=True, steps=3, dpo=True)
+    assert both["train"]["method"] == "lora" and both["train"]["objective"] == "dpo"
+
+
+def test_the_progress_bar_shows_dpo_accuracy_and_margin() -> None:
+    from rp_client.cli.progress import _loss_text
+
+    assert _loss_text({"train_loss": 0.5}) == "0.5000"
+    dpo = {"train_loss": 0.6931, "rewards/accuracies": 0.75, "rewards/margins": 0.0123}
+    assert _loss_text(dpo) == "0.6931 acc 0.75 margin +0.012"

@@ -97,7 +97,7 @@ def test_auto_batch_size_never_exceeds_the_examples_and_presets_use_their_rate()
     ("body", "param"),
     [
         ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
-        ({"method": {"type": "dpo"}}, "method.type"),
+        ({"method": {"type": "dpo", "supervised": {}}}, "method.supervised"),
         ({"method": {"type": "reinforcement"}}, "method.type"),
         ({"method": {"type": "supervised", "dpo": {}}}, "method.dpo"),
         (
@@ -342,3 +342,37 @@ def test_a_deleted_job_leaves_the_openai_listing(tmp_path: Path) -> None:
     assert store.mark_deleted("job-abc") is not None
     assert openai.list_jobs_by_metadata(None, after=None, limit=10) == ([], False)
     store.close()
+
+
+def test_dpo_maps_onto_a_dpo_job_and_reads_back_as_dpo() -> None:
+    from rp_service.api.openai.mapping import DPO_LEARNING_RATE
+
+    method = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.25, "batch_size": 2}}}
+    plan = _plan({"method": method})
+    spec = plan.spec
+    assert spec.train.objective == "dpo" and spec.train.method == "full"
+    assert spec.dpo is not None and (spec.dpo.beta, spec.dpo.label_smoothing) == (0.25, 0.0)
+    assert spec.train.batch_size == 2 and spec.train.lr == DPO_LEARNING_RATE["pretrained"]
+    auto = _plan({"method": {"type": "dpo"}}).spec
+    assert auto.dpo is not None and auto.dpo.beta == 0.1
+    lora = _plan({"method": {"type": "dpo", "dpo": {"lora": {"rank": 4}}}}).spec
+    assert lora.train.method == "lora" and lora.train.lr == DPO_LEARNING_RATE["lora"]
+
+    record = JobRecord(
+        id="job-abc", status="running", created_at=100, spec=spec.model_dump(mode="json")
+    )
+    extra = OpenAIJobRecord(job_id="job-abc", body_sha256="x", created_at=100, fields=plan.fields)
+    out = openai_job(record, extra).model_dump()
+    assert out["method"]["type"] == "dpo" and "supervised" not in out["method"]
+    assert out["method"]["dpo"]["hyperparameters"] == {
+        "n_epochs": 3,
+        "batch_size": 2,
+        "learning_rate_multiplier": 1.0,
+        "beta": 0.25,
+    }
+    with pytest.raises(ValidationError):
+        FineTuningJobCreate(
+            model="m",
+            training_file="f",
+            method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0}}},
+        )
