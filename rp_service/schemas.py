@@ -8,10 +8,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine import catalog
 
@@ -93,6 +95,11 @@ class ModelSection(_Section):
         description="Absolute local HF directory (config.json + *.safetensors) under RP_MODEL_ROOTS.",
     )
     dtype: DType = Field("float32", description="dtype of the model copy; the optimizer is fp32.")
+    quantization: Literal["none", "nf4"] = Field(
+        "none",
+        description="nf4: the frozen base's linear weights held 4-bit in host memory "
+        "(QLoRA, docs/QLORA.md); needs train.method lora.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -307,6 +314,27 @@ class JobSpec(_Section):
         return self
 
     @model_validator(mode="after")
+    def _nf4_needs_lora(self) -> JobSpec:
+        if self.model.quantization == "nf4" and self.train.method != "lora":
+            # A ValidationError keeps its loc, so the 422's param names the field.
+            raise ValidationError.from_exception_data(
+                "JobSpec",
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "value_error",
+                            "model.quantization nf4 freezes the base in 4 bits, which only "
+                            "adapters can train on; set train.method to 'lora' or "
+                            "model.quantization to 'none'",
+                        ),
+                        loc=("model", "quantization"),
+                        input=self.model.quantization,
+                    )
+                ],
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lora_defaults(self) -> JobSpec:
         if self.train.method == "lora" and self.lora is None:
             self.lora = LoraSection()
@@ -328,6 +356,11 @@ class Progress(BaseModel):
 class ParameterCounts(BaseModel):
     trainable: int = Field(description="Parameters the optimizer updates (the adapters in LoRA).")
     total: int = Field(description="All parameters of the model, adapters included.")
+    base_host_bytes: int | None = Field(
+        None,
+        description="Bytes the host holds for the model's weights as stored (the packed "
+        "4-bit base with model.quantization nf4).",
+    )
 
 
 class JobError(BaseModel):

@@ -49,6 +49,8 @@ class EngineOptions:
             optim_grad_dtype and optim_state_dtype (the plan counts compact's own bytes).
         async_step: RoundPipe.step's is_async.
         lora: The adapters, or None for a full fine-tune.
+        base_quantization: 'none', or 'nf4' (the frozen base's linear weights packed
+            4-bit: engine.adapters.nf4; the schema allows it with lora only).
     """
 
     model_dtype: str
@@ -62,6 +64,7 @@ class EngineOptions:
     optim_memory: str
     async_step: bool
     lora: LoraOptions | None
+    base_quantization: str = "none"
 
     @property
     def run_config(self) -> dict[str, Any]:
@@ -110,4 +113,5 @@ def spec_to_engine(spec: JobSpec) -> EngineOptions:
         optim_memory=engine.optim_memory,
         async_step=engine.async_step,
         lora=lora,
+        base_quantization=spec.model.quantization,
     )

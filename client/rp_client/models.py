@@ -64,6 +64,7 @@ class ParameterCounts(_Model):
 
     trainable: int
     total: int
+    base_host_bytes: int | None = None  # the weights' host bytes as stored (packed with nf4)
 
     @property
     def trainable_fraction(self) -> float:
@@ -185,6 +186,7 @@ class ModelSection(_Model):
     config: dict[str, Any] | None = None
     path: str | None = None
     dtype: str | None = None
+    quantization: str | None = None  # none | nf4 (needs train.method lora)
 
 
 class TokenizerSection(_Model):

@@ -97,6 +97,7 @@ def plan_for_spec(
         cuda=cuda,
         saved_attention=cuda and model_bytes == 2 and not options.recompute_attention,
         trainable_params=_lora_params(options, shape),
+        base_quantization=options.base_quantization,  # type: ignore[arg-type]
     )
     return plan_host_memory(shape, run)
 

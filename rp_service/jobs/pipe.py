@@ -106,10 +106,12 @@ def prepare_job_dir(
 
 
 def _parameter_counts(value: Any) -> dict[str, int] | None:
-    """`{trainable, total}` from a worker's status event, if it is well-formed."""
+    """`{trainable, total[, base_host_bytes]}` from a worker's status event, if well-formed."""
     if not isinstance(value, dict):
         return None
     counts = {k: value.get(k) for k in ("trainable", "total")}
+    if "base_host_bytes" in value:  # workers before it did not report it
+        counts["base_host_bytes"] = value["base_host_bytes"]
     if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
         return counts
     return None

@@ -94,6 +94,7 @@ def build_model(
     dtype: str,
     vocab_size: int,
     seed: int,
+    quantization: str = "none",
 ) -> torch.nn.Module:
     """Return the HF causal LM of a job, in `dtype`, in training mode, without KV cache.
 
@@ -102,6 +103,10 @@ def build_model(
         config_overrides: HF config fields for a preset.
         path: a local HF model directory instead of a preset.
         vocab_size: ids of the job's tokenizer; the embedding must cover them.
+        quantization: 'nf4': the linear weights (not the output head) held 4-bit
+            (engine.adapters.nf4): a preset is built then quantized in place; a directory
+            is read tensor by tensor, quantized as it loads (a bitsandbytes 4-bit folder
+            as saved), never whole in full precision.
 
     Raises:
         ModelError: the directory is unusable or the config is invalid.
@@ -118,6 +123,10 @@ def build_model(
         _, model_cls = _classes(preset)
         torch.manual_seed(seed)  # the random init is part of the job's reproducible state
         model = model_cls(config).to(torch_dtype)
+        if quantization == "nf4":
+            from engine.adapters.nf4 import quantize_base_nf4
+
+            quantize_base_nf4(model)  # draws no random numbers: the adapters' init is unchanged
     else:
         if path is None:
             raise ModelError("give model.preset or model.path", param="model")
@@ -144,9 +153,14 @@ def build_model(
                 param="tokenizer.path",
             )
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(directory), dtype=torch_dtype, use_safetensors=True
-            )
+            if quantization == "nf4":
+                from engine.adapters.quantized_load import load_nf4_model
+
+                model = load_nf4_model(directory, dtype=torch_dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(directory), dtype=torch_dtype, use_safetensors=True
+                )
         except Exception as exc:
             raise ModelError(
                 f"cannot load the weights in {str(directory)!r}: {exc}", param="model.path"
@@ -154,5 +168,11 @@ def build_model(
         model.config.use_cache = False
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %d parameters, %s", model.config.model_type, n_params, dtype)
+    log.info(
+        "model %s: %d parameters, %s, quantization %s",
+        model.config.model_type,
+        n_params,
+        dtype,
+        quantization,
+    )
     return model

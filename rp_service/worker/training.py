@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from engine.adapters.nf4 import host_base_bytes
+
 from ..data.datasets import BatchOrder, DataFormatError, TokenBlocks, build_blocks, read_records
 from ..data.tokenizer import JobTokenizer, load_tokenizer
 from ..demo import SYNTHETIC, SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_VALID_RECORDS, synthetic_records
@@ -223,6 +225,7 @@ class _Run:
         self.parameters = {
             "trainable": sum(p.numel() for p in self.masters),
             "total": sum(p.numel() for p in self.hf_model.parameters()),
+            "base_host_bytes": self.base_host_bytes,
         }
         self.optimizer = make_optimizer(self.masters, spec, self.options)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -251,7 +254,10 @@ class _Run:
             dtype=model.dtype,
             vocab_size=self.tokenizer.vocab_size,
             seed=self.spec.train.seed,
+            quantization=self.options.base_quantization,
         )
+        # The base as stored, before the adapters and the wrap (which may re-home storage).
+        self.base_host_bytes = host_base_bytes(hf_model)
         if self.options.lora is not None:
             # A preset's build seeded the generator and the adapters continue its stream;
             # loading a model directory draws nothing, so the adapters are seeded there.

@@ -71,6 +71,12 @@ def base_numel(config: dict[str, int], vocab_size: int) -> int:
     return 2 * vocab_size * h + config["num_hidden_layers"] * layer + h
 
 
+def fp32_base_host_bytes(config: dict[str, int], vocab_size: int) -> int:
+    """The fp32 base's host bytes: its parameters and the rotary buffers (inv_freq and
+    original_inv_freq, head_dim / 2 fp32 values each)."""
+    return base_numel(config, vocab_size) * 4 + config["head_dim"] * 4
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     job_dir = make_job(tmp_path_factory.mktemp("lora") / "straight", SMALL_LORA)
@@ -101,6 +107,7 @@ def test_lora_job_trains_only_the_adapter_and_checkpoints_it_alone(straight) -> 
     assert running["parameters"] == {
         "trainable": trainable,
         "total": base_numel(MODEL_CONFIG, VOCAB) + trainable,
+        "base_host_bytes": fp32_base_host_bytes(MODEL_CONFIG, VOCAB),
     }
     steps = metrics(events)
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
@@ -247,7 +254,11 @@ def test_lora_job_through_the_daemon_loads_with_peft(make_daemon, tmp_path: Path
     weights = adapter(out)
     trainable = numel(weights)
     total = base_numel(MODEL_CONFIG, VOCAB) + trainable
-    assert done["parameters"] == {"trainable": trainable, "total": total}
+    assert done["parameters"] == {
+        "trainable": trainable,
+        "total": total,
+        "base_host_bytes": fp32_base_host_bytes(MODEL_CONFIG, VOCAB),
+    }
     assert [c["step"] for c in checkpoints] == [4, 8]
     for checkpoint in checkpoints:
         assert checkpoint["size_bytes"] <= 4 * nbytes(weights) + CHECKPOINT_OVERHEAD_BYTES
@@ -264,3 +275,61 @@ def test_lora_job_through_the_daemon_loads_with_peft(make_daemon, tmp_path: Path
             merged(input_ids=ids).logits, peft_model(input_ids=ids).logits, rtol=1e-4, atol=1e-4
         )
     assert (out / "merged" / "tokenizer.json").is_file()
+
+
+QLORA_STEPS = 4
+SMALL_QLORA = {
+    **SMALL_LORA,
+    "model.quantization": "nf4",
+    "train.steps": QLORA_STEPS,
+    "train.eval_interval": 0,
+    "train.checkpoint_interval": 2,
+}
+NF4_BLOCK = 64  # engine.adapters.nf4: a 4-byte absmax per 64 weights, two weights a byte
+
+
+def projection_numel(config: dict[str, int]) -> int:
+    """Weights of the seven linear projections of the layers (what nf4 packs)."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    return config["num_hidden_layers"] * (2 * h * q + 2 * h * kv + 3 * h * i)
+
+
+def test_qlora_job_succeeds_with_a_packed_base_and_adapter_sized_checkpoints(
+    straight, tmp_path: Path
+) -> None:
+    _, lora_events = straight
+    job_dir = make_job(tmp_path / "qlora", SMALL_QLORA)
+    code, events = run(job_dir)
+    assert code == 0, (job_dir / "worker.log").read_text()[-3000:]
+    out = job_dir / "output"
+    assert events[-1]["data"]["status"] == "succeeded"
+    weights = adapter(out)
+    assert any(".lora_B." in k and t.abs().max() > 0 for k, t in weights.items())  # trained
+
+    # The base as the host holds it: the projections packed, the rest (embeddings, head,
+    # norms, buffers) in fp32 as in the plain LoRA job.
+    counted = lora_events[0]["data"]["parameters"]
+    plain_bytes = counted["base_host_bytes"]
+    proj = projection_numel(MODEL_CONFIG)
+    # codes and absmax, and each packed weight's stand-in (one fp32 NaN, broadcast)
+    stand_ins = 7 * MODEL_CONFIG["num_hidden_layers"]
+    packed = proj // 2 + proj // NF4_BLOCK * 4 + stand_ins * 4
+    running = events[0]["data"]["parameters"]
+    trainable = numel(weights)
+    assert running == {
+        "trainable": trainable,
+        "total": counted["total"],
+        "base_host_bytes": plain_bytes - 4 * proj + packed,
+    }
+
+    # Checkpoints hold the adapters only, as the plain LoRA job's do.
+    checkpoints = [e["data"] for e in events if e["type"] == "checkpoint"]
+    assert [c["step"] for c in checkpoints] == [2, 4]
+    for event in checkpoints:
+        assert event["size_bytes"] <= 4 * nbytes(weights) + CHECKPOINT_OVERHEAD_BYTES
+    last = Path(checkpoints[-1]["path"])
+    saved = load_file(str(last / "model.safetensors"))
+    assert len(saved) == len(weights) and numel(saved) == trainable
+    assert all(".lora_A." in k or ".lora_B." in k for k in saved), sorted(saved)

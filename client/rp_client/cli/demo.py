@@ -11,7 +11,7 @@ import typer
 
 from .._client import Client
 from ..errors import APIError
-from ._app import EXIT_FAILED, app, exit_code_for, fail, job_exit_code
+from ._app import EXIT_FAILED, EXIT_USAGE, app, exit_code_for, fail, job_exit_code
 from ._daemon import (
     INSTALL_HINT,
     DaemonStartError,
@@ -50,6 +50,12 @@ def demo(
     steps: int = typer.Option(
         None, "--steps", min=1, help="Optimizer steps instead of the demo's own."
     ),
+    quantization: str = typer.Option(
+        "none",
+        "--quantization",
+        help="none | nf4: hold the frozen demo model 4-bit in host memory (QLoRA, "
+        "model.quantization); nf4 needs --lora.",
+    ),
     dpo: bool = typer.Option(
         False,
         "--dpo",
@@ -58,6 +64,14 @@ def demo(
     ),
 ) -> None:
     """Start a local daemon, train the embedded demo model, print where it is saved."""
+    if quantization not in ("none", "nf4"):
+        raise fail(f"--quantization must be none or nf4, got {quantization!r}", EXIT_USAGE)
+    if quantization == "nf4" and not lora:
+        raise fail(
+            "--quantization nf4 freezes the base in 4 bits, which only adapters can train "
+            "on; add --lora",
+            EXIT_USAGE,
+        )
     if not server_installed():
         raise fail(INSTALL_HINT, EXIT_FAILED)
     data = (data_dir or Path(tempfile.mkdtemp(prefix="rp-demo-"))).resolve()
@@ -84,7 +98,13 @@ def demo(
             if not env.get("RP_TOKEN"):
                 say(f"token: in {token_path} (the dashboard asks for it once)")
             job = client.jobs.create(
-                _demo_body(client.demo_spec(), lora=lora, steps=steps, dpo=dpo)
+                _demo_body(
+                    client.demo_spec(),
+                    lora=lora,
+                    steps=steps,
+                    dpo=dpo,
+                    quantization=quantization,
+                )
             )
             say(f"submitted {job.id}")
             job = follow_job(client, job.id, json_lines=json_lines)
@@ -110,10 +130,15 @@ def demo(
 
 
 def _demo_body(
-    spec: dict[str, Any], *, lora: bool, steps: int | None, dpo: bool = False
+    spec: dict[str, Any],
+    *,
+    lora: bool,
+    steps: int | None,
+    dpo: bool = False,
+    quantization: str = "none",
 ) -> dict[str, Any]:
-    """The demo spec, as LoRA (with the merged model saved), as DPO on generated preference
-    pairs, and/or with other step counts."""
+    """The demo spec, as LoRA (with the merged model saved), over a 4-bit base (QLoRA), as
+    DPO on generated preference pairs, and/or with other step counts."""
     train = dict(spec.get("train") or {})
     if steps is not None:
         train.update(steps=steps, epochs=None)
@@ -126,6 +151,8 @@ def _demo_body(
         # LoRA's usual learning rate is several times full fine-tuning's
         train["lr"] = _LORA_DEMO_LR
         spec = {**spec, "lora": {"rank": 16, "alpha": 32.0, "merge": True}}
+    if quantization != "none":
+        spec = {**spec, "model": {**(spec.get("model") or {}), "quantization": quantization}}
     if dpo:
         # "synthetic" data of a DPO job is generated pairs (rp_service.data.preference)
         train["objective"] = "dpo"

@@ -127,6 +127,14 @@ def _hyperparameters(body: FineTuningJobCreate) -> Hyperparameters:
             param=f"method.{other}",
         )
     inner = (method.supervised or method.dpo) if method is not None else None
+    if body.quantization == "nf4" and (inner is None or inner.lora is None):
+        raise BadRequest(
+            "quantization 'nf4' freezes the base in 4 bits, which only LoRA adapters can "
+            "train on; add method.supervised.lora (or method.dpo.lora), e.g. "
+            '{"lora": {"rank": 16}}, or remove quantization',
+            code="invalid_value",
+            param="quantization",
+        )
     nested = inner.hyperparameters if inner is not None else None
     if nested is not None and body.hyperparameters is not None:
         raise BadRequest(
@@ -183,7 +191,12 @@ def plan_job(
     seq_len = min(MAX_SEQ_LEN, max_positions) if max_positions else MAX_SEQ_LEN
     spec = JobSpec(
         name=body.suffix,
-        model=model.model_copy(update={"dtype": "bfloat16" if gpu_count else "float32"}),
+        model=model.model_copy(
+            update={
+                "dtype": "bfloat16" if gpu_count else "float32",
+                "quantization": body.quantization,
+            }
+        ),
         data=DataSection(
             train=body.training_file,
             valid=body.validation_file,

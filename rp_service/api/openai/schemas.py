@@ -85,6 +85,9 @@ class FineTuningJobCreate(_Request):
     validation_file: str | None = Field(None, min_length=1, max_length=200)
     metadata: dict[str, str] | None = None
     integrations: list[Any] | None = None
+    # This daemon's extension (the SDK's extra_body): the JobSpec's model.quantization;
+    # "nf4" holds the frozen base 4-bit (QLoRA) and needs method.<type>.lora.
+    quantization: Literal["none", "nf4"] = "none"
 
     @field_validator("metadata")
     @classmethod
