@@ -37,10 +37,15 @@ def _steps(job: Job) -> str:
 
 def _parameters(counts: ParameterCounts, spec: dict[str, Any]) -> str:
     method = (spec.get("train") or {}).get("method") or "full"
-    return (
+    quantization = (spec.get("model") or {}).get("quantization") or "none"
+    text = (
         f"{counts.trainable:,} trainable of {counts.total:,} "
         f"({100 * counts.trainable_fraction:.2f}%, {method})"
     )
+    if counts.base_host_bytes is not None:
+        packed = ", nf4" if quantization == "nf4" else ""
+        text += f"; base {counts.base_host_bytes / 2**20:,.1f} MiB on the host{packed}"
+    return text
 
 
 def _finish(ctx: typer.Context, job: Job, follow: bool, json_lines: bool) -> None:

@@ -32,6 +32,17 @@ def test_status_shows_trainable_and_total_parameters(rp):
     assert result.exit_code == 0, result.output
     assert "1,234 trainable of 98,765 (1.25%, lora)" in result.stdout
     result = rp(lambda r: httpx.Response(200, json=job), "status", "job-1", "--json")
+    assert json.loads(result.stdout)["parameters"] == {**counts, "base_host_bytes": None}
+
+
+def test_status_shows_the_base_host_bytes_when_reported(rp):
+    counts = {"trainable": 1_234, "total": 98_765, "base_host_bytes": 3 * 2**20}
+    spec = {**LORA_SPEC, "model": {"preset": "qwen3", "quantization": "nf4"}}
+    job = job_obj(status="running", spec=spec, parameters=counts)
+    result = rp(lambda r: httpx.Response(200, json=job), "status", "job-1")
+    assert result.exit_code == 0, result.output
+    assert "(1.25%, lora); base 3.0 MiB on the host, nf4" in result.stdout
+    result = rp(lambda r: httpx.Response(200, json=job), "status", "job-1", "--json")
     assert json.loads(result.stdout)["parameters"] == counts
 
 
@@ -91,3 +102,16 @@ def test_the_progress_bar_shows_dpo_accuracy_and_margin() -> None:
     assert _loss_text({"train_loss": 0.5}) == "0.5000"
     dpo = {"train_loss": 0.6931, "rewards/accuracies": 0.75, "rewards/margins": 0.0123}
     assert _loss_text(dpo) == "0.6931 acc 0.75 margin +0.012"
+
+
+def test_demo_body_as_qlora_and_nf4_needs_lora() -> None:
+    demo = {"name": "demo", "model": {"preset": "qwen3", "config": {}}, "train": {"steps": 9}}
+    body = _demo_body(demo, lora=True, steps=None, quantization="nf4")
+    assert body["model"] == {"preset": "qwen3", "config": {}, "quantization": "nf4"}
+    assert body["train"]["method"] == "lora"
+    assert "quantization" not in demo["model"]  # the fetched spec is not changed
+    assert "quantization" not in _demo_body(demo, lora=True, steps=None)["model"]
+    result = CliRunner().invoke(app, ["demo", "--quantization", "nf4"])
+    assert result.exit_code == 2 and "add --lora" in result.output
+    result = CliRunner().invoke(app, ["demo", "--lora", "--quantization", "int8"])
+    assert result.exit_code == 2 and "none or nf4" in result.output
