@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..attribute import ParamAttribute
 from ..errors import ConfigError
+from ..memory import packed_form
 from ..optim_stream import synchronize_optim
 from .lora import LoraLinear, lora_config_of, lora_modules, unwrap, user_model
 
@@ -173,7 +174,9 @@ def _merged_tensors(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, 
         return
     for name, p in module._parameters.items():
         if p is not None:
-            yield f"{dot}{name}", id(p), p.detach()
+            # an NF4 weight no adapter covers: decoded (its own storage is a NaN stand-in)
+            packed = packed_form(p)
+            yield f"{dot}{name}", id(p), p.detach() if packed is None else packed.dequantize()
     for name, b in module._buffers.items():
         if b is not None and name not in module._non_persistent_buffers_set:
             yield f"{dot}{name}", id(b), b.detach()

@@ -284,6 +284,7 @@ SMALL_QLORA = {
     "train.steps": QLORA_STEPS,
     "train.eval_interval": 0,
     "train.checkpoint_interval": 2,
+    "lora": {**LORA, "merge": True},
 }
 NF4_BLOCK = 64  # engine.adapters.nf4: a 4-byte absmax per 64 weights, two weights a byte
 
@@ -333,3 +334,8 @@ def test_qlora_job_succeeds_with_a_packed_base_and_adapter_sized_checkpoints(
     saved = load_file(str(last / "model.safetensors"))
     assert len(saved) == len(weights) and numel(saved) == trainable
     assert all(".lora_A." in k or ".lora_B." in k for k in saved), sorted(saved)
+
+    # The merged export decodes the packed base: full-shape, finite weights.
+    merged = load_file(str(out / "merged" / "model.safetensors"))
+    assert numel(merged) == counted["total"] - trainable
+    assert all(torch.isfinite(t).all() for t in merged.values())
