@@ -297,13 +297,19 @@ def projection_numel(config: dict[str, int]) -> int:
     return config["num_hidden_layers"] * (2 * h * q + 2 * h * kv + 3 * h * i)
 
 
-def test_qlora_job_succeeds_with_a_packed_base_and_adapter_sized_checkpoints(
-    straight, tmp_path: Path
-) -> None:
-    _, lora_events = straight
-    job_dir = make_job(tmp_path / "qlora", SMALL_QLORA)
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    job_dir = make_job(tmp_path_factory.mktemp("qlora") / "straight", SMALL_QLORA)
     code, events = run(job_dir)
     assert code == 0, (job_dir / "worker.log").read_text()[-3000:]
+    return job_dir, events
+
+
+def test_qlora_job_succeeds_with_a_packed_base_and_adapter_sized_checkpoints(
+    straight, qlora
+) -> None:
+    _, lora_events = straight
+    job_dir, events = qlora
     out = job_dir / "output"
     assert events[-1]["data"]["status"] == "succeeded"
     weights = adapter(out)
@@ -339,3 +345,27 @@ def test_qlora_job_succeeds_with_a_packed_base_and_adapter_sized_checkpoints(
     merged = load_file(str(out / "merged" / "model.safetensors"))
     assert numel(merged) == counted["total"] - trainable
     assert all(torch.isfinite(t).all() for t in merged.values())
+
+
+def test_qlora_pause_then_resume_is_bit_identical(qlora, tmp_path: Path) -> None:
+    """The resumed job rebuilds and re-quantizes the same base, and loads the adapters."""
+    straight_dir, straight_events = qlora
+    job_dir = make_job(tmp_path / "paused", SMALL_QLORA)
+
+    def pause_early(proc: subprocess.Popen[str], event: dict[str, Any]) -> None:
+        if event["type"] == "metrics" and event["data"]["step"] == 1:
+            proc.send_signal(signal.SIGUSR1)
+
+    code, first = run(job_dir, pause_early)
+    assert code == EXIT_PAUSED, (job_dir / "worker.log").read_text()[-3000:]
+    paused = first[-1]["data"]
+    assert paused["status"] == "paused" and 1 <= paused["step"] < QLORA_STEPS
+    code, second = run(job_dir)
+    assert code == 0, (job_dir / "worker.log").read_text()[-3000:]
+    resumed = metrics(first) + metrics(second)
+    for got, want in zip(resumed, metrics(straight_events), strict=True):
+        assert got["train_loss"] == want["train_loss"], got["step"]
+    got, want = adapter(job_dir / "output"), adapter(straight_dir / "output")
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
