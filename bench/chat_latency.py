@@ -33,17 +33,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.shapes import config_fields
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-8b": {
-        "hidden_size": 4096,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 12288,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
-    },
+    "qwen3-8b": {**config_fields("qwen3-8b"), "max_position_embeddings": 40960},
     # rp_service/demo/demo_spec.json's model
     "tiny": {
         "hidden_size": 96,

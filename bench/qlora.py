@@ -36,17 +36,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.shapes import config_fields
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-8b": {
-        "model_type": "qwen3",
-        "hidden_size": 4096,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 12288,
-        "vocab_size": 151936,
-    },
+    "qwen3-8b": {"model_type": "qwen3", **config_fields("qwen3-8b")},
     "llama-70b": {
         "model_type": "llama",
         "hidden_size": 8192,

@@ -17,6 +17,7 @@ from torch import nn
 __all__ = [
     "SHAPES",
     "build_model",
+    "config_fields",
     "count_active_params",
     "count_base_params",
     "count_params",
@@ -129,6 +130,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny28": {**_TINY, "num_hidden_layers": 28, "intermediate_size": 192},
     "tiny": _TINY,
 }
+
+
+def config_fields(name: str) -> dict[str, Any]:
+    """The HF config fields of shape `name` less `tie_word_embeddings`, for the benches
+    that build their own config and set the tying themselves (qlora, chat_latency)."""
+    return {k: v for k, v in SHAPES[name].items() if k != "tie_word_embeddings"}
 
 
 @contextlib.contextmanager
