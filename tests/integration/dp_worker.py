@@ -186,8 +186,13 @@ def _auto_split() -> None:
 
 def gloo_worker_threads() -> int:
     """How many gloo worker threads ('pt_gloo_runloop', two a group) this process runs."""
-    tasks = Path("/proc/self/task")
-    return sum((t / "comm").read_text().strip() == "pt_gloo_runloop" for t in tasks.iterdir())
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except FileNotFoundError:  # the thread ended since the listing: not running
+            continue
+    return names.count("pt_gloo_runloop")
 
 
 def _modes(rank: int, world: int) -> dict[str, Any]:
