@@ -142,10 +142,14 @@ def run_engine_dpo(args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
 
+    phases: list[tuple[float, float]] = []  # per step: the reference's and the policy's s
+
     def step(i: int) -> float:
         ids, targets = data[i]
+        t0 = time.perf_counter()
         with adapters_disabled(rp):
             ref = dpo.sequence_logps(rp, ids, targets, num_microbatch=args.num_microbatch)
+        t1 = time.perf_counter()  # sequence_logps returns on the host: the pass is done
         values = rp.forward_backward(
             input_kwargs={"input_ids": ids, "return_logits": False},
             label=(targets, ref),
@@ -153,11 +157,16 @@ def run_engine_dpo(args: argparse.Namespace) -> dict[str, Any]:
             run_config=run_config,
         )
         rp.step(step_fn, is_async=True)
-        return float(values[0])
+        loss = float(values[0])
+        phases.append((t1 - t0, time.perf_counter() - t1))
+        return loss
 
     elapsed, losses = _timed(args, step)
     rp.synchronize()
     out = _result(args, "engine-dpo", elapsed, losses)
+    measured = phases[args.warmup :]
+    out["reference_s"] = [round(a, 3) for a, _ in measured]
+    out["policy_s"] = [round(b, 3) for _, b in measured]
     return out
 
 

@@ -62,7 +62,14 @@ def main() -> None:
     p.add_argument("--trace-dir", default=os.environ.get("OUT"))
     p.add_argument("--profile", action="store_true", help="print the kernel table")
     p.add_argument("--lora", action="store_true", help="LoRA rank 16 on every projection")
-    p.add_argument("--pin-model", choices=["alloc", "register"], default="alloc")
+    p.add_argument("--pin-model", choices=["alloc", "register", "arena"], default="alloc")
+    p.add_argument(
+        "--base",
+        choices=["fp16", "bf16", "nf4"],
+        default="fp16",
+        help="bf16/nf4: bench/qlora.py's model (random bf16 weights, or its decoder linears "
+        "NF4-packed), to see where an NF4 base's time goes against the bf16 one",
+    )
     p.add_argument("--recompute-attention", action="store_true")
     args = p.parse_args()
 
@@ -72,7 +79,13 @@ def main() -> None:
     from engine.optim import Adam
 
     dtype = torch.float16
-    model = build_model(args.model, dtype, "sdpa", 0)
+    if args.base == "fp16":
+        model = build_model(args.model, dtype, "sdpa", 0)
+    else:
+        from bench import qlora
+
+        ns = argparse.Namespace(model=args.model, tiny=False)
+        model = qlora.build_model(ns, nf4=args.base == "nf4")
     rp = wrap_model_to_roundpipe(
         model,
         optim_dtype=torch.float32,
@@ -151,6 +164,7 @@ def main() -> None:
             "variant": variant,
             "model": args.model,
             "lora": args.lora,
+            "base": args.base,
             "tokens_per_s": round(tokens / med, 1),
             "step_s_median": round(med, 3),
             "profiled_wall_ms_2_iterations": round(wall_ms, 1),
@@ -170,7 +184,7 @@ def main() -> None:
             ),
             flush=True,
         )
-        trace_path = Path(args.trace_dir or "/tmp") / f"trace_{variant}.json"
+        trace_path = Path(args.trace_dir or "/tmp") / f"trace_{args.base}_{variant}.json"
         prof.export_chrome_trace(str(trace_path))
         trace = json.loads(trace_path.read_text())
         # Kineto's clock against ours: the 'iteration1' range was recorded at fb1_start.
@@ -184,7 +198,7 @@ def main() -> None:
             # gzip: a step's trace is tens of MB of JSON and compresses about tenfold
             with trace_path.open("rb") as src, gzip.open(f"{trace_path}.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
-            with gzip.open(Path(args.trace_dir) / f"host_{variant}.json.gz", "wt") as f:
+            with gzip.open(Path(args.trace_dir) / f"host_{args.base}_{variant}.json.gz", "wt") as f:
                 json.dump({"offset_us": offset, "marks": marks, "spans": spans}, f)
         trace_path.unlink()
         if args.profile:
