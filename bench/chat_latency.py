@@ -238,6 +238,8 @@ async def _run(args: argparse.Namespace, model_dir: Path, adapter: Path | None) 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
+    if args.work_dir is not None:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
         if args.model_dir is not None:
             model_dir, adapter = args.model_dir, args.adapter_dir

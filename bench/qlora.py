@@ -80,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-micro-batch", type=int, default=None)
     p.add_argument("--no-engine", action="store_true", help="skip the NF4 engine run")
     p.add_argument("--dequant", choices=["auto", "bnb", "torch"], default="auto")
+    p.add_argument(
+        "--recompute-attention",
+        action="store_true",
+        help="recompute attention in the backward instead of keeping its outputs on the host",
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.model, args.seq_len, args.seqs_per_step = "tiny", 32, 4
@@ -102,12 +107,39 @@ def build_config(name: str) -> Any:
     return config
 
 
-def random_nf4(shape: torch.Size, dtype: torch.dtype, gen: torch.Generator) -> Any:
+class _Pool:
+    """Random values drawn once into pools of prime length and copied into each tensor at a
+    moving offset (as bench/shapes.py does): a 70B model's 35 GB of random packed codes
+    build at memory speed instead of minutes of drawing them one by one."""
+
+    _LEN = 16_777_259
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self.offset = 0
+        self.pools = {
+            "codes": torch.randint(0, 256, (self._LEN,), dtype=torch.uint8, generator=gen),
+            "absmax": torch.rand(self._LEN, generator=gen) * 0.02 + 0.01,
+            "normal": torch.randn(self._LEN, generator=gen) * 0.02,
+        }
+
+    def take(self, numel: int, kind: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        pool = self.pools[kind] if dtype is None else self.pools[kind].to(dtype)
+        out = torch.empty(numel, dtype=pool.dtype)
+        pos = 0
+        while pos < numel:
+            start = self.offset % self._LEN
+            n = min(numel - pos, self._LEN - start)
+            out[pos : pos + n].copy_(pool[start : start + n])
+            pos, self.offset = pos + n, self.offset + n
+        return out
+
+
+def random_nf4(shape: torch.Size, dtype: torch.dtype, pool: _Pool) -> Any:
     from engine.adapters.nf4 import NF4_BLOCK, NF4Weight
 
     n = math.prod(shape)
-    packed = torch.randint(0, 256, ((n + 1) // 2, 1), dtype=torch.uint8, generator=gen)
-    absmax = torch.rand(-(-n // NF4_BLOCK), generator=gen) * 0.02 + 0.01
+    packed = pool.take((n + 1) // 2, "codes").reshape(-1, 1)
+    absmax = pool.take(-(-n // NF4_BLOCK), "absmax")
     return NF4Weight(packed, absmax, torch.Size(shape), dtype)
 
 
@@ -122,18 +154,18 @@ def build_model(args: argparse.Namespace, *, nf4: bool, seed: int = 0) -> nn.Mod
     dtype = torch.float32 if args.tiny else torch.bfloat16
     with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed)
+    pool = _Pool(torch.Generator().manual_seed(seed))
     for name, module in model.named_modules():
         for pname, p in list(module._parameters.items()):
             if p is None:
                 continue
             if nf4 and type(module) is nn.Linear and pname == "weight" and name != "lm_head":
-                module._parameters[pname] = packed_parameter(random_nf4(p.shape, dtype, gen))
+                module._parameters[pname] = packed_parameter(random_nf4(p.shape, dtype, pool))
                 continue
             if pname == "weight" and p.dim() == 1:  # norms
                 value = torch.ones(p.shape, dtype=dtype)
             else:
-                value = (torch.randn(p.shape, generator=gen) * 0.02).to(dtype)
+                value = pool.take(p.numel(), "normal", dtype).view(p.shape)
             module._parameters[pname] = nn.Parameter(value, requires_grad=True)
     return model.train()
 
@@ -169,6 +201,7 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
         model_run_config=RoundPipeRunConfig(num_microbatch=args.num_microbatch),
         optim_dtype=torch.float32,
         pin_model="arena" if torch.cuda.is_available() else "off",
+        recompute_attention=args.recompute_attention,
     )
     opt = Adam(rp.optim_parameters(), lr=1e-5)
 
