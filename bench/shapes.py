@@ -180,7 +180,7 @@ def build_model(
             model = model_cls(config)
     finally:
         torch.set_default_dtype(previous)
-    _fill_random(model, seed)
+    fill_random(model, seed)
     if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         model.tie_weights()
     return model.train()
@@ -192,7 +192,7 @@ def build_model(
 _POOL_LEN = 16_777_259
 
 
-def _fill_random(model: nn.Module, seed: int) -> None:
+def fill_random(model: nn.Module, seed: int) -> None:
     """Fill weights with normal(0, 0.02) values from a shared pool; norm weights with 1."""
     gen = torch.Generator().manual_seed(seed)
     pool: torch.Tensor | None = None
