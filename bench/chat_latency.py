@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _word_tokenizer(vocab_size: int) -> Any:
+def word_tokenizer(vocab_size: int) -> Any:
     """A word-level fast tokenizer over `vocab_size` ids ("w0", "w1", ...; the last ids are
     ChatML's special tokens) with ChatML as its chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -114,7 +114,7 @@ def random_model(folder: Path, shape: str, *, lora: bool) -> Path | None:
     generator = torch.Generator().manual_seed(0)
     model.generation_config.eos_token_id = None  # decode exactly --max-tokens tokens
     model.save_pretrained(folder / "model")
-    _word_tokenizer(config.vocab_size).save_pretrained(folder / "model")
+    word_tokenizer(config.vocab_size).save_pretrained(folder / "model")
     if not lora:
         return None
     from peft import LoraConfig, get_peft_model

@@ -109,7 +109,10 @@ class _Stop:
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
         import torch
 
-        return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool)
+        # on the ids' device: generate ORs it into its own (GPU) done flags
+        return torch.full(
+            (input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool, device=input_ids.device
+        )
 
 
 class _Folded:
