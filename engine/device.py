@@ -342,8 +342,10 @@ def get_num_devices() -> int:
 def get_min_gpu_memory() -> float:
     """Smallest free memory over the devices in GB (host memory for virtual CPU devices).
 
-    Under a GPU memory cap a device has at most the cap less what this process's caching
-    allocator holds on it: what a card of the cap's size would have free.
+    Under a GPU memory cap a device has the cap, or less where other processes leave less:
+    this process's cached memory counts as free then, since the allocator frees its cache
+    before it refuses an allocation under the cap (without a cap the figure stays the
+    driver's free memory, the cache not counted, as the seed's).
     """
     cap = _gpu_memory_cap_bytes
     free: list[float] = []
@@ -351,7 +353,7 @@ def get_min_gpu_memory() -> float:
         if dev.is_cuda:
             free_bytes, _ = torch.cuda.mem_get_info(dev.device)
             if cap is not None:
-                free_bytes = min(free_bytes, cap - torch.cuda.memory_reserved(dev.device))
+                free_bytes = min(free_bytes + torch.cuda.memory_reserved(dev.device), cap)
         else:
             free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             if cap is not None:

@@ -1,10 +1,10 @@
 """The GPU memory cap: `RoundPipe(max_gpu_memory=...)` parsed, and the floor it must clear.
 
 A cap makes every engine device look as large as the cap (engine.device.set_gpu_memory_cap
-applies it): the automatic plan's groups hold at most 30% of the capped free memory in
-parameters each (ModelExecutePlan.auto's default `model_memory_limit`: 60%, half of it per
-group since the next is prefetched), one GPU's fused tail widens only within 90% of the
-cap (engine.planning.one_device), and on CUDA the caching allocator cannot reserve past it.
+applies it): the automatic plan's groups hold at most 30% of the cap in parameters each
+(ModelExecutePlan.auto's default `model_memory_limit`: 60%, half of it per group since the
+next is prefetched), one GPU's fused tail widens only within 90% of the cap
+(engine.planning.one_device), and on CUDA the caching allocator cannot reserve past it.
 
 The floor: whatever the plan, a device holds the largest layer with its gradients while
 the next job's layer is uploaded beside it (engine.device.MAX_INFLIGHT_JOBS), and a
