@@ -6,6 +6,7 @@ Prints one JSON line per result (issue 30's Performance section):
         --fp16-base --baseline                      # NF4 vs fp16 base vs peft + bitsandbytes
     python bench/qlora.py --model llama-70b --seqs-per-step 16 --num-microbatch 8 --baseline
     RP_DEVICES=cpu:1 python bench/qlora.py --tiny --fp16-base --baseline   # CPU self-check
+    python bench/qlora.py --model llama-70b --max-gpu-memory 24   # a 24 GiB card on a bigger one
 
 Weights are random (no download): every linear weight of the decoder is random NF4 codes
 with a random absmax per block of 64, built straight in packed form (a 70B base never
@@ -16,7 +17,10 @@ LoRA rank 16 (alpha 32) on every projection, fp32 masters, the engine's Adam, as
 packed weights as bitsandbytes Linear4bit layers), activation checkpointing, fused AdamW
 over the adapters, the same tokens per step. `--fp16-base`: the engine again with the
 base in bf16 (the issue's "within 10%" comparison). `--dequant torch` decodes with the
-torch table lookup instead of bitsandbytes' kernel.
+torch table lookup instead of bitsandbytes' kernel. `--max-gpu-memory GIB`: RoundPipe's
+max_gpu_memory (the plan sizes for a card that large, CUDA allocations past it fail; the
+cap stays for the runs after the engine's, the baseline's included); each JSON line
+reports it (`max_gpu_memory_gib`) beside the peak the allocator reserved.
 """
 
 from __future__ import annotations
@@ -85,7 +89,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="recompute attention in the backward instead of keeping its outputs on the host",
     )
+    p.add_argument(
+        "--max-gpu-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="cap the engine's GPU memory (RoundPipe max_gpu_memory), e.g. 24",
+    )
     args = p.parse_args(argv)
+    if args.max_gpu_memory is not None and not args.max_gpu_memory > 0:
+        p.error("--max-gpu-memory must be > 0 GiB")
     if args.tiny:
         args.model, args.seq_len, args.seqs_per_step = "tiny", 32, 4
         args.num_microbatch, args.steps, args.warmup = 2, 2, 1
@@ -178,6 +191,13 @@ def gpu_peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
+def gpu_reserved_peak_gib() -> float | None:
+    """The caching allocator's peak reservation: what a GPU memory cap bounds."""
+    if not torch.cuda.is_available():
+        return None
+    return round(torch.cuda.max_memory_reserved() / 2**30, 2)
+
+
 def batches(args: argparse.Namespace, vocab: int, n: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return [
@@ -202,6 +222,7 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
         optim_dtype=torch.float32,
         pin_model="arena" if torch.cuda.is_available() else "off",
         recompute_attention=args.recompute_attention,
+        max_gpu_memory=args.max_gpu_memory,
     )
     opt = Adam(rp.optim_parameters(), lr=1e-5)
 
@@ -235,6 +256,7 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
         "step_s": round(elapsed / args.steps, 3),
         "host_peak_gib": round(host_peak_gib(), 2),
         "gpu_peak_gib": gpu_peak_gib(),
+        "gpu_reserved_peak_gib": gpu_reserved_peak_gib(),
         "losses": [round(x, 4) for x in losses],
     }
     del rp, model
@@ -342,6 +364,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "num_microbatch": args.num_microbatch,
         "lora_rank": args.lora_rank,
         "dequant": args.dequant,
+        "max_gpu_memory_gib": args.max_gpu_memory,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     runs = []

@@ -10,6 +10,12 @@
 On CUDA a device has four streams: `param_upstream` (layer uploads), `upstream`
 (activation uploads), `compute_stream` and `downstream` (downloads), ordered by events so
 copies overlap compute.
+
+A GPU memory cap (`RoundPipe(max_gpu_memory=...)`, default `RP_GPU_MEMORY_GIB`) makes each
+device look as large as the cap: the planning reads `get_min_gpu_memory` and
+`device_memory_bytes`, which count it, and on CUDA `set_gpu_memory_cap` limits torch's
+caching allocator to it (`torch.cuda.set_per_process_memory_fraction`), so an allocation
+over it raises torch.OutOfMemoryError as on a card of that size (docs/ENGINE.md).
 """
 
 from __future__ import annotations
@@ -32,13 +38,17 @@ __all__ = [
     "DeviceManager",
     "Job",
     "device_list",
+    "device_memory_bytes",
     "gc_collect",
     "get_devices",
     "get_min_gpu_memory",
     "get_next_device",
     "get_num_devices",
+    "gpu_memory_cap_bytes",
+    "gpu_memory_gib_setting",
     "parse_rp_devices",
     "reset_devices",
+    "set_gpu_memory_cap",
 ]
 
 log = logging.getLogger(__name__)
@@ -46,6 +56,8 @@ log = logging.getLogger(__name__)
 device_list: list[DeviceManager] = []
 cur_device = 0
 _init_lock = threading.Lock()
+# The GPU memory cap in bytes (set_gpu_memory_cap); None: each device's own memory.
+_gpu_memory_cap_bytes: int | None = None
 
 # Virtual CPU devices share one CPU RNG and one pool of cores: a stage's compute holds this
 # lock so the RNG states saved for recompute are not consumed by another device in between.
@@ -297,11 +309,15 @@ def get_devices() -> list[DeviceManager]:
 
 
 def reset_devices() -> None:
-    """Stop the device threads and forget the devices; RP_DEVICES is read again on next use.
+    """Stop the device threads and forget the devices (and the GPU memory cap); RP_DEVICES
+    is read again on next use.
 
     For tests and notebooks that change RP_DEVICES; models built before keep working.
     """
-    global cur_device
+    global cur_device, _gpu_memory_cap_bytes
+    if _gpu_memory_cap_bytes is not None and device_list:
+        set_gpu_memory_cap(None)
+    _gpu_memory_cap_bytes = None
     with _init_lock:
         for dev in device_list:
             dev.shutdown_controller()
@@ -324,16 +340,68 @@ def get_num_devices() -> int:
 
 
 def get_min_gpu_memory() -> float:
-    """Smallest free memory over the devices in GB (host memory for virtual CPU devices)."""
+    """Smallest free memory over the devices in GB (host memory for virtual CPU devices).
+
+    Under a GPU memory cap a device has the cap, or less where other processes leave less:
+    this process's cached memory counts as free then, since the allocator frees its cache
+    before it refuses an allocation under the cap (without a cap the figure stays the
+    driver's free memory, the cache not counted, as the seed's).
+    """
+    cap = _gpu_memory_cap_bytes
     free: list[float] = []
     for dev in get_devices():
         if dev.is_cuda:
             free_bytes, _ = torch.cuda.mem_get_info(dev.device)
-            free.append(free_bytes / 1e9)
+            if cap is not None:
+                free_bytes = min(free_bytes + torch.cuda.memory_reserved(dev.device), cap)
         else:
-            pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            free.append(pages / 1e9)
+            free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            if cap is not None:
+                free_bytes = min(free_bytes, cap)
+        free.append(max(0, free_bytes) / 1e9)
     return min(free)
+
+
+def gpu_memory_cap_bytes() -> int | None:
+    """The GPU memory cap in force (bytes), or None."""
+    return _gpu_memory_cap_bytes
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """A device's memory as the engine may use it: its total (a CUDA device's), or the
+    GPU memory cap where that is smaller. Virtual CPU devices: the cap, or the host's RAM."""
+    if device.type == "cuda":
+        total = int(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cap = _gpu_memory_cap_bytes
+    return total if cap is None else min(total, cap)
+
+
+def set_gpu_memory_cap(cap_bytes: int | None) -> None:
+    """Cap every engine device at `cap_bytes` (None: lift the cap).
+
+    Process-wide, like the allocator limit it sets: on each CUDA device torch's caching
+    allocator may reserve at most `cap_bytes` (set_per_process_memory_fraction of the
+    device's total; a cap over the total leaves the device as it is), so an allocation
+    over it raises torch.OutOfMemoryError after the allocator has freed its cache. The
+    CUDA context and libraries that allocate outside torch (NCCL) are not counted.
+    """
+    global _gpu_memory_cap_bytes
+    if cap_bytes is not None and cap_bytes <= 0:
+        raise ValueError(f"a GPU memory cap must be > 0 bytes, got {cap_bytes}")
+    for dev in get_devices():
+        if not dev.is_cuda:
+            continue
+        total = int(torch.cuda.get_device_properties(dev.device).total_memory)
+        fraction = 1.0 if cap_bytes is None else min(1.0, cap_bytes / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, dev.device)
+    if cap_bytes != _gpu_memory_cap_bytes:
+        log.info(
+            "GPU memory cap: %s",
+            "none" if cap_bytes is None else f"{cap_bytes / (1 << 30):.2f} GiB per device",
+        )
+    _gpu_memory_cap_bytes = cap_bytes
 
 
 def gc_collect() -> None:
@@ -384,6 +452,12 @@ def adam_cache_dir_setting() -> str | None:
 def c_compiler_setting() -> str | None:
     """CC as set (the C compiler that builds the C Adam), or None."""
     return _setting("CC")
+
+
+def gpu_memory_gib_setting() -> str | None:
+    """RP_GPU_MEMORY_GIB as set (the default GPU memory cap, in GiB), or None;
+    engine.planning.gpu_memory parses it."""
+    return _setting("RP_GPU_MEMORY_GIB")
 
 
 def profiler_setting() -> str | None:

@@ -33,12 +33,19 @@ from .batch import (
 )
 from .call_site import get_call_location
 from .context import OptimizerCtx
-from .device import DeviceManager, get_devices, get_next_device, get_num_devices
+from .device import (
+    DeviceManager,
+    get_devices,
+    get_next_device,
+    get_num_devices,
+    set_gpu_memory_cap,
+)
 from .errors import ConfigError, GradientsDisabledError
-from .memory import get_model_size, pin_module
+from .memory import get_model_active_size, get_model_size, pin_module
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
 from .parallel.data_parallel import AUTO_GROUP, attach_data_parallel, resolve_process_group
 from .planning import one_device
+from .planning.gpu_memory import check_gpu_memory_cap, resolve_max_gpu_memory
 from .planning.memory_plan import check_engine_allocation
 from .planning.search import group_param_cap
 from .planning.simulate import publish_wait_ms_per_gb
@@ -155,6 +162,7 @@ class RoundPipe(RoundPipeBase):
         overlap_calls: bool = False,
         double_buffer_weights: bool | None = None,
         optim_memory: str = "default",
+        max_gpu_memory: float | str | None = None,
     ) -> None:
         optim_grad_dtype = resolve_optim_memory(
             optim_memory,
@@ -189,6 +197,13 @@ class RoundPipe(RoundPipeBase):
             raise ConfigError("model is an empty nn.Sequential; give it at least one layer")
         if double_buffer_weights is None:
             double_buffer_weights = overlap_calls
+        gpu_cap = resolve_max_gpu_memory(max_gpu_memory)
+        if gpu_cap is not None:
+            check_gpu_memory_cap(
+                gpu_cap,
+                [get_model_size(layer) for layer in layers],
+                [get_model_active_size(layer) for layer in layers],
+            )
         check_engine_allocation(
             model,
             optim_dtype=optim_dtype,
@@ -199,6 +214,9 @@ class RoundPipe(RoundPipeBase):
             optim_memory=optim_memory,
         )
         arena_grads = pin_module(model, pin_model)
+        if gpu_cap is not None:
+            set_gpu_memory_cap(gpu_cap)
+        object.__setattr__(self, "max_gpu_memory_bytes", gpu_cap)
         object.__setattr__(self, "model_run_config", model_run_config)
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "num_layers", len(layers))

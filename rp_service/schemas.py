@@ -206,6 +206,14 @@ class EngineSection(_Section):
     pin_model: Literal["alloc", "register", "arena", "off"] = "alloc"
     gpus: int = Field(1, ge=0, le=64, description="How many GPUs (0 = CPU devices).")
     async_step: bool = True
+    max_gpu_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        le=1 << 20,
+        description="GiB of each GPU the engine may use (its plan sizes for a card that "
+        "large; CUDA allocations past it fail). null: the daemon's RP_GPU_MEMORY_GIB, else "
+        "the whole GPU. At most the daemon's RP_GPU_MEMORY_GIB where that is set.",
+    )
 
 
 class LoraSection(_Section):

@@ -90,6 +90,11 @@ class Settings(BaseSettings):
     # Host bytes a job may use (bytes or with a unit: 96GiB, 100G); unset: the available
     # memory at start-up less a margin (engine.planning.memory_plan). Over it a submission gets 422.
     host_memory_budget: str | None = None
+    # GPU memory each job's engine may use, in GiB (engine RoundPipe max_gpu_memory): its
+    # plan sizes for a card that large and CUDA's allocator stops there, so a job leaves the
+    # rest of a shared GPU free, or a 24 GB card is emulated on a larger one. Passed to each
+    # worker as RP_GPU_MEMORY_GIB; a job's engine.max_gpu_memory_gib may ask for less.
+    gpu_memory_gib: float | None = Field(None, gt=0, le=1 << 20)
     # Chat serving (rp_service/serving, docs/CHAT.md): a model's process stops after this
     # many seconds without a request, and must load within the second limit.
     serve_idle_s: float = Field(600.0, gt=0)

@@ -51,6 +51,8 @@ class EngineOptions:
         lora: The adapters, or None for a full fine-tune.
         base_quantization: 'none', or 'nf4' (the frozen base's linear weights packed
             4-bit: engine.adapters.nf4; the schema allows it with lora only).
+        max_gpu_memory_gib: RoundPipe's max_gpu_memory (GiB); None: the engine's default,
+            the RP_GPU_MEMORY_GIB the daemon gives the worker.
     """
 
     model_dtype: str
@@ -65,6 +67,7 @@ class EngineOptions:
     async_step: bool
     lora: LoraOptions | None
     base_quantization: str = "none"
+    max_gpu_memory_gib: float | None = None
 
     @property
     def run_config(self) -> dict[str, Any]:
@@ -114,4 +117,5 @@ def spec_to_engine(spec: JobSpec) -> EngineOptions:
         async_step=engine.async_step,
         lora=lora,
         base_quantization=spec.model.quantization,
+        max_gpu_memory_gib=engine.max_gpu_memory_gib,
     )

@@ -229,6 +229,7 @@ class EngineSection(_Model):
     pin_model: str | None = None
     gpus: int | None = None
     async_step: bool | None = None
+    max_gpu_memory_gib: float | None = None  # GiB a GPU the job may use (docs/API.md)
 
 
 class LoraSection(_Model):

@@ -21,7 +21,8 @@ The memory is measured, not modelled: `ActivationMeter` reads the CUDA allocator
 layer's recompute in the first calls (what autograd keeps for the layer's backward, its
 saved-attention upload included) and around the tail's forward. `widen_tail` moves layers
 of the top backward group into the tail, from the top down, while the tail's activations
-stay under what the largest job already held plus the room the device has left. With
+stay under what the largest job already held plus the room the device has left (under a
+GPU memory cap, the room of a device as large as the cap: engine.planning.gpu_memory). With
 `recompute_grain='layer'` (asked for to hold one layer's activations at a time, for the
 longest sequences) the tail stays as planned.
 """
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import device_memory_bytes
 from ..scheduler import ModelExecutePlan
 
 __all__ = [
@@ -63,7 +65,8 @@ _MEASURED_CALLS = 12
 
 @dataclass(frozen=True)
 class DeviceRoom:
-    """The device's memory as the widening sees it (bytes)."""
+    """The device's memory as the widening sees it (bytes): its total (or the GPU memory
+    cap where smaller), and the most this process's caching allocator reserved on it."""
 
     total: int
     peak_reserved: int
@@ -71,7 +74,7 @@ class DeviceRoom:
     @classmethod
     def of(cls, device: torch.device) -> DeviceRoom:
         return cls(
-            total=torch.cuda.get_device_properties(device).total_memory,
+            total=device_memory_bytes(device),
             peak_reserved=torch.cuda.max_memory_reserved(device),
         )
 

@@ -102,6 +102,11 @@ def prepare_job_dir(
     else:
         env["RP_DEVICES"] = f"cpu:{settings.cpu_devices}"
         env["CUDA_VISIBLE_DEVICES"] = ""
+    # The daemon's GPU memory cap is the engine's default (engine.device reads it); a job's
+    # engine.max_gpu_memory_gib is passed to RoundPipe itself and wins.
+    env.pop("RP_GPU_MEMORY_GIB", None)
+    if settings.gpu_memory_gib is not None:
+        env["RP_GPU_MEMORY_GIB"] = repr(settings.gpu_memory_gib)
     return env, log_file
 
 

@@ -143,6 +143,15 @@ class SpecResolver:
                 code="not_enough_gpus",
                 param="engine.gpus",
             )
+        cap, limit = spec.engine.max_gpu_memory_gib, self.settings.gpu_memory_gib
+        if cap is not None and limit is not None and cap > limit:
+            raise InvalidRequest(
+                f"engine.max_gpu_memory_gib: {cap:g} GiB is above this daemon's limit of "
+                f"{limit:g} GiB a job (RP_GPU_MEMORY_GIB); use at most {limit:g}, or null for "
+                "the limit itself",
+                code="gpu_memory_above_limit",
+                param="engine.max_gpu_memory_gib",
+            )
         check_spec(
             spec,
             path_config=path_config,

@@ -88,7 +88,25 @@ def apply_lora(hf_model: torch.nn.Module, lora: LoraOptions, *, seed: int | None
 
 
 def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
-    """The job's RoundPipe over `hf_model`, with the spec's run config and wrap options."""
+    """The job's RoundPipe over `hf_model`, with the spec's run config and wrap options.
+
+    Raises:
+        JobFailure: code ``gpu_memory_too_small``: the GPU memory cap (the job's
+            engine.max_gpu_memory_gib, else the daemon's RP_GPU_MEMORY_GIB) cannot hold the
+            model's largest layer; the message names the smallest cap that can.
+    """
+    from engine.errors import ConfigError
+
+    try:
+        return _wrap(hf_model, options)
+    except ConfigError as exc:
+        if exc.field != "max_gpu_memory":
+            raise
+        param = "engine.max_gpu_memory_gib" if options.max_gpu_memory_gib is not None else None
+        raise JobFailure("gpu_memory_too_small", str(exc), param=param) from exc
+
+
+def _wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
     from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
 
     if options.optim_memory == "compact":  # the bf16 weights are the masters
@@ -98,6 +116,7 @@ def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
             pin_model=options.pin_model,
             recompute_attention=options.recompute_attention,
             optim_memory="compact",
+            max_gpu_memory=options.max_gpu_memory_gib,
         )
     grad_dtype = options.optim_grad_dtype
     return wrap_model_to_roundpipe(
@@ -107,6 +126,7 @@ def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
         model_run_config=RoundPipeRunConfig(**options.run_config),
         pin_model=options.pin_model,
         recompute_attention=options.recompute_attention,
+        max_gpu_memory=options.max_gpu_memory_gib,
     )
 
 

@@ -167,6 +167,9 @@ def _gpu_figures() -> dict[str, Any]:
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return {}
+    from engine.device import gpu_memory_cap_bytes
+
+    cap = gpu_memory_cap_bytes()
     gpus = []
     for i in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(i)
@@ -178,6 +181,7 @@ def _gpu_figures() -> dict[str, Any]:
                 "reserved_bytes": torch.cuda.memory_reserved(i),
                 "free_bytes": free,
                 "total_bytes": total,
+                "cap_bytes": cap,  # the engine's GPU memory cap (RP_GPU_MEMORY_GIB), or None
             }
         )
     return {"gpus": gpus}

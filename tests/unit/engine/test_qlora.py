@@ -179,6 +179,17 @@ def test_the_bench_runs_tiny_on_the_cpu(cpu3: int) -> None:
     assert nf4["base_host_bytes"] < bf16["base_host_bytes"] / 2
 
 
+def test_the_bench_passes_and_reports_its_gpu_memory_cap(cpu3: int) -> None:
+    from bench import qlora
+    from engine.device import gpu_memory_cap_bytes
+
+    (nf4,) = qlora.main(["--tiny", "--max-gpu-memory", "0.75"])
+    assert nf4["max_gpu_memory_gib"] == 0.75
+    assert gpu_memory_cap_bytes() == int(0.75 * (1 << 30))  # RoundPipe was given it
+    with pytest.raises(SystemExit):
+        qlora.parse_args(["--tiny", "--max-gpu-memory", "0"])
+
+
 def test_merged_weight_decodes_a_packed_base(cpu3: int) -> None:
     """The merged export (W + s B A) reads the decoded base, not the parameter's stand-in."""
     from engine.adapters.lora import LoraLinear
