@@ -172,16 +172,29 @@ static float load_grad_scalar(const rp_adam_tensor *t, int64_t i) {
     return ((const float *)t->grad)[i];
 }
 
-/* The 8-bit code of x (normalised to [-1, 1]): how many thresholds lie below it, by a
- * binary search in eight fixed steps (the vector paths do the same steps with gathers).
- * `floor1`: a positive x never gets code 0 (the unsigned map's zero), see rp_q8_encode's
- * callers. */
-static uint8_t q8_encode(float x, const float *thresholds, int floor1) {
-    int idx = 0;
-    for (int step = 128; step > 0; step >>= 1)
-        if (thresholds[idx + step - 1] < x) idx += step;
-    if (floor1 && idx == 0 && x > 0.0f) idx = 1;
-    return (uint8_t)idx;
+/* The 8-bit code of x (normalised to [-1, 1]): how many of the map's thresholds lie below
+ * it (the index of the nearest map value). Rather than searching the 255 thresholds, it
+ * guesses: x's decade z (how many of 1e-1 .. 1e-7 are >= |x|), then the magnitude just below
+ * |x| from its linear position in the decade (RP_QMAP_*_DECADES, engine/optim/_q8.py
+ * _decades). The guess is off by at most one only where |x| is next to a map value, so one
+ * compare with the threshold above the guessed code gives the exact count (checked against
+ * the binary search for every float in [-1, 1]). The vector paths do the same operations.
+ * `signed_map`: exp_avg's map (code 127 is 0); else exp_avg_sq's, where a positive x never
+ * gets code 0 (the map's zero). NaN: code 0. */
+static uint8_t q8_encode(float x, const float *qmap, int signed_map) {
+    if (x != x) return 0;
+    const float *dec = qmap + (signed_map ? RP_QMAP_SIGNED_DECADES : RP_QMAP_UNSIGNED_DECADES);
+    const float *thresholds =
+        qmap + (signed_map ? RP_QMAP_SIGNED_THRESHOLDS : RP_QMAP_UNSIGNED_THRESHOLDS);
+    float a = fabsf(x);
+    int z = 0;
+    for (int d = 0; d < 7; ++d) z += a <= qmap[RP_QMAP_DECADE_BOUNDS + d];
+    int below = (int)dec[16 + z] + (int)((a - dec[z]) * dec[8 + z]);
+    int code = signed_map ? (x >= 0.0f ? 127 + below : 126 - below) : below;
+    code = code < 0 ? 0 : code > 255 ? 255 : code;
+    code += thresholds[code] < x; /* entry 255 is +inf: never below */
+    if (!signed_map && code == 0 && x > 0.0f) code = 1;
+    return (uint8_t)code;
 }
 
 /* Q8 moments: per block, decode m and v (map value * the block's absmax), update, then
@@ -219,8 +232,8 @@ static void kernel_q8_scalar(const rp_adam_tensor *t, const rp_adam_hyper *h, in
         for (int64_t i = b0; i < b1; ++i) {
             float xm = am > 0.0f ? bm[i - b0] / am : 0.0f;
             float xv = av > 0.0f ? bv[i - b0] / av : 0.0f;
-            cm[i] = q8_encode(xm, qmap + RP_QMAP_SIGNED_THRESHOLDS, 0);
-            cv[i] = q8_encode(xv, qmap + RP_QMAP_UNSIGNED_THRESHOLDS, 1);
+            cm[i] = q8_encode(xm, qmap, 1);
+            cv[i] = q8_encode(xv, qmap, 0);
         }
         am_blocks[blk] = am;
         av_blocks[blk] = av;

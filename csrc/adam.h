@@ -31,7 +31,7 @@ typedef struct {
     int amsgrad;
     uint32_t sr_seed;         /* mixes the step into the bf16 moments' rounding bits */
     uint32_t param_sr_seed;   /* the same for a bf16 parameter's rounding bits */
-    uintptr_t qmap;           /* const float[4 * 256]: the 8-bit maps (RP_QMAP_*), 0 unless Q8 */
+    uintptr_t qmap;           /* const float[RP_QMAP_SIZE]: the 8-bit maps (RP_QMAP_*), 0 unless Q8 */
 } rp_adam_hyper;
 
 /* One tensor to update. Addresses are plain integers (torch's data_ptr()) so Python can
@@ -72,7 +72,13 @@ typedef struct {
 #define RP_QMAP_SIGNED_THRESHOLDS 256
 #define RP_QMAP_UNSIGNED 512
 #define RP_QMAP_UNSIGNED_THRESHOLDS 768
-#define RP_ADAM_ABI_VERSION 4
+/* Then the encoder's decade tables (engine/optim/_q8.py _decades): 8 bounds 1e-1 .. 1e-7
+ * (and 0), then per map 8 lo, 8 inv_step and 8 base values, one per decade. */
+#define RP_QMAP_DECADE_BOUNDS 1024
+#define RP_QMAP_SIGNED_DECADES 1032
+#define RP_QMAP_UNSIGNED_DECADES 1056
+#define RP_QMAP_SIZE 1080
+#define RP_ADAM_ABI_VERSION 5
 
 /* RP_ADAM_ABI_VERSION of the compiled library (a stale build is rebuilt). */
 int rp_adam_abi_version(void);

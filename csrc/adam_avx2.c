@@ -147,17 +147,49 @@ RP_TARGET static inline __m256 q8_decode(const float *map, const uint8_t *codes,
     return _mm256_mul_ps(_mm256_i32gather_ps(map, idx, 4), absmax);
 }
 
-/* q8_encode (adam.c) in 8 lanes: the same eight search steps, thresholds gathered; the
- * codes come back as the 8 bytes of a uint64 (lane 0 lowest). */
-RP_TARGET static inline uint64_t q8_encode(__m256 x, const float *thresholds, int floor1) {
-    __m256i idx = _mm256_setzero_si256();
-    for (int step = 128; step > 0; step >>= 1) {
-        __m256i probe = _mm256_add_epi32(idx, _mm256_set1_epi32(step - 1));
-        __m256 t = _mm256_i32gather_ps(thresholds, probe, 4);
-        __m256i below = _mm256_castps_si256(_mm256_cmp_ps(t, x, _CMP_LT_OQ));
-        idx = _mm256_add_epi32(idx, _mm256_and_si256(below, _mm256_set1_epi32(step)));
+/* One map's decade tables (RP_QMAP_*_DECADES) in registers. */
+typedef struct {
+    __m256 lo, inv_step, base;
+    const float *thresholds;
+    int signed_map;
+} q8_map;
+
+RP_TARGET static inline q8_map q8_load_map(const float *qmap, int signed_map) {
+    const float *dec = qmap + (signed_map ? RP_QMAP_SIGNED_DECADES : RP_QMAP_UNSIGNED_DECADES);
+    q8_map m = {
+        _mm256_loadu_ps(dec), _mm256_loadu_ps(dec + 8), _mm256_loadu_ps(dec + 16),
+        qmap + (signed_map ? RP_QMAP_SIGNED_THRESHOLDS : RP_QMAP_UNSIGNED_THRESHOLDS),
+        signed_map,
+    };
+    return m;
+}
+
+/* q8_encode (adam.c) in 8 lanes: the decade by seven compares, the guess from permuted
+ * decade constants, one gathered threshold to correct it; the codes come back as the 8
+ * bytes of a uint64 (lane 0 lowest). */
+RP_TARGET static inline uint64_t q8_encode(__m256 x, const q8_map *map, const __m256 *bounds) {
+    __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    __m256i z = _mm256_setzero_si256();
+    for (int d = 0; d < 7; ++d) /* a true compare is -1 */
+        z = _mm256_sub_epi32(z, _mm256_castps_si256(_mm256_cmp_ps(a, bounds[d], _CMP_LE_OQ)));
+    __m256 decade_lo = _mm256_permutevar8x32_ps(map->lo, z);
+    __m256 inv_step = _mm256_permutevar8x32_ps(map->inv_step, z);
+    __m256i below = _mm256_add_epi32(
+        _mm256_cvttps_epi32(_mm256_permutevar8x32_ps(map->base, z)),
+        _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_sub_ps(a, decade_lo), inv_step)));
+    __m256i idx = below;
+    if (map->signed_map) {
+        __m256i nonneg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+        idx = _mm256_blendv_epi8(_mm256_sub_epi32(_mm256_set1_epi32(126), below),
+                                 _mm256_add_epi32(_mm256_set1_epi32(127), below), nonneg);
     }
-    if (floor1) {
+    idx = _mm256_min_epi32(_mm256_max_epi32(idx, _mm256_setzero_si256()),
+                           _mm256_set1_epi32(255));
+    __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)); /* NaN: 0 */
+    idx = _mm256_and_si256(idx, ordered);
+    __m256 t = _mm256_i32gather_ps(map->thresholds, idx, 4);
+    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(t, x, _CMP_LT_OQ)));
+    if (!map->signed_map) {
         __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
         idx = _mm256_max_epi32(idx, _mm256_and_si256(pos, _mm256_set1_epi32(1)));
     }
@@ -193,6 +225,9 @@ RP_TARGET static void kernel_q8(const rp_adam_tensor *t, const rp_adam_hyper *h,
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     float bm[RP_QBLOCK], bv[RP_QBLOCK];
+    const q8_map smap = q8_load_map(qmap, 1), umap = q8_load_map(qmap, 0);
+    __m256 bounds[7];
+    for (int d = 0; d < 7; ++d) bounds[d] = _mm256_set1_ps(qmap[RP_QMAP_DECADE_BOUNDS + d]);
     for (int64_t b0 = begin; b0 < end; b0 += RP_QBLOCK) {
         int n = (int)(b0 + RP_QBLOCK < end ? RP_QBLOCK : end - b0);
         int64_t blk = b0 / RP_QBLOCK;
@@ -234,8 +269,8 @@ RP_TARGET static void kernel_q8(const rp_adam_tensor *t, const rp_adam_hyper *h,
                                     : _mm256_setzero_ps();
             __m256 xv = av_s > 0.0f ? _mm256_div_ps(_mm256_loadu_ps(bv + k), avv)
                                     : _mm256_setzero_ps();
-            uint64_t qm = q8_encode(xm, qmap + RP_QMAP_SIGNED_THRESHOLDS, 0);
-            uint64_t qv = q8_encode(xv, qmap + RP_QMAP_UNSIGNED_THRESHOLDS, 1);
+            uint64_t qm = q8_encode(xm, &smap, bounds);
+            uint64_t qv = q8_encode(xv, &umap, bounds);
             size_t count = (size_t)(n - k < W ? n - k : W);
             memcpy(cm + b0 + k, &qm, count); /* little-endian: lane 0 first */
             memcpy(cv + b0 + k, &qv, count);

@@ -141,20 +141,54 @@ RP_TARGET static inline __m512 q8_decode(const float *map, const uint8_t *codes,
     return _mm512_mul_ps(_mm512_i32gather_ps(idx, map, 4), absmax);
 }
 
-/* q8_encode (adam.c) in 16 lanes: the same eight search steps, thresholds gathered. */
-RP_TARGET static inline __m128i q8_encode(__m512 x, const float *thresholds, int floor1) {
-    __m512i idx = _mm512_setzero_si512();
-    for (int step = 128; step > 0; step >>= 1) {
-        __m512i probe = _mm512_add_epi32(idx, _mm512_set1_epi32(step - 1));
-        __m512 t = _mm512_i32gather_ps(probe, thresholds, 4);
-        __mmask16 below = _mm512_cmp_ps_mask(t, x, _CMP_LT_OQ);
-        idx = _mm512_mask_add_epi32(idx, below, idx, _mm512_set1_epi32(step));
+/* One map's decade tables (RP_QMAP_*_DECADES) in registers, lanes 0..7 used. */
+typedef struct {
+    __m512 lo, inv_step, base;
+    const float *thresholds;
+    int signed_map;
+} q8_map;
+
+RP_TARGET static inline q8_map q8_load_map(const float *qmap, int signed_map) {
+    const float *dec = qmap + (signed_map ? RP_QMAP_SIGNED_DECADES : RP_QMAP_UNSIGNED_DECADES);
+    q8_map m = {
+        _mm512_castps256_ps512(_mm256_loadu_ps(dec)),
+        _mm512_castps256_ps512(_mm256_loadu_ps(dec + 8)),
+        _mm512_castps256_ps512(_mm256_loadu_ps(dec + 16)),
+        qmap + (signed_map ? RP_QMAP_SIGNED_THRESHOLDS : RP_QMAP_UNSIGNED_THRESHOLDS),
+        signed_map,
+    };
+    return m;
+}
+
+/* q8_encode (adam.c) in 16 lanes: the decade by seven compares, the guess from permuted
+ * decade constants, one gathered threshold to correct it. */
+RP_TARGET static inline __m128i q8_encode(__m512 x, const q8_map *map, const __m512 *bounds) {
+    __m512 a = _mm512_abs_ps(x);
+    __m512i one = _mm512_set1_epi32(1);
+    __m512i z = _mm512_setzero_si512();
+    for (int d = 0; d < 7; ++d)
+        z = _mm512_mask_add_epi32(z, _mm512_cmp_ps_mask(a, bounds[d], _CMP_LE_OQ), z, one);
+    __m512 lo = _mm512_permutexvar_ps(z, map->lo);
+    __m512 inv_step = _mm512_permutexvar_ps(z, map->inv_step);
+    __m512i below = _mm512_add_epi32(
+        _mm512_cvttps_epi32(_mm512_permutexvar_ps(z, map->base)),
+        _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_sub_ps(a, lo), inv_step)));
+    __m512i code = below;
+    if (map->signed_map) {
+        __mmask16 nonneg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+        code = _mm512_mask_blend_epi32(nonneg, _mm512_sub_epi32(_mm512_set1_epi32(126), below),
+                                       _mm512_add_epi32(_mm512_set1_epi32(127), below));
     }
-    if (floor1) {
+    code = _mm512_min_epi32(_mm512_max_epi32(code, _mm512_setzero_si512()),
+                            _mm512_set1_epi32(255));
+    code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), code); /* NaN: 0 */
+    __m512 t = _mm512_i32gather_ps(code, map->thresholds, 4);
+    code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(t, x, _CMP_LT_OQ), code, one);
+    if (!map->signed_map) {
         __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-        idx = _mm512_mask_max_epi32(idx, pos, idx, _mm512_set1_epi32(1));
+        code = _mm512_mask_max_epi32(code, pos, code, one);
     }
-    return _mm512_cvtepi32_epi8(idx);
+    return _mm512_cvtepi32_epi8(code);
 }
 
 /* kernel_q8_scalar (adam.c) 16 lanes at a time; a block's last partial vector (only at the
@@ -171,6 +205,9 @@ RP_TARGET static void kernel_q8(const rp_adam_tensor *t, const rp_adam_hyper *h,
     const size_t psz = c->bf16_param ? 2 : 4;
     const size_t gsz = c->grad_dtype == RP_DTYPE_FP32 ? 4 : 2;
     float bm[RP_QBLOCK], bv[RP_QBLOCK];
+    const q8_map smap = q8_load_map(qmap, 1), umap = q8_load_map(qmap, 0);
+    __m512 bounds[7];
+    for (int d = 0; d < 7; ++d) bounds[d] = _mm512_set1_ps(qmap[RP_QMAP_DECADE_BOUNDS + d]);
     for (int64_t b0 = begin; b0 < end; b0 += RP_QBLOCK) {
         int n = (int)(b0 + RP_QBLOCK < end ? RP_QBLOCK : end - b0);
         int64_t blk = b0 / RP_QBLOCK;
@@ -212,8 +249,8 @@ RP_TARGET static void kernel_q8(const rp_adam_tensor *t, const rp_adam_hyper *h,
                                     : _mm512_setzero_ps();
             __m512 xv = av_s > 0.0f ? _mm512_div_ps(_mm512_loadu_ps(bv + k), avv)
                                     : _mm512_setzero_ps();
-            __m128i qm = q8_encode(xm, qmap + RP_QMAP_SIGNED_THRESHOLDS, 0);
-            __m128i qv = q8_encode(xv, qmap + RP_QMAP_UNSIGNED_THRESHOLDS, 1);
+            __m128i qm = q8_encode(xm, &smap, bounds);
+            __m128i qv = q8_encode(xv, &umap, bounds);
             if (n - k >= W) {
                 _mm_storeu_si128((__m128i *)(cm + b0 + k), qm);
                 _mm_storeu_si128((__m128i *)(cv + b0 + k), qv);

@@ -9,8 +9,8 @@ leading zero bits E gives the decade 10**-E, the first one bit is the indicator 
 bits after it split (0.1, 1] linearly. So the map is dense near 1 and reaches down to
 1e-6 (signed) / 1e-7 (unsigned, exp_avg_sq) of the absmax, where a moment's small values
 live. A code is the value's index in the sorted map; encoding counts the midpoints between
-neighbours that lie below x (a fixed 8-step binary search in C, identical on every ISA
-path). A positive exp_avg_sq is never stored as 0: an underflow there would turn
+neighbours that lie below x (in C: a guess from x's decade and its linear position in it,
+then one compare with the threshold above the guess; `_decades`). A positive exp_avg_sq is never stored as 0: an underflow there would turn
 m / (sqrt(v) + eps) into m / eps.
 
 `exact_update` is the reference the kernel tests compare against bit for bit: every fp32
@@ -57,19 +57,47 @@ def _dynamic_map(signed: bool) -> list[float]:
     return sorted(values)
 
 
+def _decades(signed: bool) -> list[float]:
+    """The encoder's first guess per decade z (0..7): lo[8], inv_step[8], base[8].
+
+    A magnitude a in decade z, (10**-(z+1), 10**-z], lies between map magnitudes number
+    base + floor((a - lo) * inv_step) and the next: the decade's values are lo plus whole
+    steps. The last decade runs down to 0 (lo = 0, one step up to its single value); the
+    signed map's has 6 decades, so its entry 7 repeats entry 6. The guess is off by at most
+    one magnitude next to a map value (rounding), never next to a threshold, so one compare
+    with the threshold above it gives the exact code (csrc/adam.c q8_encode).
+    """
+    bits = 7 if signed else 8
+    lo, inv_step, base = [], [], []
+    for z in range(8):
+        z = min(z, bits - 1)
+        if z < bits - 1:
+            lo.append(10.0 ** -(z + 1))
+            inv_step.append(2 ** (bits - 1 - z) / (0.9 * 10.0**-z))
+            base.append(float(2 ** (bits - 1 - z) - 1))
+        else:
+            lo.append(0.0)
+            inv_step.append(10.0 ** (bits - 1))
+            base.append(0.0)
+    return lo + inv_step + base
+
+
 def _tables() -> Tensor:
-    """csrc/adam.h's qmap: signed values, thresholds, unsigned values, thresholds."""
+    """csrc/adam.h's qmap: signed values, thresholds, unsigned values, thresholds, then the
+    decade bounds 10**-1 .. 10**-7 (and a 0) and each map's `_decades`."""
     parts = []
     for signed in (True, False):
         values = torch.tensor(_dynamic_map(signed), dtype=torch.float64).float()
         wide = values.double()
         thresholds = ((wide[:-1] + wide[1:]) / 2).float()
         parts += [values, torch.cat([thresholds, torch.tensor([math.inf])])]
-    return torch.cat(parts).contiguous()
+    parts.append(torch.tensor([10.0**-d for d in range(1, 8)] + [0.0]))
+    parts += [torch.tensor(_decades(signed)) for signed in (True, False)]
+    return torch.cat([t.float() for t in parts]).contiguous()
 
 
 QMAP = _tables()
-"""float32[1024], the table the C kernel reads (RP_QMAP_* offsets); kept alive here."""
+"""float32[RP_QMAP_SIZE], the table the C kernel reads (RP_QMAP_* offsets); kept alive here."""
 _SIGNED, _SIGNED_T = QMAP[0:256], QMAP[256:511]
 _UNSIGNED, _UNSIGNED_T = QMAP[512:768], QMAP[768:1023]
 SIGNED_ZERO_CODE = int(torch.searchsorted(_SIGNED_T, torch.tensor([0.0])).item())

@@ -103,6 +103,41 @@ def test_isa_paths_match_exact_reference(kwargs: dict[str, Any], grad_dtype) -> 
         _assert_same(expected, _train(isa, kwargs=kwargs, grad_dtype=grad_dtype), isa)
 
 
+def _on_thresholds(thresholds: torch.Tensor) -> torch.Tensor:
+    """Every finite threshold, its float neighbours, and 1.0 (the block absmax) per block."""
+    t = thresholds[torch.isfinite(thresholds)]
+    values = torch.cat(
+        [t, torch.nextafter(t, torch.tensor(-2.0)), torch.nextafter(t, torch.tensor(2.0))]
+    )
+    values = values[values.abs() <= 1.0]
+    blocks = values.split(_q8.QBLOCK - 1)
+    return torch.cat([torch.cat([b, torch.ones(1)]) for b in blocks])
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_codes_on_and_next_to_every_threshold_match_reference(isa: str) -> None:
+    """The C encoder guesses a code and corrects it with one threshold (csrc/adam.c
+    q8_encode): moments on each threshold and one ulp either side get the reference's code.
+    beta1 = beta2 = 0 makes exp_avg = grad and exp_avg_sq = grad**2 exactly enough."""
+    if isa not in eo.available_isas():
+        pytest.skip(f"{isa} not available here")
+    m_target = _on_thresholds(_q8.QMAP[256:512])
+    v_target = _on_thresholds(_q8.QMAP[768:1024])
+    grads = [m_target, -m_target, v_target.sqrt()]
+    results = []
+    for path in ("torch", isa):
+        eo.set_isa(path)
+        params = [torch.nn.Parameter(torch.zeros(g.numel())) for g in grads]
+        opt = eo.Adam(params, lr=1e-3, betas=(0.0, 0.0), state_dtype=torch.uint8)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        results.append((params, [opt.state[p] for p in params]))
+    _assert_same(results[0], results[1], isa)
+    codes = torch.cat([s["exp_avg"] for s in results[1][1][:2]]).unique()
+    assert codes.numel() == 255  # every signed code (255 and 254 are both 1.0) was hit
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 def test_big_tensor_matches_exact_reference(isa: str) -> None:
     if isa not in eo.available_isas():
