@@ -19,6 +19,8 @@ from engine import catalog
 
 __all__ = [
     "MAX_INT64",
+    "MAX_SAMPLE_PROMPTS",
+    "MAX_SAMPLE_PROMPT_CHARS",
     "TERMINAL_STATUSES",
     "Checkpoint",
     "DataSection",
@@ -52,6 +54,9 @@ __all__ = [
 # The largest integer SQLite stores: every integer a request gives is bounded by it, so a
 # larger one is a 4xx, never an overflow (a 500) further in.
 MAX_INT64 = 2**63 - 1
+# train.sample_prompts: every evaluation completes each of them, one forward a token.
+MAX_SAMPLE_PROMPTS = 8
+MAX_SAMPLE_PROMPT_CHARS = 2000
 
 JobStatus = Literal[
     "validating",
@@ -65,7 +70,7 @@ JobStatus = Literal[
     "failed",
 ]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-EventType = Literal["status", "metrics", "checkpoint", "log", "message"]
+EventType = Literal["status", "metrics", "checkpoint", "sample", "log", "message"]
 EventLevel = Literal["info", "warning", "error"]
 FileFormat = Literal["text", "chat", "prompt_completion", "preference"]
 DType = Literal["float32", "float16", "bfloat16"]
@@ -159,6 +164,32 @@ class TrainSection(_Section):
         description="sft: next-token loss on the trained tokens; dpo: preference pairs "
         "(data format preference), options in the dpo section.",
     )
+    sample_prompts: list[str] = Field(
+        default_factory=list,
+        description=f"Up to {MAX_SAMPLE_PROMPTS} prompts the worker completes greedily with the "
+        "current weights at every evaluation and at the last step (`sample` events).",
+    )
+    sample_max_tokens: int = Field(
+        64, ge=1, le=1024, description="Most tokens of each sample completion."
+    )
+
+    @field_validator("sample_prompts")
+    @classmethod
+    def _few_short_prompts(cls, prompts: list[str]) -> list[str]:
+        if len(prompts) > MAX_SAMPLE_PROMPTS:
+            raise ValueError(
+                f"{len(prompts)} prompts given; give at most {MAX_SAMPLE_PROMPTS} (every "
+                "evaluation completes each one)"
+            )
+        for i, prompt in enumerate(prompts):
+            if not prompt.strip():
+                raise ValueError(f"prompt {i} is empty; give it some text or remove it")
+            if len(prompt) > MAX_SAMPLE_PROMPT_CHARS:
+                raise ValueError(
+                    f"prompt {i} is {len(prompt)} characters; shorten it to at most "
+                    f"{MAX_SAMPLE_PROMPT_CHARS}"
+                )
+        return prompts
 
     @model_validator(mode="before")
     @classmethod

@@ -216,6 +216,8 @@ class TrainSection(_Model):
     checkpoint_interval: int | None = None
     keep_checkpoints: int | None = None
     method: str | None = None  # "full" | "lora"
+    sample_prompts: list[str] | None = None  # completed at every evaluation (`sample` events)
+    sample_max_tokens: int | None = None
 
 
 class EngineSection(_Model):

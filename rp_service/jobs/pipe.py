@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 PAUSED_EXIT_CODE = 75
-_EVENT_TYPES = {"status", "metrics", "checkpoint", "log", "message"}
+_EVENT_TYPES = {"status", "metrics", "checkpoint", "sample", "log", "message"}
 _LEVELS = {"info", "warning", "error"}
 _PROGRESS_KEYS = ("step", "total_steps", "epoch", "eta_seconds")
 _METRIC_KEYS = ("train_loss", "valid_loss", "learning_rate", "grad_norm", "tokens_per_second")
@@ -175,6 +175,8 @@ class WorkerHandle:
         if type_ == "metrics":
             data["attempt"] = self.attempt  # one value per step: the latest attempt's wins
             out["job_fields"] = self._metrics_fields(data)
+        elif type_ == "sample":
+            data["attempt"] = self.attempt  # a replayed step samples again: the latest wins
         elif type_ == "checkpoint" and isinstance(data.get("step"), int):
             out["checkpoint"] = CheckpointRecord(
                 job_id=self.job_id,

@@ -121,7 +121,8 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str) 
 
 def _load_blocks(
     source: str, param: str, spec: JobSpec, tokenizer: JobTokenizer, *, valid: bool
-) -> TokenBlocks:
+) -> tuple[str, TokenBlocks]:
+    """The data format the records turned out to be in, and their sequences."""
     data = spec.data
     try:
         if source == SYNTHETIC:
@@ -131,7 +132,9 @@ def _load_blocks(
             if not Path(source).is_file():
                 raise JobFailure("invalid_data", f"{param}: file {source!r} not found", param=param)
             fmt, records = read_records(source, data.format)
-        return build_blocks(records, fmt, tokenizer, seq_len=data.seq_len, packing=data.packing)
+        return fmt, build_blocks(
+            records, fmt, tokenizer, seq_len=data.seq_len, packing=data.packing
+        )
     except DataFormatError as exc:
         where = f"{param} line {exc.line}: " if exc.line else f"{param}: "
         raise JobFailure("invalid_data", where + exc.message, param=param, line=exc.line) from exc
@@ -182,12 +185,13 @@ class _Run:
             self.dpo = DpoObjective(spec, paths, self.tokenizer, valid_source=valid_source)
             self.blocks: Any = self.dpo.train
             self.valid: Any = self.dpo.valid
+            self.data_format = "preference"
         else:
-            self.blocks = _load_blocks(
+            self.data_format, self.blocks = _load_blocks(
                 paths.train_path, "data.train", spec, self.tokenizer, valid=False
             )
             self.valid = (
-                _load_blocks(valid_source, "data.valid", spec, self.tokenizer, valid=True)
+                _load_blocks(valid_source, "data.valid", spec, self.tokenizer, valid=True)[1]
                 if valid_source
                 else None
             )
@@ -356,6 +360,22 @@ class _Run:
             self.rp, self.valid, vocab_size=vocab, batch_size=self.spec.train.batch_size
         )
 
+    def sample(self, step: int) -> tuple[str, dict[str, Any]]:
+        """The `sample` event of `step`: train.sample_prompts completed with the current
+        (synced) weights; a user turn in the chat template unless the data is plain text."""
+        from .sampling import sample_event
+
+        train = self.spec.train
+        return sample_event(
+            self.rp,
+            self.hf_model,
+            step=step,
+            prompts=train.sample_prompts,
+            tokenizer=self.tokenizer,
+            chat=self.data_format != "text",
+            max_new_tokens=train.sample_max_tokens,
+        )
+
     # -- checkpoints and output
 
     def _sync_point(self, step: int) -> bool:
@@ -452,6 +472,8 @@ class _Run:
             if self.valid is not None and (eval_step or step == self.total_steps):
                 valid_loss = self.evaluate()
             self.meter.flush(valid_loss=valid_loss)
+            if train.sample_prompts and (eval_step or step == self.total_steps):
+                self.emit("sample", *self.sample(step))
             checkpoint = train.checkpoint_interval > 0 and step % train.checkpoint_interval == 0
             if checkpoint or pausing or step == self.total_steps:
                 self.save_checkpoint(step, next_model)

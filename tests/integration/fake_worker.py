@@ -8,6 +8,8 @@ newest one, exits 143 on SIGTERM and checkpoints then exits 75 on SIGUSR1. The j
 "sigkill-once" SIGKILLs itself after step 8 of its first attempt, "sigkill-always" after
 step 3 of every attempt, "device-fault-once" reports a device fault on its first attempt,
 "disk-full" meets ENOSPC at its second checkpoint and reports it as the real worker does;
+with `train.sample_prompts` it emits a `sample` event at every evaluation step (each
+completion names its prompt, step and attempt);
 a name starting with "real" hands the job to the real worker (exec, same pid and pipes).
 """
 
@@ -62,6 +64,17 @@ def save_checkpoint(checkpoint_dir: Path, step: int) -> Path:
         },
     )
     return final
+
+
+def emit_samples(prompts: list[str], step: int, attempt: int) -> None:
+    completions = [f"{p} at step {step} (attempt {attempt})" for p in prompts]
+    samples = [
+        {"prompt": p, "completion": c, "tokens": len(c), "finish_reason": "length"}
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    tokens = sum(len(c) for c in completions)
+    data = {"step": step, "samples": samples, "tokens": tokens, "seconds": 0.0}
+    emit("sample", f"step {step}: {len(samples)} samples, {tokens} tokens", data)
 
 
 def main() -> int:
@@ -127,6 +140,10 @@ def main() -> int:
                 "eta_seconds": (total - step) * step_s,
             },
         )
+        prompts = spec["train"].get("sample_prompts") or []
+        eval_interval = spec["train"].get("eval_interval") or 0
+        if prompts and ((eval_interval and step % eval_interval == 0) or step == total):
+            emit_samples(prompts, step, payload["attempt"])
         if spec.get("name") == "disk-full" and step == 2 * interval:
             from types import SimpleNamespace
 

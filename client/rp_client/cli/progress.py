@@ -36,6 +36,18 @@ def _loss_text(data: dict[str, Any]) -> str:
     return text
 
 
+def _samples_text(event: Event) -> str:
+    """A sample event as lines: the step, then each prompt and its completion (line breaks
+    and control characters escaped, so each sample stays on one line)."""
+    data = event.data or {}
+    lines = [f"{event.job_id}: samples at step {data.get('step', '?')}"]
+    for sample in data.get("samples") or []:
+        if isinstance(sample, dict):
+            prompt, completion = str(sample.get("prompt", "")), str(sample.get("completion", ""))
+            lines.append(f"  {printable(prompt)} -> {printable(completion)}")
+    return "\n".join(lines)
+
+
 def _describe(event: Event) -> str | None:
     """The line printed above the bar for an event, or None to keep it quiet."""
     data = event.data or {}
@@ -45,6 +57,8 @@ def _describe(event: Event) -> str | None:
         return f"{event.job_id}: {arrow}{data.get('status', '?')}"
     if event.type == "checkpoint":
         return f"{event.job_id}: checkpoint at step {data.get('step', '?')}"
+    if event.type == "sample":
+        return _samples_text(event)
     if event.type == "metrics":
         if data.get("valid_loss") is not None:
             return f"{event.job_id}: step {data.get('step')} valid loss {data['valid_loss']:.4f}"

@@ -1,4 +1,5 @@
-// Job: live charts from the job's event stream, events, worker log, checkpoints, controls.
+// Job: live charts from the job's event stream, samples, events, worker log, checkpoints,
+// controls.
 
 import { ApiError, JobEventStream, api, authFetch, download } from "../api.js";
 import { LineChart, Series } from "../chart.js";
@@ -16,6 +17,7 @@ import {
   time,
 } from "../format.js";
 import { chatPanel } from "./chat.js";
+import { samplesPanel } from "./samples.js";
 
 const POLL_MS = 2000;
 export const DRAFT_KEY = "rp.draft";
@@ -86,6 +88,7 @@ export function renderJob(view, jobId) {
   const showMetrics = el("input", { type: "checkbox", id: "show-metrics" });
   const log = el("pre", { id: "worker-log", class: "log" });
   const chat = chatPanel(jobId); // shown once the job succeeded (pages/chat.js)
+  const samples = samplesPanel(); // completions at each evaluation (pages/samples.js)
 
   view.append(
     el(
@@ -102,6 +105,7 @@ export function renderJob(view, jobId) {
     summary,
     specBox,
     el("section", { class: "charts" }, lossCanvas, lrCanvas, speedCanvas, memoryCanvas),
+    samples.node,
     el("h2", {}, "Checkpoints"),
     el(
       "table",
@@ -166,6 +170,7 @@ export function renderJob(view, jobId) {
     summary.replaceChildren(...rows.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
     if (!specText.textContent) specText.textContent = dump(job.spec, { lineWidth: 100 });
     chat.update(job);
+    samples.show(job.spec);
   }
 
   async function refreshJob() {
@@ -268,6 +273,7 @@ export function renderJob(view, jobId) {
       onMetrics(event.data);
       followMetrics(event.data);
     }
+    if (event.type === "sample") samples.add(event);
     if (event.type !== "metrics" || showMetrics.checked) addEventRow(event);
     if (event.type === "status" && job) refreshJob().catch(() => {});
     if (event.type === "checkpoint") loadCheckpoints();

@@ -323,6 +323,24 @@ def test_follow_lines_show_transitions_warnings_and_checkpoints_once():
     assert _describe(ev("log", "error", "CUDA OOM")) == "job-1: error: CUDA OOM"
 
 
+def test_follow_prints_each_sample_on_a_line_of_its_own_escaped():
+    from rp_client import Event
+    from rp_client.cli.progress import _describe
+
+    samples = [
+        {"prompt": "Tell me a story.", "completion": "once upon\na time", "tokens": 5},
+        {"prompt": "2 + 2 =", "completion": "4\x1b[2J", "tokens": 2},
+    ]
+    event = Event(
+        id=9, job_id="job-1", type="sample", message="m", data={"step": 20, "samples": samples}
+    )
+    assert _describe(event) == (
+        "job-1: samples at step 20\n"
+        "  Tell me a story. -> once upon\\na time\n"
+        "  2 + 2 = -> 4\\x1b[2J"
+    )
+
+
 def test_metrics_shows_one_row_per_step_with_its_attempt(rp):
     body = {
         "object": "job.metrics",

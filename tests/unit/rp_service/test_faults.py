@@ -391,6 +391,38 @@ def test_recover_stores_what_a_killed_daemon_lost_and_nothing_twice(tmp_path: Pa
     store.close()
 
 
+def test_recover_stores_lost_sample_events_once_with_their_attempt(tmp_path: Path) -> None:
+    from rp_service.jobs.journal import recover
+    from rp_service.jobs.pipe import journal_path
+    from rp_service.jobs.store import JobRecord
+
+    store = Store(tmp_path / "rp.sqlite3")
+    store.open()
+    store.create_job(JobRecord(id="job-1", status="queued", created_at=0, spec={}))
+    store.update_job("job-1", attempt=3)
+    handle = WorkerHandle(job_id="job-1", gpus=[], attempt=3)
+
+    def sample(step: int) -> bytes:
+        samples = [{"prompt": "hi", "completion": f"at {step}", "tokens": 2}]
+        data = {"step": step, "samples": samples, "tokens": 2}
+        return json.dumps({"type": "sample", "message": "m", "data": data}).encode()
+
+    stored = handle.read_line(sample(2))  # the daemon stored step 2's, then died
+    assert stored is not None
+    store.append_event("job-1", **stored)
+    job_dir = tmp_path / "jobs" / "job-1"
+    job_dir.mkdir(parents=True)
+    journal_path(job_dir, 3).write_bytes(sample(2) + b"\n" + sample(4) + b"\n")
+    job = store.get_job("job-1")
+    assert job is not None
+    assert recover(store, job, job_dir) == 1
+    assert recover(store, job, job_dir) == 0
+    events = store.list_events("job-1", type_="sample")
+    assert [(e.data["step"], e.data["attempt"]) for e in events] == [(2, 3), (4, 3)]
+    assert events[1].data["samples"][0]["completion"] == "at 4"
+    store.close()
+
+
 # ---------------------------------------------------------------- a store that cannot write
 
 

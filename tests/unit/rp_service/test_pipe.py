@@ -57,6 +57,20 @@ def test_checkpoint_lines_carry_a_checkpoint_row() -> None:
     )
 
 
+def test_sample_lines_are_sample_events_with_their_attempt_and_no_job_fields() -> None:
+    w = WorkerHandle(job_id="job-1", gpus=[], attempt=2)
+    samples = [{"prompt": "hi", "completion": "there", "tokens": 5}]
+    out = w.read_line(
+        _line({"type": "sample", "message": "s", "data": {"step": 4, "samples": samples}})
+    )
+    assert out == {
+        "type_": "sample",
+        "level": "info",
+        "message": "s",
+        "data": {"step": 4, "samples": samples, "attempt": 2},
+    }
+
+
 def test_worker_status_reports_become_messages() -> None:
     w = WorkerHandle(job_id="job-1", gpus=[])
     out = w.read_line(

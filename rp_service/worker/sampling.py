@@ -1,0 +1,240 @@
+"""Greedy completions of a job's sample prompts with the weights it is training.
+
+Why the engine's own forward: a job's weights live in the engine (host memory, streamed
+to the devices a layer group at a time), and the GPUs are full of the training's work.
+Generating through `rp.forward`, as the evaluation does, needs no second copy of the
+model on a GPU and reads exactly the weights the optimizer published (call it with the
+weights synchronized, `rp.synchronize()`). The engine keeps no KV cache, so every new
+token is one forward over the whole sequence so far: `sample_max_tokens` forwards per
+evaluation, which the spec bounds (at most 8 prompts, 1024 tokens).
+
+The prompts go through together, each row padded on the right: causal attention never
+lets a token see the padding after it, so each row's next token is read at its own last
+position. That read happens on the device (`output_fn`): the last hidden state of each
+row times the output projection, then its argmax, so a forward brings back one id a row
+instead of its logits. Rows leave the batch at an end-of-text token, at the token limit,
+or when the sequence reaches the model's positions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..data.tokenizer import IM_END, JobTokenizer
+
+__all__ = ["Sample", "greedy_completions", "prompt_ids", "sample_event", "stop_ids"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sample:
+    """One prompt's completion: its ids (the stop token left out) and why it ended."""
+
+    ids: list[int]
+    finish_reason: str  # "stop": an end-of-text token; "length": the token or position limit
+
+
+def prompt_ids(tokenizer: JobTokenizer, prompts: Sequence[str], *, chat: bool) -> list[list[int]]:
+    """Token ids of each prompt: a user turn in the tokenizer's chat template (with the
+    assistant's turn opened) when `chat` and the tokenizer has a template, else the text."""
+    hf = tokenizer.hf
+    if chat and getattr(hf, "chat_template", None):
+        texts = [
+            hf.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in prompts
+        ]
+        # The template writes its special tokens itself: add none.
+        return tokenizer.encode(texts)
+    return tokenizer.encode(list(prompts))
+
+
+def stop_ids(tokenizer: JobTokenizer, generation_config: Any = None) -> set[int]:
+    """End-of-text ids: the tokenizer's, the model's generation config's, ChatML's turn end."""
+    ids: set[int] = set()
+    configured = getattr(generation_config, "eos_token_id", None)
+    for value in (configured, tokenizer.eos_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    hf = tokenizer.hf
+    if IM_END in (getattr(hf, "chat_template", None) or ""):
+        end = hf.convert_tokens_to_ids(IM_END)
+        if isinstance(end, int) and end != hf.unk_token_id:
+            ids.add(end)
+    return ids
+
+
+def _bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Row ranges of `parts` micro-batches, as even as can be (the first ones larger)."""
+    base, extra = divmod(rows, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _split(bounds: list[tuple[int, int]], rows: int) -> Callable[..., list[Any]]:
+    """A `split_input` callable cutting every (rows, ...) tensor argument on `bounds`."""
+
+    def cut(value: Any, a: int, b: int) -> Any:
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            return value[a:b]
+        return value
+
+    def split(args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int) -> list[Any]:
+        if num_microbatch != len(bounds):
+            raise ValueError(f"split for {len(bounds)} micro-batches, asked for {num_microbatch}")
+        return [
+            (tuple(cut(v, a, b) for v in args), {k: cut(v, a, b) for k, v in kwargs.items()})
+            for a, b in bounds
+        ]
+
+    return split
+
+
+def _next_ids(rp: Any, input_ids: Tensor, last: Tensor, *, num_microbatch: int) -> list[int]:
+    """The greedy next token of each row of `input_ids` (rows, seq), read at `last`."""
+    from engine import RoundPipeRunConfig
+
+    rows = input_ids.shape[0]
+    bounds = _bounds(rows, max(1, min(num_microbatch, rows)))
+
+    def pick(outputs: Any, micro_batch: int) -> Tensor:
+        hidden, weight = outputs  # the head's (normed hidden (mb, seq, hidden), lm_head weight)
+        a, b = bounds[micro_batch]
+        at = last[a:b].to(hidden.device, non_blocking=True)
+        picked = hidden[torch.arange(b - a, device=hidden.device), at]  # (mb, hidden)
+        # lm_head is a bias-free Linear: the same product the full logits would hold
+        return torch.nn.functional.linear(picked, weight).argmax(dim=-1)
+
+    config = RoundPipeRunConfig(
+        num_microbatch=len(bounds),
+        split_input=_split(bounds, rows),
+        merge_output=lambda parts: torch.cat([p.cpu() for p in parts]),
+        output_fn=pick,
+    )
+    with torch.no_grad():
+        out = rp.forward(input_ids=input_ids, return_logits=False, roundpipe_run_config=config)
+    return [int(t) for t in out.tolist()]
+
+
+@contextmanager
+def _no_graph_capture() -> Iterator[None]:
+    """Layer calls run as they are: every forward here has a new sequence length, and a
+    captured CUDA graph for each would only take GPU memory and graph slots."""
+    from engine.accel import graphs
+
+    saved = graphs.ENABLED
+    graphs.ENABLED = False
+    try:
+        yield
+    finally:
+        graphs.ENABLED = saved
+
+
+def greedy_completions(
+    rp: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop: set[int],
+    max_positions: int,
+    pad_id: int,
+    num_microbatch: int,
+) -> list[Sample]:
+    """Greedy continuations of the token-id `prompts` through the engine's forward.
+
+    Args:
+        max_new_tokens: Most tokens a completion gets.
+        stop: Ids that end a completion (left out of it).
+        max_positions: Longest sequence the model takes: a prompt this long or longer
+            gets an empty completion.
+        pad_id: Fills the rows shorter than the longest (never attended to).
+        num_microbatch: Most micro-batches a forward is split into.
+    """
+    seqs = [list(p) for p in prompts]
+    made: list[list[int]] = [[] for _ in seqs]
+    finish: list[str | None] = [
+        "length" if not s or len(s) >= max_positions or max_new_tokens < 1 else None for s in seqs
+    ]
+    with _no_graph_capture():
+        while active := [i for i, f in enumerate(finish) if f is None]:
+            width = max(len(seqs[i]) for i in active)
+            input_ids = torch.full((len(active), width), pad_id, dtype=torch.long)
+            for row, i in enumerate(active):
+                input_ids[row, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
+            last = torch.tensor([len(seqs[i]) - 1 for i in active], dtype=torch.long)
+            for i, token in zip(
+                active, _next_ids(rp, input_ids, last, num_microbatch=num_microbatch), strict=True
+            ):
+                if token in stop:
+                    finish[i] = "stop"
+                    continue
+                seqs[i].append(token)
+                made[i].append(token)
+                if len(made[i]) >= max_new_tokens or len(seqs[i]) >= max_positions:
+                    finish[i] = "length"
+    return [Sample(ids=m, finish_reason=f or "length") for m, f in zip(made, finish, strict=True)]
+
+
+def _num_microbatch(rp: Any) -> int:
+    from engine.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+
+    return FullRoundPipeRunConfig(RoundPipeRunConfig(), rp.model_run_config).num_microbatch
+
+
+def sample_event(
+    rp: Any,
+    hf_model: Any,
+    *,
+    step: int,
+    prompts: Sequence[str],
+    tokenizer: JobTokenizer,
+    chat: bool,
+    max_new_tokens: int,
+) -> tuple[str, dict[str, Any]]:
+    """The message and data of step `step`'s `sample` event: each prompt's completion by
+    `rp`, the engine's wrap of `hf_model` (which gives the positions and end-of-text ids)."""
+    start = time.perf_counter()
+    positions = getattr(hf_model.config, "max_position_embeddings", None)
+    samples = greedy_completions(
+        rp,
+        prompt_ids(tokenizer, prompts, chat=chat),
+        max_new_tokens=max_new_tokens,
+        stop=stop_ids(tokenizer, getattr(hf_model, "generation_config", None)),
+        max_positions=positions or 1 << 30,
+        pad_id=tokenizer.pad_id,
+        num_microbatch=_num_microbatch(rp),
+    )
+    seconds = time.perf_counter() - start
+    tokens = sum(len(s.ids) for s in samples)
+    data = {
+        "step": step,
+        "samples": [
+            {
+                "prompt": prompt,
+                "completion": tokenizer.decode(s.ids),
+                "tokens": len(s.ids),
+                "finish_reason": s.finish_reason,
+            }
+            for prompt, s in zip(prompts, samples, strict=True)
+        ],
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+    }
+    log.info("step %d: %d samples, %d tokens in %.1f s", step, len(samples), tokens, seconds)
+    return f"step {step}: {len(samples)} samples, {tokens} tokens", data
