@@ -68,7 +68,10 @@ def _trainer(beta: float, eps: float) -> Any:
         loss_types, loss_weights = ["sigmoid", "robust"], [2 * (1 - eps), -(1 - 2 * eps)]
     else:
         loss_types, loss_weights = ["sigmoid"], [1.0]
-    identity = lambda t: t  # noqa: E731 (one process: gathering is the identity)
+
+    def identity(t: Tensor) -> Tensor:  # one process: gathering is the identity
+        return t
+
     return SimpleNamespace(
         model=SimpleNamespace(training=True),
         accelerator=SimpleNamespace(
