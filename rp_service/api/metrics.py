@@ -1,4 +1,5 @@
-"""Prometheus: jobs by state, queue length, events, tokens/s per running job, latency."""
+"""Prometheus: jobs by state, queue length, events, tokens/s per running job, latency,
+and a running DPO job's TRL-named metrics (`rewards/margins` -> `rp_job_rewards_margins`)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rp_service.jobs.orchestrator import Orchestrator
+from rp_service.jobs.outputs import PREFERENCE_COLUMNS
+from rp_service.jobs.store import JobRecord
 from rp_service.schemas import JobStatus
 
 router = APIRouter(tags=["metrics"])
 
 _STATUSES: tuple[str, ...] = JobStatus.__args__  # type: ignore[attr-defined]
+
+
+def preference_series_name(key: str) -> str:
+    """The Prometheus name of a DPO metric: TRL's `rewards/chosen` is not a valid metric
+    name (`[a-zA-Z_:][a-zA-Z0-9_:]*`), so `/` becomes `_` under the `rp_job_` prefix."""
+    return "rp_job_" + key.replace("/", "_")
 
 
 class _JobCollector(Collector):
@@ -44,11 +53,28 @@ class _JobCollector(Collector):
             "Training throughput of each running job.",
             labels=["job_id"],
         )
-        for job in store.jobs_with_status(["running", "pausing"]):
+        running = store.jobs_with_status(["running", "pausing"])
+        for job in running:
             value = job.metrics.get("tokens_per_second")
             if isinstance(value, int | float):
                 tps.add_metric([job.id], float(value))
         yield tps
+        yield from _preference_families(running)
+
+
+def _preference_families(jobs: list[JobRecord]) -> Iterator[GaugeMetricFamily]:
+    """One gauge per TRL-named DPO metric, one sample per running DPO job (its last step)."""
+    for key in PREFERENCE_COLUMNS:
+        family = GaugeMetricFamily(
+            preference_series_name(key),
+            f"DPO jobs: TRL's {key} at the latest step of each running job.",
+            labels=["job_id"],
+        )
+        for job in jobs:
+            value = job.metrics.get(key)
+            if isinstance(value, int | float):
+                family.add_metric([job.id], float(value))
+        yield family
 
 
 def build_registry(orchestrator: Orchestrator) -> tuple[CollectorRegistry, Histogram]:

@@ -15,7 +15,7 @@ from rp_service.jobs.store_io import StoreIO
 from rp_service.schemas import TERMINAL_STATUSES
 from rp_service.settings import Settings
 
-__all__ = ["SERIES_COLUMNS", "JobOutputs"]
+__all__ = ["PREFERENCE_COLUMNS", "SERIES_COLUMNS", "JobOutputs"]
 
 SERIES_COLUMNS = (
     "step",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from rp_service.jobs.faults import MemoryWatch
+from rp_service.jobs.outputs import PREFERENCE_COLUMNS
 from rp_service.jobs.store import CheckpointRecord
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
@@ -212,6 +213,11 @@ class WorkerHandle:
         for key in _METRIC_KEYS:
             if data.get(key) is not None or key not in self.metrics:
                 self.metrics[key] = data.get(key)
+        # A DPO step's TRL-named metrics (the Prometheus exporter reads them here); other
+        # jobs' metrics do not get these keys.
+        for key in PREFERENCE_COLUMNS:
+            if isinstance(data.get(key), int | float):
+                self.metrics[key] = data[key]
         progress = {k: data.get(k) for k in _PROGRESS_KEYS}
         progress["step"] = data["step"] if isinstance(data.get("step"), int) else 0
         fields: dict[str, Any] = {"progress": progress, "metrics": dict(self.metrics)}

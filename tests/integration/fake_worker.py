@@ -11,6 +11,7 @@ step 3 of every attempt, "device-fault-once" reports a device fault on its first
 with `train.sample_prompts` it emits a `sample` event at every evaluation step (each
 completion names its prompt, step and attempt);
 a name starting with "real" hands the job to the real worker (exec, same pid and pipes).
+A `train.objective: dpo` job's metrics carry `FAKE_DPO_METRICS` too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from pathlib import Path
 from typing import Any
 
 _flags = {"pause": False, "stop": False}
+# A DPO job's TRL-named metrics, the same at every step (what the exporter must show).
+FAKE_DPO_METRICS = {
+    "rewards/chosen": 0.5,
+    "rewards/rejected": -0.25,
+    "rewards/accuracies": 0.75,
+    "rewards/margins": 0.75,
+    "logps/chosen": -12.5,
+    "logps/rejected": -20.0,
+}
 _journal: list[Any] = []  # the open event journal, as the real worker keeps one
 
 
@@ -138,6 +148,7 @@ def main() -> int:
                 "trained_tokens": step * 64,
                 "gpu_mem_bytes": 0,
                 "eta_seconds": (total - step) * step_s,
+                **(FAKE_DPO_METRICS if spec["train"].get("objective") == "dpo" else {}),
             },
         )
         prompts = spec["train"].get("sample_prompts") or []

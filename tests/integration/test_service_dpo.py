@@ -10,6 +10,7 @@ import math
 import random
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from rp_service.demo import demo_spec
 from tests.integration.service_daemon import Daemon, spec
@@ -90,6 +91,57 @@ def test_an_sft_job_has_no_preference_columns(make_daemon) -> None:
         daemon.wait_for(job["id"], {"succeeded"})
         columns = c.get(f"/v1/jobs/{job['id']}/metrics").json()["columns"]
     assert "rewards/chosen" not in columns and "train_loss" in columns
+
+
+def _samples(text: str) -> dict[str, dict[str, float]]:
+    """Prometheus text: {metric name: {job_id: value}} of the samples labelled by job."""
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "job_id" in sample.labels:
+                out.setdefault(sample.name, {})[sample.labels["job_id"]] = sample.value
+    return out
+
+
+def test_prometheus_shows_a_running_dpo_jobs_trl_metrics(make_daemon) -> None:
+    from rp_service.api.metrics import preference_series_name
+    from tests.integration.fake_worker import FAKE_DPO_METRICS
+
+    names = {preference_series_name(k): k for k in FAKE_DPO_METRICS}
+    assert set(names) == {
+        "rp_job_rewards_chosen",
+        "rp_job_rewards_rejected",
+        "rp_job_rewards_accuracies",
+        "rp_job_rewards_margins",
+        "rp_job_logps_chosen",
+        "rp_job_logps_rejected",
+    }
+    daemon: Daemon = make_daemon(FAKE_STEP_S="0.2")  # the fake worker
+    with daemon.client() as c:
+        sft = c.post("/v1/jobs", json=spec(name="sft", train={"steps": 500})).json()
+        daemon.wait_for_step(sft["id"], 2)
+        samples = _samples(c.get("/metrics").text)
+        assert sft["id"] in samples["rp_job_tokens_per_second"]
+        assert not set(names) & set(samples), "an SFT job has no DPO series"
+        c.post(f"/v1/jobs/{sft['id']}/cancel")
+        daemon.wait_for(sft["id"], {"cancelled"})
+
+        body = spec(
+            name="dpo",
+            data={"format": "preference"},
+            train={"steps": 500, "objective": "dpo"},
+        )
+        dpo = c.post("/v1/jobs", json=body).json()
+        daemon.wait_for_step(dpo["id"], 2)
+        samples = _samples(c.get("/metrics").text)
+        for name, key in names.items():
+            assert samples[name] == {dpo["id"]: FAKE_DPO_METRICS[key]}, name
+        job = c.get(f"/v1/jobs/{dpo['id']}").json()
+        assert job["metrics"]["rewards/margins"] == FAKE_DPO_METRICS["rewards/margins"]
+        c.post(f"/v1/jobs/{dpo['id']}/cancel")
+        daemon.wait_for(dpo["id"], {"cancelled"})
+        # a job that no longer runs leaves the series
+        assert not set(names) & set(_samples(c.get("/metrics").text))
 
 
 def test_a_lora_dpo_job_scores_its_reference_each_step(tmp_path) -> None:

@@ -94,7 +94,7 @@ def follow_job(client: Client, job_id: str, *, json_lines: bool = False) -> Job:
             job_id,
             total=job.progress.total_steps,
             completed=job.progress.step,
-            loss=_fmt_num(metrics.get("train_loss"), ".4f"),
+            loss=_loss_text(metrics),
             tps=_fmt_num(metrics.get("tokens_per_second"), ",.0f"),
             eta=_fmt_eta(job.progress.eta_seconds),
         )

@@ -17,6 +17,7 @@ import {
   time,
 } from "../format.js";
 import { chatPanel } from "./chat.js";
+import { preferenceCharts, preferenceSummary } from "./preference.js";
 import { samplesPanel } from "./samples.js";
 
 const POLL_MS = 2000;
@@ -82,6 +83,8 @@ export function renderJob(view, jobId) {
       empty: "no memory in use reported (a CPU run reports no GPU memory)",
     }),
   };
+
+  const preference = preferenceCharts(lossCanvas); // a DPO job's reward charts (pages/preference.js)
 
   const checkpointsBody = el("tbody");
   const eventsList = el("ol", { id: "events", class: "events", reversed: true });
@@ -154,6 +157,7 @@ export function renderJob(view, jobId) {
       ["progress", progressBar(p)],
       ["train loss", number(m.train_loss)],
       ["valid loss", number(m.valid_loss)],
+      ...preferenceSummary(m),
       ["learning rate", number(m.learning_rate, 3)],
       ["tokens/s", number(m.tokens_per_second, 3)],
       ["ETA", job.status === "running" ? duration(p.eta_seconds) : "–"],
@@ -234,6 +238,7 @@ export function renderJob(view, jobId) {
     ]) {
       if (typeof data[key] === "number") chart.push(key, step, data[key]);
     }
+    preference.onMetrics(data, step);
     for (const [key, value] of Object.entries(data)) {
       if (!MEMORY_KEY.test(key) || typeof value !== "number") continue;
       // a column that has only ever been 0 (GPU memory of a CPU run) is left out

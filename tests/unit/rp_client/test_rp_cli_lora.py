@@ -11,7 +11,7 @@ from rp_client.cli import app
 from rp_client.cli.demo import _demo_body
 from typer.testing import CliRunner
 
-from ._fakes import job_obj
+from ._fakes import event_obj, job_obj, sse_body
 
 LORA_SPEC = {"train": {"steps": 3, "method": "lora"}, "lora": {"rank": 8}}
 
@@ -102,6 +102,31 @@ def test_the_progress_bar_shows_dpo_accuracy_and_margin() -> None:
     assert _loss_text({"train_loss": 0.5}) == "0.5000"
     dpo = {"train_loss": 0.6931, "rewards/accuracies": 0.75, "rewards/margins": 0.0123}
     assert _loss_text(dpo) == "0.6931 acc 0.75 margin +0.012"
+
+
+def test_follow_shows_a_dpo_jobs_accuracy_and_margin(rp) -> None:
+    """The bar of `rp follow` on a DPO job: loss, reward accuracy and margin of the last step."""
+    dpo = {"rewards/accuracies": 0.75, "rewards/margins": 0.0123}
+    events = [
+        event_obj(1, step=1, total_steps=2, train_loss=0.6931, **dpo),
+        event_obj(2, step=2, total_steps=2, train_loss=0.6, **{**dpo, "rewards/margins": 0.5}),
+        event_obj(3, type="status", status="succeeded", previous="running"),
+    ]
+
+    metrics = {"train_loss": 0.7, **dpo}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/events"):
+            body = sse_body(events, done="succeeded")
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json=job_obj(status="running", metrics=metrics))
+
+    result = rp(handler, "follow", "job-1")
+    assert "loss 0.6000 acc 0.75 margin +0.500" in result.stderr
+    # joined late: the bar starts from the job's latest metrics, DPO's included
+    del events[:2]
+    result = rp(handler, "follow", "job-1")
+    assert "loss 0.7000 acc 0.75 margin +0.012" in result.stderr
 
 
 def test_demo_body_as_qlora_and_nf4_needs_lora() -> None:
