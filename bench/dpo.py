@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--baseline", action="store_true", help="also peft DPO on the GPU")
     p.add_argument("--baseline-micro-pairs", type=int, default=1, help="pairs per peft pass")
+    p.add_argument(
+        "--baseline-warmup",
+        type=int,
+        default=None,
+        help="warm-up steps of the peft run (default --warmup): resident on the GPU, it has no "
+        "plan to settle, one step warms it",
+    )
     p.add_argument("--no-sft", action="store_true", help="skip the SFT yardstick")
     args = p.parse_args(argv)
     if args.tiny:
@@ -211,6 +218,9 @@ def _row_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     """peft DPO with the model resident on one device, activation checkpointing."""
     import peft
+
+    if args.baseline_warmup is not None:
+        args = argparse.Namespace(**{**vars(args), "warmup": args.baseline_warmup})
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args, nf4=False).to(device)
