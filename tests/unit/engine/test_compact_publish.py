@@ -59,9 +59,9 @@ PLAN = ModelExecutePlan.from_ranges(
 )
 
 
-def _rp(model: nn.Module, *, layer_by_layer: bool = True) -> RoundPipe:
+def _rp(model: nn.Module, *, layer_by_layer: bool = True, pin_model: str = "off") -> RoundPipe:
     cfg = RoundPipeRunConfig(execute_plan=PLAN, num_microbatch=3)
-    rp = RoundPipe(model, pin_model="off", optim_memory="compact", model_run_config=cfg)
+    rp = RoundPipe(model, pin_model=pin_model, optim_memory="compact", model_run_config=cfg)
     object.__setattr__(rp, "_publish_as_updated", layer_by_layer)
     return rp
 
@@ -111,10 +111,16 @@ def devices(request: pytest.FixtureRequest) -> Iterator[int]:
 
 
 def test_layer_by_layer_is_bit_identical_to_the_whole_step(devices) -> None:
+    check_bit_identical()
+
+
+def check_bit_identical(pin_model: str = "off") -> None:
+    """Train with the layer-by-layer publishing on and off; compare bit for bit (also run
+    by tests/gpu/test_compact_publish_gpu.py)."""
     base = _tied_model()
     results = []
     for layer_by_layer in (True, False):
-        rp = _rp(copy.deepcopy(base), layer_by_layer=layer_by_layer)
+        rp = _rp(copy.deepcopy(base), layer_by_layer=layer_by_layer, pin_model=pin_model)
         opt = _adam(rp)
         _train(rp, opt)
         early = [p["early_layers"] for p in rp.step_phases]
