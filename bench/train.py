@@ -126,6 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "place (~6 bytes a parameter; needs --dtype bfloat16; RoundPipe optim_memory)",
     )
     p.add_argument(
+        "--no-layer-publish",
+        action="store_true",
+        help="compact: publish the weights when the whole step_fn returns, not layer by "
+        "layer as the optimizer reports them (RoundPipe's private _publish_as_updated; A/B)",
+    )
+    p.add_argument(
         "--text",
         action="store_true",
         help="train on generated text (the demo's stories as bytes) instead of random ids",
@@ -519,6 +525,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         double_buffer_weights=_double_buffer(args),
     )
     wrap_s = time.perf_counter() - t0
+    if args.no_layer_publish:
+        object.__setattr__(rp, "_publish_as_updated", False)
     dp = getattr(rp, "_dp", None)
     state_dtype = torch.uint8 if compact else getattr(torch, args.optim_state_dtype)
     optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr, state_dtype)
@@ -582,6 +590,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         optim_dtype="bfloat16" if compact else "float32",
         optim_state_dtype="uint8" if compact else args.optim_state_dtype,
         optim_memory=args.optim_memory,
+        layer_publish=compact and not args.no_layer_publish,
         optimizer_state_bytes=_state_bytes(optimizer),
         loss_tail_mean=round(statistics.fmean(losses[-20:]), 5),
         optim_grad_dtype=args.optim_grad_dtype,

@@ -10,6 +10,11 @@ The step protocol (staleness one). For every layer, two events:
 so iteration k+1 computes with w[k], the weights from before step k was applied, and never
 sees a mix of two versions: w[k+1] reaches the model params only at the start of step k+1
 (or at once with a synchronous step, or at synchronize()).
+
+With optim_memory='compact' step_fn writes the model params themselves: a layer's
+param_copied is set once the optimizer reports the weights it owns updated (layer 0 first;
+engine.context.StepProgress) or step_fn returns, and grad_copied when step_fn returns, so
+iteration k+1 computes with w[k+1], its forward following the optimizer layer by layer.
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ def resolve_optim_memory(
     'compact' (issue 35): the trainable bf16 weights are the optimizer's masters (no
     separate copy) and the optimizer reads the downloaded bf16 gradient in place; with
     engine.optim.Adam(state_dtype=torch.uint8) that is about 6 bytes of host memory per
-    trainable parameter. The next iteration's uploads wait for the whole step (the step
-    writes the weights the uploads read), so it computes with the updated weights.
+    trainable parameter. The step writes the weights the next iteration's uploads read, so
+    an upload of a layer waits for the update of the weights it owns (as the optimizer
+    reports them: engine.context.StepProgress; else for the whole step): the next
+    iteration computes with the updated weights.
     """
     if mode not in OPTIM_MEMORY_MODES:
         raise ConfigError(f"optim_memory must be 'default' or 'compact', got {mode!r}")
@@ -112,7 +119,7 @@ class ParamAttribute:
         self.optim: nn.Parameter | None = None
         self.grad_in_place = False
         # The optimizer-side parameter shares the model weight's storage (optim_memory=
-        # 'compact'): nothing to publish, and uploads must wait for the whole step.
+        # 'compact'): nothing to publish, and uploads must wait for its update.
         self.master_shared = share_master and param.requires_grad
         if param.requires_grad:
             if share_master:

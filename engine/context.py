@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import RoundPipeError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
     "ForwardCtx",
     "OptimizerCtx",
     "RecomputeCtx",
+    "StepProgress",
     "doing_optimizer",
     "doing_recompute",
     "flags",
@@ -24,6 +28,7 @@ __all__ = [
     "recompute_data_or_none",
     "save_for_recompute",
     "saving_for_recompute",
+    "step_progress",
 ]
 
 flags = threading.local()
@@ -65,15 +70,51 @@ class RecomputeCtx:
         flags.recompute = self._prev
 
 
+class StepProgress(Protocol):
+    """What an optimizer may tell the engine while a step_fn runs (`step_progress()`).
+
+    RoundPipe installs one for a step whose optimizer writes the weights the next call
+    uploads (optim_memory='compact'): a layer's uploads start once every weight it owns is
+    reported updated, instead of when step_fn returns. An optimizer that reports nothing
+    (torch's) leaves every layer waiting for step_fn, as without it.
+    """
+
+    def order(self, param: Tensor) -> int:
+        """The rank of `param` in the order the engine wants the updates, lowest first (its
+        layer: the next forward needs layer 0 first); parameters of one rank may be updated
+        together."""
+        ...
+
+    def updated(self, param: Tensor) -> None:
+        """`param` holds its new value: this step_fn will not write it again (the engine
+        may upload it from now on). Its gradient stays the optimizer's until step_fn returns."""
+        ...
+
+
 class OptimizerCtx:
-    """Marks optimizer work: RoundPipe's parameters() yields the optimizer-side tensors."""
+    """Marks optimizer work: RoundPipe's parameters() yields the optimizer-side tensors;
+    `progress`: what `step_progress()` returns inside (an enclosing one's without)."""
+
+    def __init__(self, progress: StepProgress | None = None) -> None:
+        self.progress = progress
+        self._prev: StepProgress | None = None
 
     def __enter__(self) -> OptimizerCtx:
         flags.optimizer_depth = _get("optimizer_depth", 0) + 1
+        self._prev = _get("step_progress")
+        if self.progress is not None:
+            flags.step_progress = self.progress
         return self
 
     def __exit__(self, *exc: object) -> None:
         flags.optimizer_depth = _get("optimizer_depth", 1) - 1
+        flags.step_progress = self._prev
+
+
+def step_progress() -> StepProgress | None:
+    """The StepProgress of the step_fn running on this thread, or None: an optimizer that
+    updates parameter by parameter reports to it (engine.optim.Adam does)."""
+    return _get("step_progress")  # type: ignore[no-any-return]
 
 
 def doing_optimizer() -> bool:

@@ -143,8 +143,10 @@ class RoundPipe(RoundPipeBase):
             masters and its gradient the downloaded bf16 one, read in place (no other
             copy); with engine.optim.Adam(state_dtype=torch.uint8) about 6 bytes of host
             memory per trainable parameter instead of 12 (docs/HOST_MEMORY_MODES.md). The
-            next iteration then computes with the updated weights (its uploads wait for
-            the step). Needs a bf16 model; not with data parallel.
+            next iteration then computes with the updated weights: its upload of a layer
+            waits for the update of that layer's weights (layer by layer with an optimizer
+            that reports them, as engine.optim.Adam does; else for the whole step). Needs
+            a bf16 model; not with data parallel.
     """
 
     def __init__(

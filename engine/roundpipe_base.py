@@ -3,7 +3,9 @@
 Optimizer-side copies of the parameters (what a torch optimizer updates inside a step_fn),
 the attribute shim that reaches the original model, and the step: on the optimizer thread,
 publish the previous step's weights into the model and fold the new gradients into the
-optimizer-side ones, layer by layer (`publish_weights_take_grads`), then run step_fn.
+optimizer-side ones, layer by layer (`publish_weights_take_grads`), then run step_fn; with
+weights the optimizer writes in place (optim_memory='compact'), publish each layer as soon
+as the optimizer reports its weights updated (`_LayerProgress`).
 `engine.roundpipe` re-exports the class (the seed's place for it).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -69,6 +72,9 @@ class RoundPipeBase(nn.Module):
         object.__setattr__(self, "layer_attrs", [])
         object.__setattr__(self, "optim_updated", AnnotatedEvent("optim_updated", set_=True))
         object.__setattr__(self, "_optim_ahead", False)  # optimizer copies newer than the model
+        # Private switch (tests, benchmarks): False publishes the weights the optimizer
+        # writes in place only when step_fn returns, not layer by layer (_LayerProgress).
+        object.__setattr__(self, "_publish_as_updated", True)
         object.__setattr__(self, "_dp", None)  # DataParallel when a process group is in effect
         # The optimizer thread's time per step, by phase (the last steps): publishing the
         # weights, folding the gradients, waiting for an overlapped call, step_fn.
@@ -208,15 +214,29 @@ class RoundPipeBase(nn.Module):
         published once that call's uploads of it are done, each gradient taken once it is
         downloaded. `events`: this step's (param_copied, grad_copied) per layer.
         """
-        # "swapped": parameters published by swapping in the copy the optimizer wrote.
-        phases = {"publish_s": 0.0, "fold_s": 0.0, "wait_s": 0.0, "step_fn_s": 0.0, "swapped": 0.0}
+        # "swapped": parameters published by swapping in the copy the optimizer wrote;
+        # "early_layers": layers published while step_fn ran, "first_layer_s" after how
+        # long the first (weights the optimizer writes in place, _LayerProgress).
+        phases = {
+            "publish_s": 0.0,
+            "fold_s": 0.0,
+            "wait_s": 0.0,
+            "step_fn_s": 0.0,
+            "swapped": 0.0,
+            "early_layers": 0.0,
+            "first_layer_s": 0.0,
+        }
         start = time.perf_counter()
+        progress: _LayerProgress | None = None
         try:
             if self._dp is not None:
                 self._dp.publish_weights_take_grads(self)
             else:
                 published = self._optim_ahead
-                publish_weights_take_grads(self, self._params_by_owner(), pending, events, phases)
+                groups = self._params_by_owner()
+                publish_weights_take_grads(self, groups, pending, events, phases)
+                if self._publish_as_updated:
+                    progress = _LayerProgress.of(groups, events)
                 if published and self.__dict__.get("second_copy_bytes") and not phases["swapped"]:
                     _warn_once(
                         f"second-copy:{id(self)}",
@@ -227,9 +247,11 @@ class RoundPipeBase(nn.Module):
                     )
             try:
                 t0 = time.perf_counter()
-                with OptimizerCtx():
+                with OptimizerCtx(progress):
                     step_fn(*args, **kwargs)
                 phases["step_fn_s"] = time.perf_counter() - t0
+                if progress is not None:
+                    progress.report(self.name, phases, t0)
             finally:
                 # Also after a failed step_fn: it may have updated some master weights
                 # before raising, and the model must not drift from them.
@@ -348,6 +370,86 @@ class _PhaseClock:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
 
+class _LayerProgress:
+    """The StepProgress (engine.context) of a step whose optimizer writes in place the
+    weights the next call uploads (optim_memory='compact'): a layer's param_copied is set
+    once the optimizer reports every such weight the layer owns updated, so the next
+    call's uploads of the first layers start while the optimizer updates the later ones.
+
+    A layer's uploads wait on the event of the owner of each parameter they read, so a
+    tied weight counts once, for its owner, and guards every layer that uses it. The
+    gradients stay the optimizer's until step_fn returns (grad_copied: a step_fn's
+    zero_grad() after the step decides whether the next download adds to them).
+    """
+
+    def __init__(self, layer_of: dict[int, int], left: list[int], events: list[Any]) -> None:
+        self._layer_of = layer_of  # id(optimizer-side parameter) -> owner layer
+        self._left = left  # per layer, its weights not reported yet
+        self._events = events  # per layer, param_copied
+        self._reported: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (param, version)
+        self._again = False  # a parameter was reported twice
+        self._lock = threading.Lock()
+        self._first_s: float | None = None
+        self.early = 0  # layers published so far
+
+    @classmethod
+    def of(
+        cls,
+        groups: list[list[tuple[nn.Parameter, ParamAttribute]]],
+        events: list[tuple[Any, Any]],
+    ) -> _LayerProgress | None:
+        """The progress of this step, or None when no weight is written in place (every
+        layer was published before step_fn)."""
+        layer_of: dict[int, int] = {}
+        left = [0] * len(groups)
+        for j, params in enumerate(groups):
+            for _, pa in params:
+                if pa.master_shared and pa.optim is not None:
+                    layer_of[id(pa.optim)] = j
+                    left[j] += 1
+        if not layer_of:
+            return None
+        return cls(layer_of, left, [param_copied for param_copied, _ in events])
+
+    def order(self, param: torch.Tensor) -> int:
+        """The owner layer; after every layer for a parameter not the model's."""
+        return self._layer_of.get(id(param), len(self._left))
+
+    def updated(self, param: torch.Tensor) -> None:
+        """Count `param` done; set its owner's param_copied when it was the last one."""
+        j = self._layer_of.get(id(param))
+        if j is None:
+            return
+        with self._lock:
+            if id(param) in self._reported:
+                self._again = True
+                return
+            self._reported[id(param)] = (param, param._version)
+            self._left[j] -= 1
+            if self._left[j]:
+                return
+            self.early += 1
+            if self._first_s is None:
+                self._first_s = time.perf_counter()
+        self._events[j].set()
+
+    def report(self, name: str, phases: dict[str, float], start: float) -> None:
+        """Put the early publishing into `phases` and warn if step_fn broke its promise:
+        it wrote a weight after reporting it updated (in-place torch ops bump a tensor's
+        version counter; the C Adam's writes do not, nor do they need to)."""
+        phases["early_layers"] = float(self.early)
+        if self._first_s is not None:
+            phases["first_layer_s"] = self._first_s - start
+        if self._again or any(p._version != v for p, v in self._reported.values()):
+            _warn_once(
+                f"written-after-update:{name}",
+                f"{name}: the step function changed weights after its optimizer reported "
+                "them updated (optim_memory='compact'); the next call may have uploaded "
+                "them mid-change. Change weights before the optimizer's step, and step "
+                "each parameter once per step function",
+            )
+
+
 def publish_weights_take_grads(
     owner: RoundPipeBase,
     groups: list[list[tuple[nn.Parameter, ParamAttribute]]],
@@ -378,7 +480,8 @@ def publish_weights_take_grads(
             if phases is not None:
                 phases["swapped"] = phases.get("swapped", 0.0) + swapped
         # Weights the optimizer writes in place (optim_memory='compact') are the next
-        # uploads' only copy: the caller sets the event once step_fn has returned.
+        # uploads' only copy: the event waits for their update (_LayerProgress, or the
+        # caller once step_fn has returned).
         if not any(pa.master_shared for _, pa in params):
             param_copied.set()
     object.__setattr__(owner, "_optim_ahead", False)

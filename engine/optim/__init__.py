@@ -21,13 +21,15 @@ parameter, about 6.03.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..context import StepProgress, step_progress
 from ..errors import ConfigError
 from . import _native, _q8
 from ._native import (
@@ -269,18 +271,22 @@ class Adam(torch.optim.Optimizer):
         torch._foreach_add_(steps, 1)  # one call for every param's step counter
         step_values = [float(s) for s in steps]
         isa = get_isa()
-        if isa == _native.TORCH_FALLBACK:
-            for (p, grad, state, group), step in zip(entries, step_values, strict=True):
-                if p.dtype == torch.float32 and state["exp_avg"].dtype != torch.uint8:
-                    _torch_update(p, grad, state, group, step)
-                else:  # the compact modes' fallback is their exact reference
-                    h = _hyper_values(group, step)
-                    _q8.exact_update(p, grad, state, h, stochastic_round_bf16)
-        else:
-            _native_update(entries, step_values, isa)
-        for p, _, _, _ in entries:
-            if hasattr(p, _COPY_ATTR):
-                setattr(p, _WRITTEN_ATTR, p._version)  # after the fallback's in-place ops
+        progress = step_progress()  # RoundPipe's when it publishes layer by layer (compact)
+        for batch, batch_steps in _batches(entries, step_values, progress):
+            if isa == _native.TORCH_FALLBACK:
+                for (p, grad, state, group), step in zip(batch, batch_steps, strict=True):
+                    if p.dtype == torch.float32 and state["exp_avg"].dtype != torch.uint8:
+                        _torch_update(p, grad, state, group, step)
+                    else:  # the compact modes' fallback is their exact reference
+                        h = _hyper_values(group, step)
+                        _q8.exact_update(p, grad, state, h, stochastic_round_bf16)
+            else:
+                _native_update(batch, batch_steps, isa)
+            for p, _, _, _ in batch:
+                if hasattr(p, _COPY_ATTR):
+                    setattr(p, _WRITTEN_ATTR, p._version)  # after the fallback's in-place ops
+                if progress is not None:
+                    progress.updated(p)
         return loss
 
     def _collect(self) -> list[tuple[Tensor, Tensor, dict[str, Any], dict[str, Any]]]:
@@ -325,6 +331,24 @@ class Adam(torch.optim.Optimizer):
                         state[key] = value.to(want).contiguous()
                 entries.append((p, grad.contiguous(), state, group))
         return entries
+
+
+def _batches(
+    entries: list[tuple[Tensor, Tensor, dict[str, Any], dict[str, Any]]],
+    step_values: list[float],
+    progress: StepProgress | None,
+) -> Iterator[tuple[list[Any], list[float]]]:
+    """The update's kernel calls: one for all the entries, or, reporting to `progress`, one
+    per rank it gives (a RoundPipe layer), lowest rank first. Each element is updated on its own,
+    so neither the order nor the split changes a bit of the result."""
+    if progress is None:
+        yield entries, step_values
+        return
+    ranks = [progress.order(p) for p, _, _, _ in entries]
+    in_order = sorted(range(len(entries)), key=ranks.__getitem__)  # stable: group order within
+    for _, run in itertools.groupby(in_order, key=ranks.__getitem__):
+        ks = list(run)
+        yield [entries[k] for k in ks], [step_values[k] for k in ks]
 
 
 def _convert_moments(state: dict[str, Any], sdt: torch.dtype) -> None:
