@@ -2,9 +2,9 @@
 the fused tail widens less than without it, training matches, and an allocation past the
 cap raises as on a smaller card.
 
-The cap is set between what the plan without widening reserves and what the widened plan
-reserves (both measured here, uncapped), so the widened plan does not fit under it and the
-narrow one does. Oracle for training: the uncapped run without widening (fp32, TF32 off).
+The cap is set just above what the uncapped plans reserve (both measured here), so the
+room the widening may use (90% of the cap, less what is reserved) is gone and the tail
+stays narrow. Oracle for training: the uncapped run without widening (fp32, TF32 off).
 """
 
 from __future__ import annotations
@@ -110,10 +110,12 @@ def test_a_capped_run_stays_under_the_cap(one_gpu: int, monkeypatch: pytest.Monk
     )
     del rp
     assert wide_tail < narrow_tail, "the uncapped tail should widen"
-    assert wide_peak > narrow_peak, (wide_peak, narrow_peak)
     monkeypatch.setattr(one_device, "WIDEN_TAIL", True)
 
-    cap = (narrow_peak + wide_peak) // 2
+    # Just above what either uncapped plan reserved (widening saves recomputes, so it need
+    # not reserve more: on the H100 it reserved 3.72 GB against 4.03): 90% of it, the
+    # widening's limit, leaves no room for the tail's activations.
+    cap = max(narrow_peak, wide_peak) + (64 << 20)
     assert cap >= floor, (cap, floor)  # the model is large enough for a cap to bind
     losses, weights, rp, peak = train(copy.deepcopy(base), cap)
     assert gpu_memory_cap_bytes() == cap
