@@ -69,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work-dir", type=Path, help="where the random model is written")
     p.add_argument("--cpu", action="store_true", help="serve on the CPU even with a GPU")
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="also time transformers' generate in this process (dynamic and static KV cache), "
+        "without the serving process: what the serving path costs on top",
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.shape, args.cpu = "tiny", True
@@ -231,6 +237,54 @@ async def _run(args: argparse.Namespace, model_dir: Path, adapter: Path | None) 
     return rows
 
 
+def direct_generate(model_dir: Path, max_tokens: int, *, cpu: bool) -> list[dict[str, Any]]:
+    """Greedy `generate` of `max_tokens` tokens on the base in this process, timed after a
+    short warm-up, with the dynamic and the static KV cache."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cpu" if cpu or not torch.cuda.is_available() else "cuda:0"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    text = tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]], device=device)
+    rows = []
+    for cache in ("dynamic", "static"):
+        extra = {} if cache == "dynamic" else {"cache_implementation": "static"}
+
+        def run(n: int, extra: dict[str, Any] = extra) -> float:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    use_cache=True,
+                    pad_token_id=0,
+                    **extra,
+                )
+            if device != "cpu":
+                torch.cuda.synchronize()
+            assert out.shape[1] == ids.shape[1] + n
+            return time.perf_counter() - started
+
+        first = run(max_tokens)  # warm-up (and, for the static cache, its compile)
+        elapsed = run(max_tokens)
+        rows.append(
+            {
+                "bench": "chat_latency",
+                "phase": f"direct-{cache}",
+                "device": device,
+                "first_run_s": round(first, 3),
+                "tokens_per_s": round(max_tokens / elapsed, 2),
+            }
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     if args.work_dir is not None:
@@ -247,6 +301,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 file=sys.stderr,
             )
         rows = asyncio.run(_run(args, model_dir, adapter))
+        if args.direct:
+            rows += direct_generate(model_dir, args.max_tokens, cpu=args.cpu)
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
