@@ -52,13 +52,19 @@ def _folders(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "base", tmp_path / "adapter"
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_generate_on_cuda_matches_transformers(tmp_path: Path, fold: bool) -> None:
+@pytest.mark.parametrize(("fold", "compiled"), [(False, False), (True, False), (True, True)])
+def test_generate_on_cuda_matches_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fold: bool, compiled: bool
+) -> None:
+    """`compiled`: the static KV cache and the compiled decoding step, against transformers'
+    generate with the same options (compiled kernels round bf16 differently from eager)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rp_service.serving.models import BaseModel
-    from rp_service.serving.process import Server
+    from rp_service.serving.process import Server, static_cache_tokens
+
+    monkeypatch.setenv("RP_SERVE_COMPILE", "1" if compiled else "0")
 
     base_dir, adapter = _folders(tmp_path)
     out = _Out()
@@ -78,12 +84,17 @@ def test_generate_on_cuda_matches_transformers(tmp_path: Path, fold: bool) -> No
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]], device="cuda:0")
     reference = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).cuda()
+    positions = reference.config.max_position_embeddings
     expected = []
     for k in range(2):  # the base first: wrapping it in peft injects the adapter in place
         model = reference if k == 0 else PeftModel.from_pretrained(reference, adapter)
+        static = {
+            "cache_implementation": "static",
+            "max_cache_len": static_cache_tokens(ids.shape[1] + 12, positions),
+        }
         new = model.eval().generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
+            do_sample=False, eos_token_id=None, pad_token_id=0, **(static if compiled else {}),
         )[0, ids.shape[1]:]  # fmt: skip
         expected.append(tok.decode(new, skip_special_tokens=True))
     assert texts[0] == expected[0]

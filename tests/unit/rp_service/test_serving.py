@@ -298,3 +298,14 @@ def test_a_queued_job_takes_the_gpu_of_an_idle_served_model(
 
     assert asyncio.run(scenario()) == ([0], [])
     assert manager.processes == {}
+
+
+def test_the_static_cache_comes_in_few_sizes() -> None:
+    from rp_service.serving.process import static_cache_tokens
+
+    assert static_cache_tokens(23 + 128, 40960) == 2048  # a short chat: the smallest size
+    assert static_cache_tokens(2049, 40960) == 4096
+    assert static_cache_tokens(5000, 40960) == 8192
+    assert static_cache_tokens(30000, 40960) == 32768
+    assert static_cache_tokens(35000, 40960) == 40960  # never past the model's positions
+    assert static_cache_tokens(19, 64) == 64
