@@ -22,13 +22,16 @@ the streamer releases them). Adapters load on first use (peft's `load_adapter`) 
 switched per request (`set_adapter`); a request for the base runs with the adapters
 disabled. Stop sequences are cut here, as OpenAI cuts them: not part of the answer.
 
-On a GPU the KV cache is static (`cache_implementation="static"`), which makes `generate`
-compile its one-token decoding step: eager decoding of a Qwen3-8B runs at ~18 tokens/s on
-an H100 (Python and kernel launches per layer), compiled at ~89 (bench/RESULTS.md). The
-compile happens once, during the first answer's second token (about a minute for 8B; the
-first token comes from the eager prefill, so a cold request's time to first token does
-not include it). The cache is sized in powers of two from 2,048 tokens, so later requests
-of similar length reuse it and the compiled step. `RP_SERVE_COMPILE=0` keeps eager decoding.
+On a GPU, decoding is compiled: with a static KV cache (`cache_implementation="static"`)
+`generate` compiles its one-token step (CUDA graphs). Eager decoding of a Qwen3-8B runs at
+~18 tokens/s on an H100 (Python and kernel launches per layer), compiled at ~70-89
+(bench/RESULTS.md). Compiling takes about a minute for 8B, so a model state (the base, or
+an adapter) is answered eagerly the first time, and the compile runs right after that
+answer, before the next request is taken (`_warm_up`): a cold request's first token never
+waits for it; a request that arrives during it waits. The cache is sized in powers of two
+from 2,048 tokens (`static_cache_tokens`), so later requests reuse the compiled step; a
+longer one compiles its size once. All generation runs on one thread: CUDA graphs are
+kept per thread. `RP_SERVE_COMPILE=0` keeps eager decoding.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import IO, Any
 
@@ -63,6 +67,14 @@ def static_cache_tokens(needed: int, positions: int) -> int:
     while size < needed:
         size *= 2
     return max(needed, min(size, positions))
+
+
+def _static_cache(needed: int, positions: int) -> dict[str, Any]:
+    """`generate` options for the static KV cache (which makes it compile decoding)."""
+    return {
+        "cache_implementation": "static",
+        "max_cache_len": static_cache_tokens(needed, positions),
+    }
 
 
 def _compile_decoding(device: str) -> bool:
@@ -196,6 +208,11 @@ class Server:
         self.folded = _Folded() if fold_adapters else None
         self.tokenizers: dict[str, Any] = {}
         self.cancelled: dict[str, threading.Event] = {}
+        # One generation thread for the process's life: compiled steps' CUDA graphs are
+        # kept per thread (a graph captured on one thread cannot replay on another).
+        self.generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rp-generate")
+        # adapter (None: the base) -> its decoding step compiled (False: compiling failed)
+        self.compiled: dict[str | None, bool] = {}
 
     # -- models
 
@@ -294,9 +311,9 @@ class Server:
             options.update(temperature=temperature, top_p=1.0 if top_p is None else top_p, top_k=0)
             if request.get("seed") is not None:
                 torch.manual_seed(int(request["seed"]))
-        if _compile_decoding(self.device):
-            options["cache_implementation"] = "static"
-            options["max_cache_len"] = static_cache_tokens(len(prompt) + max_new, positions)
+        adapter = request.get("adapter")
+        if _compile_decoding(self.device) and self.compiled.get(adapter):
+            options.update(_static_cache(len(prompt) + max_new, positions))
         streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         input_ids = torch.tensor([prompt], device=self.device)
         result: dict[str, Any] = {}
@@ -321,11 +338,10 @@ class Server:
                 result["error"] = exc
                 streamer.end()
 
-        thread = threading.Thread(target=run, name=f"rp-generate-{rid}", daemon=True)
-        thread.start()
+        finished = self.generator.submit(run)
         stops = [s for s in request.get("stop") or [] if s]
         matched = self._relay(rid, streamer, stops, flag)
-        thread.join()
+        finished.result()
         if "error" in result:
             raise result["error"]
         new = result["ids"][0, len(prompt) :].tolist()
@@ -342,6 +358,40 @@ class Server:
             completion_tokens=len(new),
             prompt_tokens=len(prompt),
         )
+
+    def _warm_up(self, adapter: str | None) -> None:
+        """Compile the decoding step for `adapter` (None: the base) if it is not yet: a
+        two-token generate with the static cache, on the generation thread."""
+        if not _compile_decoding(self.device) or adapter in self.compiled:
+            return
+        import torch
+
+        positions = getattr(self.base.config, "max_position_embeddings", None) or (1 << 30)
+
+        def run() -> None:
+            model, context = self._select(adapter)
+            ids = torch.zeros((1, 8), dtype=torch.long, device=self.device)
+            started = time.perf_counter()
+            with torch.inference_mode(), context:
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=2,
+                    min_new_tokens=2,
+                    do_sample=False,
+                    pad_token_id=0,
+                    use_cache=True,
+                    **_static_cache(ids.shape[1] + 2, positions),
+                )
+            seconds = time.perf_counter() - started
+            log.info("decoding compiled for %s in %.1f s", adapter or "the base", seconds)
+
+        try:
+            self.generator.submit(run).result()
+            self.compiled[adapter] = True
+        except Exception:  # eager decoding still answers: say why, once per state
+            log.exception("compiling the decoding step failed; decoding stays eager")
+            self.compiled[adapter] = False
 
     def _relay(self, rid: str, streamer: Any, stops: list[str], flag: threading.Event) -> bool:
         """Send the streamer's text on, cut at the first stop sequence; True if one matched.
@@ -374,6 +424,7 @@ class Server:
         rid = request.get("id", "")
         try:
             self.generate(request)
+            self._warm_up(request.get("adapter"))  # answered: compile before the next one
         except RequestError as exc:
             self.out.send(
                 id=rid, type="error", status=exc.status, code=exc.code, message=exc.message

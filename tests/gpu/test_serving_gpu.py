@@ -56,8 +56,10 @@ def _folders(tmp_path: Path) -> tuple[Path, Path]:
 def test_generate_on_cuda_matches_transformers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fold: bool, compiled: bool
 ) -> None:
-    """`compiled`: the static KV cache and the compiled decoding step, against transformers'
-    generate with the same options (compiled kernels round bf16 differently from eager)."""
+    """`compiled`: each state (the base, the adapter) is answered eagerly once, then its
+    decoding step is compiled (the static KV cache) and the next answer uses it; compared
+    with transformers' generate with the same options (compiled kernels round bf16
+    differently from eager)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -70,34 +72,42 @@ def test_generate_on_cuda_matches_transformers(
     out = _Out()
     server = Server(BaseModel(path=str(base_dir)), device="cuda:0", out=out, fold_adapters=fold)
     messages = [{"role": "user", "content": "Say something."}]
-    for k, which in enumerate([None, str(adapter)]):
-        server.generate(
+    # (adapter, decoded with the compiled step)
+    asked = [(None, False), (None, True), (str(adapter), False), (str(adapter), True)]
+    if not compiled:
+        asked = [(None, False), (str(adapter), False)]
+    for k, (which, _) in enumerate(asked):
+        server.answer(
             {"id": f"r{k}", "messages": messages, "tokenizer": str(base_dir), "adapter": which,
              "max_tokens": 12, "temperature": 0.0, "top_p": None, "seed": None, "stop": []}
         )  # fmt: skip
     done = [m for m in out.sent if m["type"] == "done"]
-    assert [m["completion_tokens"] for m in done] == [12, 12], out.sent
-    texts = ["".join(m["text"] for m in out.sent if m["id"] == r and m["type"] == "delta")
-             for r in ("r0", "r1")]  # fmt: skip
+    assert [m["completion_tokens"] for m in done] == [12] * len(asked), out.sent
+    texts = ["".join(m["text"] for m in out.sent if m["id"] == f"r{k}" and m["type"] == "delta")
+             for k in range(len(asked))]  # fmt: skip
+    assert server.compiled == ({None: True, str(adapter): True} if compiled else {})
 
     tok = AutoTokenizer.from_pretrained(base_dir)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]], device="cuda:0")
     reference = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).cuda()
-    positions = reference.config.max_position_embeddings
-    expected = []
-    for k in range(2):  # the base first: wrapping it in peft injects the adapter in place
-        model = reference if k == 0 else PeftModel.from_pretrained(reference, adapter)
-        static = {
-            "cache_implementation": "static",
-            "max_cache_len": static_cache_tokens(ids.shape[1] + 12, positions),
-        }
-        new = model.eval().generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-            do_sample=False, eos_token_id=None, pad_token_id=0, **(static if compiled else {}),
-        )[0, ids.shape[1]:]  # fmt: skip
-        expected.append(tok.decode(new, skip_special_tokens=True))
-    assert texts[0] == expected[0]
-    if not fold:  # folded bf16 weights round differently from peft's unmerged adapter
-        assert texts[1] == expected[1]
-    assert texts[1] != texts[0]  # the adapter changes the answer
+    static = {
+        "cache_implementation": "static",
+        "max_cache_len": static_cache_tokens(
+            ids.shape[1] + 12, reference.config.max_position_embeddings
+        ),
+    }
+    expected: dict[tuple[str | None, bool], str] = {}
+    for which in (None, str(adapter)):  # the base first: peft injects the adapter in place
+        model = reference if which is None else PeftModel.from_pretrained(reference, adapter)
+        for use_static in (False, True):
+            new = model.eval().generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+                **(static if use_static else {}),
+            )[0, ids.shape[1]:]  # fmt: skip
+            expected[which, use_static] = tok.decode(new, skip_special_tokens=True)
+    for (which, use_static), got in zip(asked, texts, strict=True):
+        if which is None or not fold:  # folded bf16 weights round unlike peft's unmerged LoRA
+            assert got == expected[which, use_static], (which, use_static)
+    assert texts[-1] != texts[0]  # the adapter changes the answer

@@ -309,3 +309,38 @@ def test_the_static_cache_comes_in_few_sizes() -> None:
     assert static_cache_tokens(30000, 40960) == 32768
     assert static_cache_tokens(35000, 40960) == 40960  # never past the model's positions
     assert static_cache_tokens(19, 64) == 64
+
+
+def test_a_state_is_answered_eagerly_then_warmed_up_for_the_static_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile bookkeeping on the CPU (where transformers does not compile, so the
+    static cache runs eagerly): the first answer for a state uses the dynamic cache, the
+    warm-up then marks the state, and later answers use the static cache; the answers are
+    the same tokens."""
+    from rp_service.serving import process
+    from tests.gpu.test_serving_gpu import _folders  # a word tokenizer with a chat template
+
+    base_dir, _ = _folders(tmp_path)
+    monkeypatch.setattr(process, "_compile_decoding", lambda device: True)
+    caches: list[str | None] = []
+    out = _Out()
+    server = Server(BaseModel(path=str(base_dir)), device="cpu", out=out)
+    original = server.base.generate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        caches.append(kwargs.get("cache_implementation"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(server.base, "generate", spy)
+    request = {"messages": [{"role": "user", "content": "hi"}], "tokenizer": str(base_dir),
+               "adapter": None, "max_tokens": 6, "temperature": 0.0, "top_p": None,
+               "seed": None, "stop": []}  # fmt: skip
+    server.answer({**request, "id": "r0"})
+    server.answer({**request, "id": "r1"})
+    # answer r0 (dynamic), the warm-up (static), answer r1 (static); no second warm-up
+    assert caches == [None, "static", "static"]
+    assert server.compiled == {None: True}
+    texts = ["".join(m["text"] for m in out.sent if m.get("id") == r and m["type"] == "delta")
+             for r in ("r0", "r1")]  # fmt: skip
+    assert texts[0] == texts[1] and texts[0]
