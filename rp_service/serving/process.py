@@ -431,6 +431,9 @@ class Server:
             )
         except Exception as exc:
             log.exception("request %s failed", rid)
+            adapter = request.get("adapter")
+            if self.compiled.get(adapter):  # the compiled step failed: decode eagerly from now
+                self.compiled[adapter] = False
             self.out.send(
                 id=rid,
                 type="error",

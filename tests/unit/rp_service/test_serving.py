@@ -344,3 +344,31 @@ def test_a_state_is_answered_eagerly_then_warmed_up_for_the_static_cache(
     texts = ["".join(m["text"] for m in out.sent if m.get("id") == r and m["type"] == "delta")
              for r in ("r0", "r1")]  # fmt: skip
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_a_failing_compiled_step_falls_back_to_eager_decoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rp_service.serving import process
+    from tests.gpu.test_serving_gpu import _folders
+
+    base_dir, _ = _folders(tmp_path)
+    monkeypatch.setattr(process, "_compile_decoding", lambda device: True)
+    out = _Out()
+    server = Server(BaseModel(path=str(base_dir)), device="cpu", out=out)
+    original = server.base.generate
+
+    def static_fails(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("cache_implementation") == "static" and kwargs.get("max_new_tokens") != 2:
+            raise RuntimeError("a compiled graph failed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(server.base, "generate", static_fails)
+    request = {"messages": [{"role": "user", "content": "hi"}], "tokenizer": str(base_dir),
+               "adapter": None, "max_tokens": 4, "temperature": 0.0, "top_p": None,
+               "seed": None, "stop": []}  # fmt: skip
+    for k in range(3):
+        server.answer({**request, "id": f"r{k}"})
+    kinds = [(m["id"], m["type"]) for m in out.sent if m["type"] in ("done", "error")]
+    assert kinds == [("r0", "done"), ("r1", "error"), ("r2", "done")]
+    assert server.compiled == {None: False}
