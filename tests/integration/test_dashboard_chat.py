@@ -12,7 +12,9 @@ import openai
 import pytest
 
 from tests.integration.service_daemon import Daemon
-from tests.integration.test_dashboard import CHROMIUM, Console, wait_until
+from tests.integration.test_dashboard import Console, browser, wait_until
+
+__all__ = ["browser"]  # the module-scoped Chromium fixture, shared with test_dashboard.py
 from tests.integration.test_openai_api import MODEL, _chat, _jsonl, _tiny_model
 
 TOKEN = "chat-dash-token"
@@ -31,18 +33,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     daemon.start()
     yield daemon
     daemon.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    import playwright.sync_api as playwright_sync
-
-    if not Path(CHROMIUM).is_file():
-        pytest.fail(f"no Chromium at {CHROMIUM} (see tests/integration/test_dashboard.py)")
-    with playwright_sync.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--disable-gpu"])
-        yield browser
-        browser.close()
 
 
 def _lora_job(client: openai.OpenAI) -> Any:

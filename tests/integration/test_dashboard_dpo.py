@@ -5,15 +5,14 @@ job's page has none of them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
-
-import pytest
 
 from rp_service.demo import demo_spec
 from tests.integration.service_daemon import Daemon, spec
-from tests.integration.test_dashboard import CHROMIUM, WAIT_S, Console, points, wait_until
+from tests.integration.test_dashboard import WAIT_S, Console, browser, points, wait_until
+
+__all__ = ["browser"]  # the module-scoped Chromium fixture, shared with test_dashboard.py
 
 TOKEN = "dpo-dash-token"
 STEPS = 6
@@ -23,18 +22,6 @@ CHARTS = {
     "#chart-accuracy": ("rewards/accuracies",),
     "#chart-logps": ("logps/chosen", "logps/rejected"),
 }
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    import playwright.sync_api as playwright_sync
-
-    if not Path(CHROMIUM).is_file():
-        pytest.fail(f"no Chromium at {CHROMIUM} (see tests/integration/test_dashboard.py)")
-    with playwright_sync.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--disable-gpu"])
-        yield browser
-        browser.close()
 
 
 def _open(browser: Any, url: str) -> tuple[Any, Any, Console]:
