@@ -147,6 +147,10 @@ class RoundPipe(RoundPipeBase):
             waits for the update of that layer's weights (layer by layer with an optimizer
             that reports them, as engine.optim.Adam does; else for the whole step). Needs
             a bf16 model; not with data parallel.
+        max_gpu_memory: Cap on each engine device's GPU memory: GiB as a number (24), bytes
+            from 2**20 up, or a string with a unit ('24GiB'); default RP_GPU_MEMORY_GIB,
+            else none. The plan sizes for a card that large and, on CUDA, the caching
+            allocator cannot reserve past it (docs/ENGINE.md, "GPU memory").
     """
 
     def __init__(

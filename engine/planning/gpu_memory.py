@@ -36,12 +36,17 @@ __all__ = [
 # out of memory at the first job anyway.
 WORKSPACE_BYTES = 256 << 20
 
+# A plain number from here up is bytes, below it GiB: `max_gpu_memory=24` and
+# `max_gpu_memory=24 * 2**30` both mean 24 GiB (no GPU holds 2**20 GiB, no cap is 1 MiB).
+BYTES_FROM = 1 << 20
+
 
 def parse_max_gpu_memory(
     value: float | int | str | None, *, name: str = "max_gpu_memory"
 ) -> int | None:
-    """Bytes of a GPU memory cap: a number is GiB (24 or 23.5), a string is GiB too or
-    carries a unit ('24GiB', '24G', '25769803776B'); None stays None (no cap).
+    """Bytes of a GPU memory cap: a number is GiB (24 or 23.5), or bytes from BYTES_FROM up
+    (24 * 2**30); a string is read the same or carries a unit ('24GiB', '24G',
+    '25769803776B'); None stays None (no cap).
 
     Raises:
         ConfigError: not a positive, finite size; the message names `name`.
@@ -60,7 +65,7 @@ def parse_max_gpu_memory(
         raise ConfigError(
             f"{name} must be a positive size in GiB (e.g. 24, or '24GiB'), got {value!r}"
         )
-    return int(value * GIB)
+    return int(value) if value >= BYTES_FROM else int(value * GIB)
 
 
 def resolve_max_gpu_memory(value: float | int | str | None) -> int | None:

@@ -65,6 +65,9 @@ def sized_model() -> SimpleNamespace:
         ("512MiB", 512 * MIB),
         ("20G", 20 * 10**9),
         (None, None),
+        (24 * GIB, 24 * GIB),  # a number of bytes (from 2**20 up) is bytes
+        (str(24 * GIB), 24 * GIB),
+        ((1 << 20) - 1, ((1 << 20) - 1) * GIB),
     ],
 )
 def test_parse_reads_numbers_as_gib_and_strings_with_units(value, expected) -> None:
