@@ -3,8 +3,10 @@ on the demo's generated stories, bf16 weights as their own masters with 8-bit mo
 against the fp32-master path (the same bf16 compute, fp32 masters and fp32 moments).
 
 Both runs compute the forward and backward in bf16, as RoundPipe does on the GPUs with a bf16
-model; only what the optimizer keeps differs, so the test measures the mode itself. The
-README and docs/HOST_MEMORY_MODES.md quote what this measured.
+model; only what the optimizer keeps differs, so the test measures the mode itself. One
+run's loss lands 2-4% from another's that differs by a rounding, so the bounds apply to
+the mean over SEEDS (each seed: the initialisation and the batch order). The README and
+docs/HOST_MEMORY_MODES.md quote what this measured.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from rp_service.demo import synthetic_records
 
 SEQ, BATCH, STEPS, TAIL = 64, 8, 300, 30
 VOCAB = 256  # bytes
-REL_BOUND = 0.01  # the issue's 1%
+REL_BOUND = 0.01  # the issue's 1%, on the mean over the seeds
+# Six seeds is what ~90 s of CI allows; their mean still has a ~1.5% standard error
+# (docs/HOST_MEMORY_MODES.md: 16 seeds measured -0.6% train, -0.5% valid).
+SEEDS = tuple(range(6))
 
 
 def _tokens(records: list[dict[str, str]]) -> torch.Tensor:
@@ -30,8 +35,8 @@ def _tokens(records: list[dict[str, str]]) -> torch.Tensor:
     return ids[: len(ids) // SEQ * SEQ].view(-1, SEQ)
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     config = transformers.Qwen3Config(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -50,8 +55,11 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def _train(mode: str, train: torch.Tensor, valid: torch.Tensor) -> tuple[list[float], float]:
-    model = _model()
+def _train(
+    mode: str, train: torch.Tensor, valid: torch.Tensor, seed: int = 0
+) -> tuple[list[float], float]:
+    """One run; `seed` picks the initialisation and the batch order."""
+    model = _model(seed)
     params = list(model.parameters())
     hyper = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.01}
     if mode.startswith("compact"):
@@ -63,7 +71,7 @@ def _train(mode: str, train: torch.Tensor, valid: torch.Tensor) -> tuple[list[fl
             m.grad_dtype = torch.bfloat16  # the bf16 gradient, read in place
         opt = eo.Adam(masters, decoupled_weight_decay=True, **hyper)
     losses = []
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(1 + seed)
     for _ in range(STEPS):
         rows = torch.randint(0, train.shape[0], (BATCH,), generator=gen)
         loss = _loss(model, train[rows])
@@ -83,14 +91,18 @@ def _train(mode: str, train: torch.Tensor, valid: torch.Tensor) -> tuple[list[fl
 
 
 @pytest.fixture(scope="module")
-def runs() -> Iterator[dict[str, tuple[list[float], float]]]:
+def runs() -> Iterator[dict[str, list[tuple[list[float], float]]]]:
+    """Each mode's runs, one per seed of SEEDS."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model: more threads only cost on a loaded CI box
     eo.set_num_threads(1)
     try:
         train = _tokens(synthetic_records(2000))
         valid = _tokens(synthetic_records(64, valid=True))
-        yield {mode: _train(mode, train, valid) for mode in ("fp32_master", "compact")}
+        yield {
+            mode: [_train(mode, train, valid, seed) for seed in SEEDS]
+            for mode in ("fp32_master", "compact")
+        }
     finally:
         torch.set_num_threads(threads)
         eo.set_num_threads(None)
@@ -100,23 +112,22 @@ def _final(losses: list[float]) -> float:
     return sum(losses[-TAIL:]) / TAIL
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def test_the_run_learns(runs) -> None:
-    losses, _ = runs["fp32_master"]
-    assert _final(losses) < 0.5 * losses[0]
+    for losses, _ in runs["fp32_master"]:
+        assert _final(losses) < 0.5 * losses[0]
 
 
 def test_compact_train_loss_within_one_percent(runs) -> None:
-    ref, got = _final(runs["fp32_master"][0]), _final(runs["compact"][0])
-    assert abs(got - ref) / ref < REL_BOUND, ("train", ref, got)  # measured: 0.352 vs 0.352
+    ref = _mean([_final(losses) for losses, _ in runs["fp32_master"]])
+    got = _mean([_final(losses) for losses, _ in runs["compact"]])
+    assert abs(got - ref) / ref < REL_BOUND, ("train", ref, got)  # measured: -0.5%
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 35 not met yet: measured valid 0.353 (compact) vs 0.339 (fp32 master), "
-    "+4.0%; over 4 seeds the 8-bit moments cost +2.2% on average and the bf16 stochastic "
-    "rounding adds a 5.7% spread, while two fp32 runs differing only in rounding order "
-    "already end 1.6% apart (docs/HOST_MEMORY_MODES.md)",
-)
 def test_compact_valid_loss_within_one_percent(runs) -> None:
-    ref, got = runs["fp32_master"][1], runs["compact"][1]
-    assert abs(got - ref) / ref < REL_BOUND, ("valid", ref, got)
+    ref = _mean([val for _, val in runs["fp32_master"]])
+    got = _mean([val for _, val in runs["compact"]])
+    assert abs(got - ref) / ref < REL_BOUND, ("valid", ref, got)  # measured: -0.8%
