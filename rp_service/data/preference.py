@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .tokenizer import JobTokenizer
 
 __all__ = [
+    "PREFERENCE_METRICS",
     "PreferencePairs",
     "build_pairs",
     "check_preference",
@@ -43,6 +44,17 @@ __all__ = [
 
 _ROLES = frozenset({"system", "user", "assistant", "tool"})
 _IGNORE = -100
+
+# The metrics of a preference (DPO) step, TRL's names: the worker emits them, the daemon
+# keeps them as a DPO job's series and exports them (torch-free, so both sides read it).
+PREFERENCE_METRICS: tuple[str, ...] = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def is_preference(record: dict[str, Any]) -> bool:

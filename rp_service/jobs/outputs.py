@@ -8,6 +8,7 @@ import tarfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+from rp_service.data.preference import PREFERENCE_METRICS
 from rp_service.errors import NotFound
 from rp_service.jobs.events import EventHub, sse_stream
 from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
@@ -26,14 +27,7 @@ SERIES_COLUMNS = (
     "tokens_per_second",
 )
 # A DPO job's metrics (TRL's names): columns of its series, absent from other jobs'.
-PREFERENCE_COLUMNS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+PREFERENCE_COLUMNS = PREFERENCE_METRICS
 _LOG_CHUNK_BYTES = 1 << 20
 _TAR_CHUNK_BYTES = 1 << 20
 

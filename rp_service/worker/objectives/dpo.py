@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...data.preference import PREFERENCE_METRICS
+
 __all__ = [
     "METRIC_NAMES",
     "dpo_loss_fn",
@@ -60,14 +62,7 @@ _SUMS = (
     "logps/chosen",
     "logps/rejected",
 )
-METRIC_NAMES: tuple[str, ...] = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+METRIC_NAMES = PREFERENCE_METRICS
 """The metrics of a DPO step, TRL's names."""
 
 
