@@ -36,6 +36,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.options import add_lora_step_options
 from bench.qlora import SHAPES, build_model, gpu_peak_gib, host_peak_gib
 
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -48,12 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, short")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
     p.add_argument("--pairs-per-step", type=int, default=32)
-    p.add_argument("--num-microbatch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3, help="measured steps")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--lora-rank", type=int, default=16)
+    add_lora_step_options(p, steps=3)
     p.add_argument("--baseline", action="store_true", help="also peft DPO on the GPU")
     p.add_argument("--baseline-micro-pairs", type=int, default=1, help="pairs per peft pass")
     p.add_argument(

@@ -40,6 +40,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.options import add_lora_step_options, grouped_plan
 from bench.shapes import config_fields
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -73,12 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, short")
-    p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--seqs-per-step", type=int, default=32)
-    p.add_argument("--num-microbatch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=4, help="measured steps")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--lora-rank", type=int, default=16)
+    add_lora_step_options(p, steps=2)
     p.add_argument("--fp16-base", action="store_true", help="also the engine on a bf16 base")
     p.add_argument("--baseline", action="store_true", help="also peft + bitsandbytes")
     p.add_argument("--baseline-micro-batch", type=int, default=None)
@@ -88,6 +85,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--recompute-attention",
         action="store_true",
         help="recompute attention in the backward instead of keeping its outputs on the host",
+    )
+    p.add_argument(
+        "--group-layers",
+        type=int,
+        default=None,
+        metavar="K",
+        help="an explicit plan of K-layer groups: K times fewer recompute inputs in host memory "
+        "than the automatic one-layer groups (a 70B base at 16 x 2048: 40 GiB of them)",
     )
     p.add_argument(
         "--max-gpu-memory",
@@ -107,14 +112,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_config(name: str) -> Any:
+def build_config(name: str, seq_len: int = 2048) -> Any:
     import transformers
 
     shape = dict(SHAPES[name])
     kind = shape.pop("model_type")
     cls = transformers.Qwen3Config if kind == "qwen3" else transformers.LlamaConfig
     config = cls(
-        **shape, tie_word_embeddings=False, use_cache=False, max_position_embeddings=131072
+        **shape,
+        tie_word_embeddings=False,
+        use_cache=False,
+        max_position_embeddings=max(131072, seq_len),
     )
     config._attn_implementation = "sdpa"
     return config
@@ -163,7 +171,7 @@ def build_model(args: argparse.Namespace, *, nf4: bool, seed: int = 0) -> nn.Mod
     from engine.adapters.nf4 import packed_parameter
     from engine.adapters.quantized_load import _parameters_on_meta
 
-    config = build_config(args.model)
+    config = build_config(args.model, args.seq_len)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -218,7 +226,10 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
     rp = wrap_model_to_roundpipe(
         model,
         lora_config=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
-        model_run_config=RoundPipeRunConfig(num_microbatch=args.num_microbatch),
+        model_run_config=RoundPipeRunConfig(
+            num_microbatch=args.num_microbatch,
+            execute_plan=grouped_plan(model.config.num_hidden_layers + 2, args.group_layers),
+        ),
         optim_dtype=torch.float32,
         pin_model="arena" if torch.cuda.is_available() else "off",
         recompute_attention=args.recompute_attention,
@@ -365,6 +376,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "lora_rank": args.lora_rank,
         "dequant": args.dequant,
         "max_gpu_memory_gib": args.max_gpu_memory,
+        "group_layers": args.group_layers,
+        "recompute_attention": args.recompute_attention,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     runs = []

@@ -58,6 +58,7 @@ from torch import nn
 # Run as a script from a checkout: make `engine` importable without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.options import grouped_plan
 from bench.shapes import (
     SHAPES,
     build_model,
@@ -648,18 +649,6 @@ def _step_phases(rp: Any, warmup: int) -> dict[str, float] | None:
     if not phases:
         return None
     return {k: round(statistics.median(p[k] for p in phases), 4) for k in phases[0]}
-
-
-def grouped_plan(num_layers: int, size: int | None) -> Any:
-    """Forward and backward groups of `size` layers, the head with the last group's layers
-    as the fused tail; None for the automatic plan."""
-    if not size:
-        return None
-    from engine.scheduler import ModelExecutePlan
-
-    fwd = [range(a, min(a + size, num_layers)) for a in range(0, num_layers, size)]
-    bwd = list(reversed(fwd[:-1]))
-    return ModelExecutePlan.from_ranges(fwd, bwd)
 
 
 def _layer_times(rp: Any) -> dict[str, Any] | None:
