@@ -110,6 +110,7 @@ class NF4Weight:
     dtype: torch.dtype  # what the device decodes into (the model's dtype)
 
     def __post_init__(self) -> None:
+        self.packed, self.absmax = _unviewed(self.packed), _unviewed(self.absmax)
         n = math.prod(self.shape)
         if self.packed.dtype != torch.uint8 or self.packed.numel() != (n + 1) // 2:
             raise ConfigError(
@@ -147,6 +148,17 @@ class NF4Weight:
     def dequantize(self) -> Tensor:
         """The decoded weight on the host (exports and tests; not the training path)."""
         return dequantize_nf4(self.packed, self.absmax, self.shape, self.dtype)
+
+
+def _unviewed(t: Tensor) -> Tensor:
+    """`t` as a tensor of its own on the same memory (no copy). A view keeps its base
+    tensor alive: when pinning later moves the view's data (`t.data = pinned`), the base
+    would still hold the old storage, and the host would keep every packed weight twice
+    (measured on the 70B base: 103 GiB of RSS for 40 GiB of packed bytes)."""
+    if t._base is None:
+        return t
+    own = torch.empty(0, dtype=t.dtype, device=t.device)
+    return own.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def quantize_nf4(weight: Tensor, *, dtype: torch.dtype | None = None) -> NF4Weight:
