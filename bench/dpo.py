@@ -53,13 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_lora_step_options(p, steps=3)
     p.add_argument("--baseline", action="store_true", help="also peft DPO on the GPU")
     p.add_argument("--baseline-micro-pairs", type=int, default=1, help="pairs per peft pass")
-    p.add_argument(
-        "--baseline-warmup",
-        type=int,
-        default=None,
-        help="warm-up steps of the peft run (default --warmup): resident on the GPU, it has no "
-        "plan to settle, one step warms it",
-    )
     p.add_argument("--no-sft", action="store_true", help="skip the SFT yardstick")
     args = p.parse_args(argv)
     if args.tiny:

@@ -28,6 +28,13 @@ def add_lora_step_options(p: argparse.ArgumentParser, *, steps: int) -> None:
         "after the 3rd)",
     )
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument(
+        "--baseline-warmup",
+        type=int,
+        default=None,
+        help="warm-up steps of the GPU-resident baseline (default --warmup): it has no plan "
+        "to settle, one step warms it",
+    )
 
 
 def grouped_plan(num_layers: int, size: int | None) -> Any:

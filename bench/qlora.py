@@ -195,6 +195,45 @@ def host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _status_gib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+class HostPhases:
+    """Peak and final RSS of each phase of a run (build, wrap, first step, the rest), the
+    kernel's high-water mark reset between phases (/proc/self/clear_refs), so a figure over
+    the plan says which phase holds the extra. Linux only; elsewhere empty."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[str, float]] = {}
+        self._reset()
+
+    @staticmethod
+    def _reset() -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def mark(self, name: str) -> None:
+        peak, now = _status_gib("VmHWM"), _status_gib("VmRSS")
+        if peak is not None and now is not None:
+            self.phases[name] = {"peak": round(peak, 2), "end": round(now, 2)}
+        self._reset()
+
+    def peak_gib(self) -> float:
+        """The highest of the phases' peaks (the reset lowers ru_maxrss too)."""
+        return max((p["peak"] for p in self.phases.values()), default=host_peak_gib())
+
+
 def gpu_peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
@@ -204,6 +243,26 @@ def gpu_reserved_peak_gib() -> float | None:
     if not torch.cuda.is_available():
         return None
     return round(torch.cuda.max_memory_reserved() / 2**30, 2)
+
+
+def host_plan_gib(args: argparse.Namespace, config: Any, *, nf4: bool) -> dict[str, Any]:
+    """engine.memory_plan's prediction for this run (its automatic backward groups: with
+    `--group-layers K` the activations part is about K times what the run holds)."""
+    from engine.planning.memory_plan import ModelShape, RunShape, plan_host_memory
+
+    shape = ModelShape.from_config(config)
+    run = RunShape(
+        tokens_per_step=args.seqs_per_step * args.seq_len,
+        seq_len=args.seq_len,
+        num_microbatch=args.num_microbatch,
+        pin_model="arena" if torch.cuda.is_available() else "off",
+        cuda=torch.cuda.is_available(),
+        saved_attention=not args.recompute_attention,
+        trainable_params=shape.lora_params(args.lora_rank),
+        base_quantization="nf4" if nf4 else "none",
+        model_dtype_bytes=4 if args.tiny else 2,
+    )
+    return plan_host_memory(shape, run).summary()
 
 
 def batches(args: argparse.Namespace, vocab: int, n: int) -> list[torch.Tensor]:
@@ -221,8 +280,10 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
     from engine.optim import Adam
 
     set_dequantize_kernel(args.dequant)
+    phases = HostPhases()
     model = build_model(args, nf4=nf4)
     base_bytes = host_base_bytes(model)
+    phases.mark("build")
     rp = wrap_model_to_roundpipe(
         model,
         lora_config=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
@@ -236,6 +297,7 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
         max_gpu_memory=args.max_gpu_memory,
     )
     opt = Adam(rp.optim_parameters(), lr=1e-5)
+    phases.mark("wrap")
 
     def step_fn() -> None:
         opt.step()
@@ -244,6 +306,9 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
     data = batches(args, model.config.vocab_size, args.warmup + args.steps)
     losses = []
     for i, ids in enumerate(data):
+        if i == 1:
+            rp.synchronize()
+            phases.mark("step0")
         if i == args.warmup:
             rp.synchronize()
             if torch.cuda.is_available():
@@ -259,13 +324,16 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    phases.mark("steps")
     tokens = args.steps * args.seqs_per_step * args.seq_len
     out = {
         "run": "engine-nf4" if nf4 else "engine-bf16-base",
         "base_host_bytes": base_bytes,
         "tokens_per_s": round(tokens / elapsed, 1),
         "step_s": round(elapsed / args.steps, 3),
-        "host_peak_gib": round(host_peak_gib(), 2),
+        "host_peak_gib": round(phases.peak_gib(), 2),
+        "host_phases_gib": phases.phases,
+        "host_plan_gib": host_plan_gib(args, model.config, nf4=nf4),
         "gpu_peak_gib": gpu_peak_gib(),
         "gpu_reserved_peak_gib": gpu_reserved_peak_gib(),
         "losses": [round(x, 4) for x in losses],
@@ -283,6 +351,8 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
 
     from engine.memory import packed_form
 
+    if args.baseline_warmup is not None:
+        args = argparse.Namespace(**{**vars(args), "warmup": args.baseline_warmup})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args, nf4=True)
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -358,6 +428,7 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "run": "peft-bnb",
         "micro_batch": micro,
+        "warmup": args.warmup,
         "tokens_per_s": round(tokens / elapsed, 1),
         "step_s": round(elapsed / args.steps, 3),
         "gpu_peak_gib": gpu_peak_gib(),
