@@ -39,7 +39,7 @@ COMPACT = ["--optim-memory", "compact"]
 LEAN = ["--optim-state-dtype", "bfloat16", "--optim-grad-dtype", "model"]  # 12 bytes
 FP32_MASTER: list[str] = []  # fp32 masters, fp32 moments, fp32 gradient buffer: 20 bytes
 
-THROUGHPUT = ["--seqs-per-step", "32", "--seq-len", "2048", "--steps", "5", "--warmup", "2"]
+THROUGHPUT = ["--seqs-per-step", "32", "--seq-len", "2048", "--steps", "3", "--warmup", "4"]
 ACCURACY = [
     *("--seqs-per-step", "8", "--seq-len", "2048", "--steps", "195", "--warmup", "5"),
     *("--text", "--lr", "3e-4"),
