@@ -316,7 +316,9 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
         loss = rp.forward_backward(
-            input_kwargs={"input_ids": ids}, label=ids, loss_fn=causal_lm_loss_fn(ids)
+            input_kwargs={"input_ids": ids, "return_logits": False},
+            label=ids,
+            loss_fn=causal_lm_loss_fn(ids),
         )
         rp.step(step_fn, is_async=True)
         losses.append(float(loss))
