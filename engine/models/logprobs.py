@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from . import DEFAULT_LOSS_CHUNK_TOKENS, IGNORE_INDEX
+from .loss import head_backward, logit_chunks
 
 __all__ = [
     "chunked_token_logprobs",
@@ -68,10 +69,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         tokens = hidden.shape[0]
         lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         logps = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-        for start in range(0, tokens, chunk_tokens):
-            stop = min(start + chunk_tokens, tokens)
+        for start, stop, logits in logit_chunks(hidden, weight, chunk_tokens):
             lse[start:stop], logps[start:stop] = _lse_and_picked(
-                hidden[start:stop] @ weight.t(), targets[start:stop], ignore_index
+                logits, targets[start:stop], ignore_index
             )
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_tokens = chunk_tokens
@@ -81,33 +81,21 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logps: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, targets, lse = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if need_weight
-            else None
-        )
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            stop = min(start + ctx.chunk_tokens, hidden.shape[0])
-            h = hidden[start:stop]
+        ignore = ctx.ignore_index
+
+        def grad_of_chunk(logits: Tensor, start: int, stop: int) -> Tensor:
             tgt = targets[start:stop]
-            valid = tgt != ctx.ignore_index
+            valid = tgt != ignore
             # d logp_t / d logits_t = onehot(y_t) - softmax(logits_t); scaled by the
             # incoming per-token gradient, zero for ignored tokens. In place: one fp32 chunk.
-            grad = (h @ weight.t()).float()  # (chunk, vocab)
-            grad.sub_(lse[start:stop].unsqueeze(1)).exp_().neg_()
-            rows = torch.arange(stop - start, device=h.device)
-            grad[rows, torch.where(valid, tgt, 0)] += 1.0
-            scale = torch.where(valid, grad_logps[start:stop].float(), 0.0)
-            grad.mul_(scale.unsqueeze(1))
-            grad = grad.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = grad @ weight
-            if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad = logits.float().sub_(lse[start:stop].unsqueeze(1)).exp_().neg_()
+            grad[torch.arange(stop - start, device=grad.device), torch.where(valid, tgt, 0)] += 1.0
+            grad.mul_(torch.where(valid, grad_logps[start:stop].float(), 0.0).unsqueeze(1))
+            return grad.to(hidden.dtype)
+
+        grad_hidden, grad_weight = head_backward(
+            hidden, weight, ctx.chunk_tokens, ctx.needs_input_grad[:2], grad_of_chunk
+        )
         return grad_hidden, grad_weight, None, None, None
 
 

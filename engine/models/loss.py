@@ -10,7 +10,7 @@ transformers' `ForCausalLMLoss` from a preset head's output (the head layer,
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ __all__ = [
     "chunked_cross_entropy_sum",
     "count_loss_tokens",
     "grad_logits_of_chunk",
+    "head_backward",
+    "logit_chunks",
     "lse_and_loss_of_chunk",
     "shift_labels",
 ]
@@ -60,11 +62,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         fused = _fused_loss_kernels(hidden)
         lse_and_loss = fused[0] if fused is not None else lse_and_loss_of_chunk
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            stop = min(start + chunk_tokens, hidden.shape[0])
-            lse[start:stop], part = lse_and_loss(
-                hidden[start:stop] @ weight.t(), targets[start:stop], ignore_index
-            )
+        for start, stop, logits in logit_chunks(hidden, weight, chunk_tokens):
+            lse[start:stop], part = lse_and_loss(logits, targets[start:stop], ignore_index)
             total += part
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_tokens = chunk_tokens
@@ -74,40 +73,63 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, targets, lse = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if need_weight
-            else None
-        )
         scale = grad_total.float()
         fused = _fused_loss_kernels(hidden)
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            stop = min(start + ctx.chunk_tokens, hidden.shape[0])
-            h = hidden[start:stop]
+        ignore = ctx.ignore_index
+
+        def grad_of_chunk(logits: Tensor, start: int, stop: int) -> Tensor:
             tgt = targets[start:stop]
             if fused is not None:
-                grad_logits = fused[1](
-                    h @ weight.t(), lse[start:stop], tgt, scale, ctx.ignore_index
-                )
-            else:
-                # grad_logits_of_chunk's math, in place: one fp32 chunk instead of three
-                logits = (h @ weight.t()).float()  # (chunk, vocab)
-                valid = tgt != ctx.ignore_index
-                # d(lse - logit[t]) / d logits = softmax - onehot(t); ignored tokens get 0.
-                grad_logits = logits.sub_(lse[start:stop].unsqueeze(1)).exp_()  # in place
-                rows = torch.arange(stop - start, device=h.device)
-                grad_logits[rows, torch.where(valid, tgt, 0)] -= 1.0
-                grad_logits.mul_((valid.float() * scale).unsqueeze(1))
-                grad_logits = grad_logits.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += _matmul_fp32_out(grad_logits.t(), h)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+                return fused[1](logits, lse[start:stop], tgt, scale, ignore)
+            # grad_logits_of_chunk's math, in place: one fp32 chunk instead of three
+            valid = tgt != ignore
+            # d(lse - logit[t]) / d logits = softmax - onehot(t); ignored tokens get 0.
+            grad = logits.float().sub_(lse[start:stop].unsqueeze(1)).exp_()  # (chunk, vocab)
+            grad[torch.arange(stop - start, device=grad.device), torch.where(valid, tgt, 0)] -= 1.0
+            grad.mul_((valid.float() * scale).unsqueeze(1))
+            return grad.to(hidden.dtype)
+
+        grad_hidden, grad_weight = head_backward(
+            hidden, weight, ctx.chunk_tokens, ctx.needs_input_grad[:2], grad_of_chunk
+        )
         return grad_hidden, grad_weight, None, None, None
+
+
+def logit_chunks(
+    hidden: Tensor, weight: Tensor, chunk_tokens: int
+) -> Iterator[tuple[int, int, Tensor]]:
+    """(start, stop, hidden[start:stop] @ weight.T) for each chunk of `chunk_tokens`
+    tokens: the (tokens, vocab) logits one block at a time, in the hidden dtype."""
+    tokens = hidden.shape[0]
+    for start in range(0, tokens, chunk_tokens):
+        stop = min(start + chunk_tokens, tokens)
+        yield start, stop, hidden[start:stop] @ weight.t()
+
+
+def head_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    chunk_tokens: int,
+    needs: Sequence[bool],
+    grad_of_chunk: Callable[[Tensor, int, int], Tensor],
+) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients of `hidden` and `weight` (those `needs` asks for) of a function of
+    the logits `hidden @ weight.T`, from `grad_of_chunk(logits, start, stop)`: its
+    gradient with respect to one recomputed chunk of logits, in the hidden dtype. The
+    weight gradient is summed over chunks in fp32 (ChunkedCrossEntropy and the DPO
+    log-probabilities, engine.models.logprobs, share this)."""
+    grad_hidden = torch.empty_like(hidden) if needs[0] else None
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+    )
+    for start, stop, logits in logit_chunks(hidden, weight, chunk_tokens):
+        grad_logits = grad_of_chunk(logits, start, stop)
+        del logits  # the chunk's logits may go before the two GEMMs
+        if grad_hidden is not None:
+            grad_hidden[start:stop] = grad_logits @ weight
+        if grad_weight is not None:
+            grad_weight += _matmul_fp32_out(grad_logits.t(), hidden[start:stop])
+    return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
 
 
 def lse_and_loss_of_chunk(
