@@ -46,6 +46,10 @@ def main() -> None:
             opt.step()
             best = min(best, time.perf_counter() - start)
         fields = {"bench": "adam_compact", "isa": isa, "threads": eo.get_num_threads()}
+        if isa == "avx512":  # timed on this CPU by the first step (engine.optim._native)
+            from engine.optim import _native
+
+            fields["q8_lookup"] = _native.q8_lookup(_native.load().lib)
         print(json.dumps({**fields, "params": n, "params_per_s": n / best}), flush=True)
     eo.set_isa(None)
 

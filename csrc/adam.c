@@ -279,6 +279,18 @@ void rp_adam_kernel_scalar(const rp_adam_tensor *t, const rp_adam_hyper *h,
 
 int rp_adam_abi_version(void) { return RP_ADAM_ABI_VERSION; }
 
+/* Read by the AVX-512 kernel once per call (adam_avx512.c). */
+int rp_adam_q8_permute_flag = 1;
+
+void rp_adam_set_q8_permute(int on) { rp_adam_q8_permute_flag = on ? 1 : 0; }
+
+int rp_adam_get_q8_permute(void) { return rp_adam_q8_permute_flag; }
+
+int rp_adam_q8_calibrate(void) {
+    if (!rp_adam_isa_supported(RP_ISA_AVX512)) return -1;
+    return rp_adam_q8_calibrate_avx512();
+}
+
 int rp_adam_isa_supported(int isa) {
     switch (isa) {
     case RP_ISA_SCALAR:

@@ -78,7 +78,7 @@ typedef struct {
 #define RP_QMAP_SIGNED_DECADES 1032
 #define RP_QMAP_UNSIGNED_DECADES 1056
 #define RP_QMAP_SIZE 1080
-#define RP_ADAM_ABI_VERSION 5
+#define RP_ADAM_ABI_VERSION 6
 
 /* RP_ADAM_ABI_VERSION of the compiled library (a stale build is rebuilt). */
 int rp_adam_abi_version(void);
@@ -94,6 +94,16 @@ int rp_adam_best_isa(void);
  * started leaves its range to the calling thread, so the work is always complete. */
 int rp_adam_step(const rp_adam_tensor *tensors, int n_tensors,
                  const rp_adam_hyper *hypers, int n_threads, int isa);
+
+/* The AVX-512 path's 8-bit moments look their 256-entry tables up with in-register
+ * permutes (1, the default) or with gathers (0). Both give the same values; which is faster
+ * depends on the CPU (permutes: 1.5x the kernel on AMD Zen; Intel runs every permute on one
+ * port and its gathers are cheaper). rp_adam_q8_calibrate() times both on a small tensor,
+ * keeps the faster and returns it (-1 without an AVX-512 path). */
+void rp_adam_set_q8_permute(int on);
+int rp_adam_get_q8_permute(void);
+int rp_adam_q8_calibrate(void);
+int rp_adam_q8_calibrate_avx512(void);
 
 /* The per-ISA kernels: update elements [begin, end) of one tensor (with Q8 state, `begin`
  * is a multiple of RP_QBLOCK and `end` one or the tensor's end); `prefetch` asks the

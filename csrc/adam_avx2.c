@@ -209,8 +209,25 @@ RP_TARGET static inline float hmax(__m256 x) {
     return _mm_cvtss_f32(m);
 }
 
-/* kernel_q8_scalar (adam.c) 8 lanes at a time; a block's last partial vector (only at the
- * tensor's end) runs on zero-padded copies, its padded lanes left out of the absmax. */
+/* The first half of kernel_q8 for one vector at element `i`: decode m and v, update, store
+ * the parameter; pointers are already offset to `i`. */
+RP_TARGET static inline void q8_update(const rp_consts *c, const float *qmap, void *param,
+                                       const void *grad, const uint8_t *codes_m,
+                                       const uint8_t *codes_v, __m256 am_old, __m256 av_old,
+                                       int64_t i, __m256 *m_out, __m256 *v_out) {
+    __m256 p = load_param(c, param);
+    __m256 g = load_grad(c, grad);
+    __m256 m = q8_decode(qmap + RP_QMAP_SIGNED, codes_m, am_old);
+    __m256 v = q8_decode(qmap + RP_QMAP_UNSIGNED, codes_v, av_old);
+    adam_math(c, &p, g, &m, &v, NULL);
+    store_param(c, param, p, i);
+    *m_out = m;
+    *v_out = v;
+}
+
+/* kernel_q8_scalar (adam.c) 8 lanes at a time. Full vectors run in place; a block's last
+ * partial vector (only at the tensor's end) runs on zero-padded copies, its padded lanes
+ * left out of the absmax. */
 RP_TARGET static void kernel_q8(const rp_adam_tensor *t, const rp_adam_hyper *h,
                                 const rp_consts *c, int64_t begin, int64_t end) {
     const float *qmap = (const float *)h->qmap;
@@ -230,50 +247,55 @@ RP_TARGET static void kernel_q8(const rp_adam_tensor *t, const rp_adam_hyper *h,
     for (int d = 0; d < 7; ++d) bounds[d] = _mm256_set1_ps(qmap[RP_QMAP_DECADE_BOUNDS + d]);
     for (int64_t b0 = begin; b0 < end; b0 += RP_QBLOCK) {
         int n = (int)(b0 + RP_QBLOCK < end ? RP_QBLOCK : end - b0);
+        int full = n & ~(W - 1);
         int64_t blk = b0 / RP_QBLOCK;
         __m256 am_old = _mm256_set1_ps(am_blocks[blk]), av_old = _mm256_set1_ps(av_blocks[blk]);
         __m256 am = _mm256_setzero_ps(), av = _mm256_setzero_ps();
-        for (int k = 0; k < n; k += W) {
+        __m256 m, v;
+        for (int k = 0; k < full; k += W) {
             int64_t i = b0 + k;
-            int live = n - k < W ? n - k : W;
-            float tp[W] = {0}, tg[W] = {0};
-            uint8_t tcm[8] = {0}, tcv[8] = {0};
-            void *pp = param + i * psz;
-            const void *gp = grad + i * gsz;
-            const uint8_t *cmp = cm + i, *cvp = cv + i;
-            if (live < W) {
-                memcpy(tp, pp, psz * live);
-                memcpy(tg, gp, gsz * live);
-                memcpy(tcm, cmp, live);
-                memcpy(tcv, cvp, live);
-                pp = tp, gp = tg, cmp = tcm, cvp = tcv;
-            }
-            __m256 p = load_param(c, pp);
-            __m256 g = load_grad(c, gp);
-            __m256 m = q8_decode(qmap + RP_QMAP_SIGNED, cmp, am_old);
-            __m256 v = q8_decode(qmap + RP_QMAP_UNSIGNED, cvp, av_old);
-            adam_math(c, &p, g, &m, &v, NULL);
-            store_param(c, pp, p, i);
-            if (live < W) memcpy(param + i * psz, tp, psz * live);
-            __m256 lanes = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(live), lane));
+            q8_update(c, qmap, param + i * psz, grad + i * gsz, cm + i, cv + i, am_old, av_old,
+                      i, &m, &v);
             /* max(|x|, acc): a NaN |x| leaves acc, as the scalar comparison does */
-            am = _mm256_blendv_ps(am, _mm256_max_ps(_mm256_and_ps(m, abs_mask), am), lanes);
-            av = _mm256_blendv_ps(av, _mm256_max_ps(_mm256_and_ps(v, abs_mask), av), lanes);
+            am = _mm256_max_ps(_mm256_and_ps(m, abs_mask), am);
+            av = _mm256_max_ps(_mm256_and_ps(v, abs_mask), av);
             _mm256_storeu_ps(bm + k, m);
             _mm256_storeu_ps(bv + k, v);
         }
+        if (full < n) {
+            int64_t i = b0 + full;
+            int live = n - full;
+            float tp[W] = {0}, tg[W] = {0};
+            uint8_t tcm[8] = {0}, tcv[8] = {0};
+            memcpy(tp, param + i * psz, psz * live);
+            memcpy(tg, grad + i * gsz, gsz * live);
+            memcpy(tcm, cm + i, live);
+            memcpy(tcv, cv + i, live);
+            q8_update(c, qmap, tp, tg, tcm, tcv, am_old, av_old, i, &m, &v);
+            memcpy(param + i * psz, tp, psz * live);
+            __m256 lanes = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(live), lane));
+            am = _mm256_blendv_ps(am, _mm256_max_ps(_mm256_and_ps(m, abs_mask), am), lanes);
+            av = _mm256_blendv_ps(av, _mm256_max_ps(_mm256_and_ps(v, abs_mask), av), lanes);
+            _mm256_storeu_ps(bm + full, m);
+            _mm256_storeu_ps(bv + full, v);
+        }
         float am_s = hmax(am), av_s = hmax(av);
+        /* a zero absmax encodes every element as 0 / 1 (the x = 0 of the scalar path) */
         __m256 amv = _mm256_set1_ps(am_s), avv = _mm256_set1_ps(av_s);
+        __m256 live_m = _mm256_castsi256_ps(_mm256_set1_epi32(am_s > 0.0f ? -1 : 0));
+        __m256 live_v = _mm256_castsi256_ps(_mm256_set1_epi32(av_s > 0.0f ? -1 : 0));
         for (int k = 0; k < n; k += W) {
-            __m256 xm = am_s > 0.0f ? _mm256_div_ps(_mm256_loadu_ps(bm + k), amv)
-                                    : _mm256_setzero_ps();
-            __m256 xv = av_s > 0.0f ? _mm256_div_ps(_mm256_loadu_ps(bv + k), avv)
-                                    : _mm256_setzero_ps();
+            __m256 xm = _mm256_and_ps(_mm256_div_ps(_mm256_loadu_ps(bm + k), amv), live_m);
+            __m256 xv = _mm256_and_ps(_mm256_div_ps(_mm256_loadu_ps(bv + k), avv), live_v);
             uint64_t qm = q8_encode(xm, &smap, bounds);
             uint64_t qv = q8_encode(xv, &umap, bounds);
-            size_t count = (size_t)(n - k < W ? n - k : W);
-            memcpy(cm + b0 + k, &qm, count); /* little-endian: lane 0 first */
-            memcpy(cv + b0 + k, &qv, count);
+            if (k < full) { /* little-endian: lane 0 first */
+                memcpy(cm + b0 + k, &qm, W);
+                memcpy(cv + b0 + k, &qv, W);
+            } else {
+                memcpy(cm + b0 + k, &qm, (size_t)(n - k));
+                memcpy(cv + b0 + k, &qv, (size_t)(n - k));
+            }
         }
         am_blocks[blk] = am_s;
         av_blocks[blk] = av_s;

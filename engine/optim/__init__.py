@@ -454,6 +454,8 @@ def _native_update(
         desc.hyper = hyper_index[key]
         desc.grad_dtype = _GRAD_DTYPES[grad.dtype]
         desc.state_dtype = _STATE_DTYPES[state["exp_avg"].dtype]
+    if isa == "avx512" and any(s["exp_avg"].dtype == torch.uint8 for _, _, s, _ in entries):
+        _native.q8_lookup(lib)  # times the two lookups once per process
     hypers = ffi.new("rp_adam_hyper[]", hyper_rows)
     # cffi releases the GIL for the call; `entries` keeps every tensor alive until it returns.
     rc = lib.rp_adam_step(tensors, len(entries), hypers, get_num_threads(), _native.ISAS[isa])

@@ -62,7 +62,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 """The RP_ADAM_ABI_VERSION (csrc/adam.h) this Python side speaks."""
 
 ISAS: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -317,6 +317,25 @@ def get_isa() -> str:
             f"RP_ADAM_ISA={name} is not supported by this CPU; have {available_isas()}"
         )
     return name
+
+
+_q8_lookup: str | None = None
+
+
+def q8_lookup(lib: Any) -> str:
+    """How the AVX-512 path looks up its 8-bit tables: "permute" or "gather" (the same
+    values either way). Timed once per process on the first call (rp_adam_q8_calibrate:
+    about a millisecond), since the faster one depends on the CPU: permutes took the kernel
+    to 1.5x on AMD Zen, where a gather is slow; Intel runs permutes on one port."""
+    global _q8_lookup
+    if _q8_lookup is None:
+        with _lock:
+            if _q8_lookup is None:
+                chosen = lib.rp_adam_q8_calibrate()
+                _q8_lookup = "permute" if lib.rp_adam_get_q8_permute() else "gather"
+                if chosen >= 0:
+                    log.info("C Adam: 8-bit table lookups by %s (timed)", _q8_lookup)
+    return _q8_lookup
 
 
 def native_info() -> dict[str, Any]:

@@ -244,3 +244,26 @@ def test_bf16_param_takes_no_model_copy() -> None:
     p.grad = torch.zeros(4, dtype=torch.bfloat16)
     with pytest.raises(ConfigError, match="own master"):
         eo.Adam([p], state_dtype=torch.uint8).step()
+
+
+@pytest.mark.parametrize("permute", [0, 1], ids=["gather", "permute"])
+def test_both_avx512_table_lookups_match_the_reference(permute: int) -> None:
+    """The AVX-512 path looks its 8-bit tables up by gathers or by permutes, whichever the
+    first Q8 step timed faster on this CPU (_native.q8_lookup); both must give the
+    reference's bits, so both are forced here after that timing has run."""
+    from engine.optim import _native
+
+    if "avx512" not in eo.available_isas():
+        pytest.skip("CPU has no avx512")
+    lib = _native.load().lib
+    assert _native.q8_lookup(lib) in ("permute", "gather")  # timed once, flag set
+    chosen = lib.rp_adam_get_q8_permute()
+    assert chosen == (_native.q8_lookup(lib) == "permute")
+    try:
+        lib.rp_adam_set_q8_permute(permute)
+        expected = _train("torch")
+        _assert_same(expected, _train("avx512"), f"permute={permute}")
+        _assert_same(_big_reference(), _train("avx512", sizes=(BIG,), steps=2, threads=2), "big")
+        assert lib.rp_adam_get_q8_permute() == permute  # no step re-timed it
+    finally:
+        lib.rp_adam_set_q8_permute(chosen)
