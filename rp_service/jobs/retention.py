@@ -7,6 +7,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from rp_service.checkpoint_dirs import remove_checkpoint_dir
 from rp_service.errors import DiskFull
 from rp_service.jobs.store import JobRecord, Store
 from rp_service.settings import Settings
@@ -48,7 +49,9 @@ def prune_checkpoints(settings: Settings, store: Store, job_id: str) -> int:
     for record in doomed:
         path = Path(record.path)
         if record.path and _inside(path, job_dir):
-            shutil.rmtree(path, ignore_errors=True)
+            # Renamed first: a reader listing the folder (or a crash) never sees a step-N
+            # without its state.json (the chaos soak caught one mid-removal).
+            remove_checkpoint_dir(path)
     if doomed:
         store.delete_checkpoints(job_id, [r.step for r in doomed])
         log.info("job %s: removed %d checkpoint(s), kept %d", job_id, len(doomed), keep)

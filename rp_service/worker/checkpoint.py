@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rp_service.checkpoint_dirs import TMP_PREFIX, remove_checkpoint_dir
+
 __all__ = [
     "CHECKPOINT_VERSION",
     "MASTER_FILE",
@@ -55,7 +57,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^step-(\d{8,})$")
-_TMP_PREFIX = ".tmp-"
+_TMP_PREFIX = TMP_PREFIX  # rp_service.checkpoint_dirs: shared with the daemon's pruning
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +117,7 @@ def rotate(checkpoint_dir: str | Path, keep: int) -> list[Path]:
     found = list_checkpoints(checkpoint_dir)
     doomed = [c.path for c in found[: max(0, len(found) - max(1, keep))]]
     for path in doomed:
-        # Rename first so a crash mid-delete never leaves a half-deleted "committed" dir.
-        trash = path.with_name(f"{_TMP_PREFIX}del-{path.name}")
-        path.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        remove_checkpoint_dir(path)  # renamed first: never a half-deleted "committed" dir
     return doomed
 
 

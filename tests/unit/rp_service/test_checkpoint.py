@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,3 +111,33 @@ def test_rng_round_trip():
     assert torch.equal(got[0], expected[0])
     assert np.array_equal(got[1], expected[1])
     assert got[2] == expected[2]
+
+
+def test_removing_a_checkpoint_never_shows_a_half_deleted_step(tmp_path, monkeypatch):
+    """The daemon's pruning and the worker's rotation rename a committed folder away before
+    deleting its files: the chaos soak once listed a step-9 whose state.json was already
+    gone while the daemon's rmtree ran."""
+    import shutil
+
+    from rp_service.checkpoint_dirs import TMP_PREFIX, remove_checkpoint_dir
+
+    step = tmp_path / "step-9"
+    step.mkdir()
+    (step / "state.json").write_text("{}")
+    (step / "weights.bin").write_bytes(b"x")
+    stale = tmp_path / f"{TMP_PREFIX}del-step-9"  # a removal a crash interrupted
+    stale.mkdir()
+    (stale / "weights.bin").write_bytes(b"y")
+    seen: list[tuple[str, bool]] = []
+    real_rmtree = shutil.rmtree
+
+    def watching_rmtree(path, *args, **kwargs):
+        seen.append((Path(path).name, step.exists()))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", watching_rmtree)
+    remove_checkpoint_dir(step)
+    assert seen == [(stale.name, True), (stale.name, False)]  # step-9 gone before any file
+    assert list(tmp_path.iterdir()) == []
+    remove_checkpoint_dir(step)  # already gone: nothing to do
+    assert ckpt.latest_checkpoint(tmp_path) is None
