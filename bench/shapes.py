@@ -129,6 +129,19 @@ SHAPES: dict[str, dict[str, Any]] = {
     # (bench/simulate.py --dispatch).
     "tiny28": {**_TINY, "num_hidden_layers": 28, "intermediate_size": 192},
     "tiny": _TINY,
+    # Qwen3-1.7B's vocabulary, head layout and tied head with 4 small decoder layers (~41 M
+    # parameters, 39 M of them the embedding): issue 35's accuracy case at a size a CPU
+    # trains for 200 steps in minutes (bench/host_lean.py --small).
+    "qwen3-small": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 768,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
 }
 
 

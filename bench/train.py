@@ -212,6 +212,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "in (RoundPipe double_buffer_weights; default: with --overlap-calls)",
     )
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument(
+        "--lr-warmup-steps",
+        type=int,
+        default=0,
+        help="linear learning-rate warm-up: step k (from 1) takes lr * min(1, k / N), "
+        "counting the unmeasured --warmup steps (0: the full lr from the first step)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--check",
@@ -313,6 +320,15 @@ def make_batches(args: argparse.Namespace, vocab: int) -> list[torch.Tensor]:
     ]
 
 
+def unigram_entropy(batches: list[torch.Tensor]) -> float:
+    """Entropy (nats) of the tokens' frequencies over `batches`: the loss of a model that
+    predicts every token from the frequencies alone, the plateau a text run crosses on its
+    way to learning the stories' structure."""
+    counts = torch.bincount(torch.cat([b.reshape(-1) for b in batches])).double()
+    probs = counts[counts > 0] / counts.sum()
+    return float(-(probs * probs.log()).sum())
+
+
 def host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # KiB on Linux
 
@@ -373,6 +389,15 @@ def report(
         "step_s": [round(t, 4) for t in times_s],
         "loss_first": losses[0],
         "loss_last": losses[-1],
+        "losses": [round(x, 4) for x in losses],
+        "lr": args.lr,
+        "lr_warmup_steps": args.lr_warmup_steps,
+        "seed": args.seed,
+        "text_unigram_entropy": (
+            round(unigram_entropy(make_batches(args, model.config.vocab_size)), 4)
+            if getattr(args, "text", False)
+            else None
+        ),
         "peak_gpu_mem_gib": None if (g := gpu_peak_gib()) is None else round(g, 2),
         "peak_gpu_mem_gib_per_gpu": gpu_peaks_gib(),
         "peak_host_mem_gib": round(host_peak_gib(), 2),
@@ -382,6 +407,19 @@ def report(
     }
     print(json.dumps(result), flush=True)
     return result
+
+
+def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
+    """The learning rate of optimizer step `step` (1 for the first) under a linear warm-up
+    over `warmup_steps` steps (0: none)."""
+    if warmup_steps <= 0:
+        return lr
+    return lr * min(1.0, step / warmup_steps)
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def _make_optimizer(
@@ -536,6 +574,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
 
     def step_fn() -> None:
         start = time.perf_counter()
+        _set_lr(optimizer, warmup_lr(args.lr, len(adam_s) + 1, args.lr_warmup_steps))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         adam_s.append(time.perf_counter() - start)
@@ -812,6 +851,7 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
                 loss = model(input_ids=chunk, labels=chunk).loss / accum
             loss.backward()
             total += loss.detach()
+        _set_lr(optimizer, warmup_lr(args.lr, len(losses) + 1, args.lr_warmup_steps))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))  # syncs: the step is done when its time is taken

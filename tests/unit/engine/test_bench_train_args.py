@@ -3,6 +3,8 @@ is built, with the flag to change."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -59,3 +61,16 @@ def test_memory_breakdown_is_kept_on_older_torch(monkeypatch: pytest.MonkeyPatch
 def test_one_sequence_a_step_needs_no_baseline_divisor() -> None:
     args = _parse("--seq-len 4096 --seqs-per-step 1 --num-microbatch 1")
     assert (args.seqs_per_step, args.num_microbatch) == (1, 1)
+
+
+def test_lr_warmup_is_linear_then_flat() -> None:
+    assert _parse("--lr 3e-4").lr_warmup_steps == 0
+    assert _parse("--lr 3e-4 --lr-warmup-steps 20").lr_warmup_steps == 20
+    assert [train.warmup_lr(1.0, k, 4) for k in (1, 2, 4, 5, 200)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    assert train.warmup_lr(3e-4, 1, 0) == 3e-4  # no warm-up: the full lr at once
+
+
+def test_unigram_entropy_of_the_batches() -> None:
+    uniform = [torch.arange(4).repeat(8).view(4, 8)]
+    assert abs(train.unigram_entropy(uniform) - math.log(4)) < 1e-12
+    assert train.unigram_entropy([torch.full((2, 3), 7)]) == 0.0
