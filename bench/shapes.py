@@ -131,7 +131,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
     # Qwen3-1.7B's vocabulary, head layout and tied head with 4 small decoder layers (~41 M
     # parameters, 39 M of them the embedding): issue 35's accuracy case at a size a CPU
-    # trains for 200 steps in minutes (bench/host_lean.py --small).
+    # trains for 200 steps in minutes (the CPU replay in bench/host_lean.py's FP32_MASTER note).
     "qwen3-small": {
         "hidden_size": 256,
         "num_hidden_layers": 4,

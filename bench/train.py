@@ -362,6 +362,7 @@ def report(
     model: nn.Module,
     times_s: list[float],
     losses: list[float],
+    batches: list[torch.Tensor],
     **extra: Any,
 ) -> dict[str, Any]:
     tokens = args.seqs_per_step * args.seq_len
@@ -394,9 +395,7 @@ def report(
         "lr_warmup_steps": args.lr_warmup_steps,
         "seed": args.seed,
         "text_unigram_entropy": (
-            round(unigram_entropy(make_batches(args, model.config.vocab_size)), 4)
-            if getattr(args, "text", False)
-            else None
+            round(unigram_entropy(batches), 4) if getattr(args, "text", False) else None
         ),
         "peak_gpu_mem_gib": None if (g := gpu_peak_gib()) is None else round(g, 2),
         "peak_gpu_mem_gib_per_gpu": gpu_peaks_gib(),
@@ -618,6 +617,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         model,
         times,
         losses,
+        batches,
         num_devices=get_num_devices(),
         num_microbatch=args.num_microbatch,
         recompute_grain=args.recompute_grain,
@@ -862,6 +862,7 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
         model,
         times,
         losses,
+        batches,
         micro_batch_seqs=args.baseline_microbatch,
         grad_accum=accum,
         optimizer=f"torch.optim.AdamW(fused={fused})",

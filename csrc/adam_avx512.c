@@ -413,7 +413,6 @@ int rp_adam_q8_calibrate_avx512(void) {
     t.exp_avg_absmax = (uintptr_t)absmax, t.exp_avg_sq_absmax = (uintptr_t)(absmax + BLOCKS);
     t.numel = N, t.grad_dtype = RP_DTYPE_BF16, t.state_dtype = RP_DTYPE_Q8;
     t.param_dtype = RP_DTYPE_BF16;
-    int chosen = rp_adam_q8_permute_flag;
     double best[2] = {1e30, 1e30};
     for (int round = 0; round < 7; ++round) {
         for (int flavour = 0; flavour < 2; ++flavour) {
@@ -424,7 +423,7 @@ int rp_adam_q8_calibrate_avx512(void) {
             if (round >= 2 && took < best[flavour]) best[flavour] = took;
         }
     }
-    chosen = best[1] <= best[0];
+    int chosen = best[1] <= best[0];
     rp_adam_q8_permute_flag = chosen;
     free(param), free(codes), free(absmax);
     return chosen;

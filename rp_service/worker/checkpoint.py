@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^step-(\d{8,})$")
-_TMP_PREFIX = TMP_PREFIX  # rp_service.checkpoint_dirs: shared with the daemon's pruning
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +105,7 @@ def remove_partial(checkpoint_dir: str | Path) -> int:
         return 0
     removed = 0
     for child in root.iterdir():
-        if child.name.startswith(_TMP_PREFIX):
+        if child.name.startswith(TMP_PREFIX):
             shutil.rmtree(child, ignore_errors=True)
             removed += 1
     return removed
@@ -151,7 +150,7 @@ def write_checkpoint(
             str(root),
         )
     final = root / _dir_name(step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -171,7 +170,7 @@ def write_checkpoint(
         raise
     if final.exists():
         # The same step again (a resumed run re-saving it): swap, never leave it missing.
-        old = root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}"
+        old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
         final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
