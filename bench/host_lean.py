@@ -8,8 +8,8 @@ memory figure is that run's alone), then one line per comparison:
                (RSS) against the plan's prediction; the issue asks <= 112 GiB, >= 4,800 tok/s
   8b           Qwen3-8B shape, the same tokens: compact against the 12-byte lean mode (bf16
                moments, the half gradient in place, fp32 masters); within 5% of its tok/s
-  1.7b         Qwen3-1.7B shape, 200 steps of generated text (the demo's stories): the
-               final loss (mean of the last 20 steps) of compact against the fp32-master
+  1.7b         Qwen3-1.7B shape, 200 steps of generated text (the demo's stories; the
+               schedule at ACCURACY), per --lrs and --seeds: the final loss (mean of the last 20 steps) of compact against the fp32-master
                path (fp32 masters and moments, stepped synchronously as compact is: see
                FP32_MASTER); within 1%. Each row carries its loss every 10 steps, the
                first step below 90% of the text's unigram entropy (2.88 nats a byte: a
@@ -22,6 +22,8 @@ On the GPU box (one H100, 125 GiB host):
 
     python bench/host_lean.py                    # all three cases, ~25 min
     python bench/host_lean.py --cases 14b 8b     # the throughput cases only
+    python bench/host_lean.py --cases 1.7b --concurrent             # one pair at once (~6.5 min)
+    python bench/host_lean.py --cases 1.7b --concurrent --seeds 1   # the noise floor's pair
 
 On a CPU (tiny shapes, RP_DEVICES=cpu:2, seconds): `python bench/host_lean.py --tiny`.
 """
@@ -54,19 +56,30 @@ LEAN = ["--optim-state-dtype", "bfloat16", "--optim-grad-dtype", "model"]  # 12 
 FP32_MASTER = ["--sync"]
 
 THROUGHPUT = ["--seqs-per-step", "32", "--seq-len", "2048", "--steps", "3", "--warmup", "4"]
+# 200 steps of the demo's stories (bytes): a 10-step warm-up, the peak lr until step 150,
+# then a cosine decay to a tenth of it over the last 50 steps, so the last 20 losses are
+# those of a run that has settled. The first recipe (constant lr 3e-4) ended both runs in
+# the middle of their fall through the stories' structure (the last 20 losses drifting
+# -21% and -13%), where a few steps' lead or lag read as 8% (H100, session 14); a cosine
+# decay over all 190 steps (6e-4, 8 x 1024 tokens) slowed the fall before it ended.
 ACCURACY = [
-    *("--seqs-per-step", "8", "--seq-len", "2048", "--steps", "195", "--warmup", "5"),
-    *("--text", "--lr", "3e-4"),
+    *("--seqs-per-step", "8", "--seq-len", "2048", "--steps", "190", "--warmup", "10"),
+    *("--text", "--lr-warmup-steps", "10", "--lr-min-ratio", "0.1", "--lr-decay-steps", "50"),
 ]
+ACCURACY_LRS = (6e-4,)
 TINY_THROUGHPUT = ["--seqs-per-step", "8", "--seq-len", "32", "--steps", "3", "--warmup", "1"]
 TINY_ACCURACY = [
     *("--seqs-per-step", "8", "--seq-len", "32", "--steps", "25", "--warmup", "5"),
-    *("--text", "--lr", "3e-3"),
+    *("--text", "--lr-warmup-steps", "5", "--lr-min-ratio", "0.1", "--lr-decay-steps", "10"),
 ]
+TINY_ACCURACY_LRS = (3e-3,)
 
 
-def _runs(case: str, tiny: bool) -> list[tuple[str, list[str]]]:
-    """(name, bench/train.py arguments) of one case."""
+def _runs(
+    case: str, tiny: bool, lr: float | None = None, seed: int = 0
+) -> list[tuple[str, list[str]]]:
+    """(name, bench/train.py arguments) of one case (1.7b: at peak learning rate `lr`,
+    initialisation and batch order `seed`)."""
     throughput = TINY_THROUGHPUT if tiny else THROUGHPUT
     accuracy = TINY_ACCURACY if tiny else ACCURACY
     model = {"14b": "qwen3-14b", "8b": "qwen3-8b", "1.7b": "qwen3-1.7b"}[case]
@@ -77,26 +90,39 @@ def _runs(case: str, tiny: bool) -> list[tuple[str, list[str]]]:
         return [("compact", [*base, *throughput, *COMPACT])]
     if case == "8b":
         return [("compact", [*base, *throughput, *COMPACT]), ("lean", [*base, *throughput, *LEAN])]
+    if lr is None:
+        lr = (TINY_ACCURACY_LRS if tiny else ACCURACY_LRS)[0]
+    accuracy = [*accuracy, "--lr", str(lr), "--seed", str(seed)]
     return [
         ("compact", [*base, *accuracy, *COMPACT]),
         ("fp32_master", [*base, *accuracy, *FP32_MASTER]),
     ]
 
 
-def run_train(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """bench/train.py with `argv` in a fresh process; its result line."""
-    proc = subprocess.run(
+def start_train(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """bench/train.py with `argv` in a fresh process."""
+    return subprocess.Popen(
         [sys.executable, "-m", "bench.train", *argv],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        check=False,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def train_result(proc: subprocess.Popen[str], argv: list[str]) -> dict[str, Any]:
+    """The result line of a run started by start_train, once it ends."""
+    stdout, stderr = proc.communicate()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"bench/train.py {' '.join(argv)} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"bench/train.py {' '.join(argv)} failed:\n{stderr[-4000:]}")
     return dict(json.loads(lines[-1]))
+
+
+def run_train(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """bench/train.py with `argv` in a fresh process; its result line."""
+    return train_result(start_train(argv, env), argv)
 
 
 def _summary(case: str, name: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -105,6 +131,7 @@ def _summary(case: str, name: str, result: dict[str, Any]) -> dict[str, Any]:
         "bench": "host_lean",
         "case": case,
         "mode": name,
+        **({k: result[k] for k in ("lr", "seed")} if case == "1.7b" else {}),
         "model": result["model"],
         "params": result["params"],
         "tokens_per_step": result["tokens_per_step"],
@@ -172,6 +199,8 @@ def compare(case: str, rows: dict[str, dict[str, Any]]) -> dict[str, Any] | None
         return {
             "bench": "host_lean",
             "case": case,
+            "lr": rows["compact"]["lr"],
+            "seed": rows["compact"]["seed"],
             "final_loss_compact": got,
             "final_loss_fp32_master": ref,
             "final_loss_rel_diff": round((got - ref) / ref, 5),
@@ -188,15 +217,49 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--cases", nargs="+", choices=["14b", "8b", "1.7b"], default=["14b", "8b", "1.7b"]
     )
     p.add_argument("--tiny", action="store_true", help="tiny shapes on RP_DEVICES=cpu:2")
+    p.add_argument(
+        "--lrs",
+        nargs="+",
+        type=float,
+        default=None,
+        help=f"1.7b: one pair of runs at each peak learning rate (default {ACCURACY_LRS[0]})",
+    )
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="1.7b: one pair of runs for each seed (initialisation and batch order); two "
+        "seeds show how far one run lands from another by chance",
+    )
+    p.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="start every run at once (for the 1.7b losses: the runs share the GPU and the "
+        "cores, so their tokens/s and host peaks are no figures to quote; two 1.7B runs "
+        "take ~380 s on the H100 box, four ran past its 10-minute cap)",
+    )
     args = p.parse_args(argv)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     if args.tiny:
         env["RP_DEVICES"] = "cpu:2"
-    out = []
+    groups = []  # (case, runs): the 1.7b case once per learning rate
     for case in args.cases:
+        if case != "1.7b":
+            groups.append((case, _runs(case, args.tiny)))
+            continue
+        for lr in args.lrs or [None]:
+            groups.extend((case, _runs(case, args.tiny, lr, seed)) for seed in args.seeds)
+    started: dict[tuple[int, str], subprocess.Popen[str]] = {}
+    if args.concurrent:
+        for k, (_, runs) in enumerate(groups):
+            started.update({(k, name): start_train(argv, env) for name, argv in runs})
+    out = []
+    for k, (case, runs) in enumerate(groups):
         rows = {}
-        for name, train_args in _runs(case, args.tiny):
-            rows[name] = _summary(case, name, run_train(train_args, env))
+        for name, train_args in runs:
+            proc = started.get((k, name)) or start_train(train_args, env)
+            rows[name] = _summary(case, name, train_result(proc, train_args))
             print(json.dumps(rows[name]), flush=True)
             out.append(rows[name])
         line = compare(case, rows)

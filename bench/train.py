@@ -219,6 +219,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="linear learning-rate warm-up: step k (from 1) takes lr * min(1, k / N), "
         "counting the unmeasured --warmup steps (0: the full lr from the first step)",
     )
+    p.add_argument(
+        "--lr-min-ratio",
+        type=float,
+        default=1.0,
+        help="after the warm-up, a cosine decay to lr * this at the last step (1: constant lr)",
+    )
+    p.add_argument(
+        "--lr-decay-steps",
+        type=int,
+        default=0,
+        help="with --lr-min-ratio: decay over the last N steps only, the lr constant before "
+        "them (0: over every step after the warm-up)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--check",
@@ -393,6 +406,8 @@ def report(
         "losses": [round(x, 4) for x in losses],
         "lr": args.lr,
         "lr_warmup_steps": args.lr_warmup_steps,
+        "lr_min_ratio": args.lr_min_ratio,
+        "lr_decay_steps": args.lr_decay_steps,
         "seed": args.seed,
         "text_unigram_entropy": (
             round(unigram_entropy(batches), 4) if getattr(args, "text", False) else None
@@ -408,12 +423,33 @@ def report(
     return result
 
 
-def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
+def warmup_lr(
+    lr: float,
+    step: int,
+    warmup_steps: int,
+    total_steps: int = 0,
+    min_ratio: float = 1.0,
+    decay_steps: int = 0,
+) -> float:
     """The learning rate of optimizer step `step` (1 for the first) under a linear warm-up
-    over `warmup_steps` steps (0: none)."""
-    if warmup_steps <= 0:
+    over `warmup_steps` steps (0: none), then, when `min_ratio` < 1, a cosine decay that
+    reaches lr * min_ratio at step `total_steps`: over the last `decay_steps` steps (the lr
+    constant before them), or over every step after the warm-up when `decay_steps` is 0."""
+    if step <= warmup_steps:
+        return lr * step / warmup_steps
+    start = total_steps - decay_steps if decay_steps > 0 else warmup_steps
+    start = max(start, warmup_steps)
+    if min_ratio >= 1.0 or total_steps <= start or step <= start:
         return lr
-    return lr * min(1.0, step / warmup_steps)
+    done = min(1.0, (step - start) / (total_steps - start))
+    return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * done)))
+
+
+def _lr_at(args: argparse.Namespace, step: int) -> float:
+    total = args.warmup + args.steps
+    return warmup_lr(
+        args.lr, step, args.lr_warmup_steps, total, args.lr_min_ratio, args.lr_decay_steps
+    )
 
 
 def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -573,7 +609,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
 
     def step_fn() -> None:
         start = time.perf_counter()
-        _set_lr(optimizer, warmup_lr(args.lr, len(adam_s) + 1, args.lr_warmup_steps))
+        _set_lr(optimizer, _lr_at(args, len(adam_s) + 1))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         adam_s.append(time.perf_counter() - start)
@@ -851,7 +887,7 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
                 loss = model(input_ids=chunk, labels=chunk).loss / accum
             loss.backward()
             total += loss.detach()
-        _set_lr(optimizer, warmup_lr(args.lr, len(losses) + 1, args.lr_warmup_steps))
+        _set_lr(optimizer, _lr_at(args, len(losses) + 1))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))  # syncs: the step is done when its time is taken

@@ -21,10 +21,15 @@ def test_gpu_cases_use_the_issue_shapes_and_modes() -> None:
     # Both modes take each gradient at the current weights: compact waits for each layer's
     # update, so the fp32-master reference steps synchronously (no staleness one).
     assert "--sync" in steps and "--sync" not in runs["compact"]
+    # a schedule that has settled by the last 20 steps: peak lr, then a cosine decay
+    assert steps[steps.index("--lr-min-ratio") + 1] == "0.1"
+    assert int(steps[steps.index("--lr-decay-steps") + 1]) >= 20
+    seeded = dict(host_lean._runs("1.7b", tiny=False, lr=1e-3, seed=1))["compact"]
+    assert seeded[seeded.index("--seed") + 1] == "1" and seeded[seeded.index("--lr") + 1] == "0.001"
 
 
 def test_tiny_run_reports_every_result_and_comparison() -> None:
-    lines = host_lean.main(["--tiny", "--cases", "8b", "1.7b"])
+    lines = host_lean.main(["--tiny", "--cases", "8b", "1.7b", "--concurrent"])
     rows = {(r["case"], r.get("mode")): r for r in lines}
     compact, lean = rows[("8b", "compact")], rows[("8b", "lean")]
     params = compact["params"]

@@ -74,3 +74,14 @@ def test_unigram_entropy_of_the_batches() -> None:
     uniform = [torch.arange(4).repeat(8).view(4, 8)]
     assert abs(train.unigram_entropy(uniform) - math.log(4)) < 1e-12
     assert train.unigram_entropy([torch.full((2, 3), 7)]) == 0.0
+
+
+def test_cosine_decay_after_the_warm_up_or_over_the_last_steps() -> None:
+    lr = [train.warmup_lr(1.0, k, 10, 200, 0.1) for k in (5, 10, 11, 105, 200)]
+    assert lr[:2] == [0.5, 1.0] and 0.99 < lr[2] < 1.0
+    assert abs(lr[3] - 0.55) < 1e-9 and abs(lr[4] - 0.1) < 1e-12  # half-way; the floor
+    # decay over the last 50 steps: the peak holds until step 150
+    late = [train.warmup_lr(1.0, k, 10, 200, 0.1, 50) for k in (11, 150, 151, 175, 200)]
+    assert late[:2] == [1.0, 1.0] and late[2] < 1.0
+    assert abs(late[3] - 0.55) < 1e-9 and abs(late[4] - 0.1) < 1e-12
+    assert train.warmup_lr(1.0, 200, 10, 200) == 1.0  # min_ratio 1: constant
