@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.shapes import SHAPES  # noqa: E402
-from bench.train import TINY_DEFAULTS  # noqa: E402
+from bench.train_args import TINY_DEFAULTS  # noqa: E402
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
