@@ -427,6 +427,7 @@ def _native_update(
     hyper_index: dict[tuple[int, float], int] = {}
     hyper_rows: list[dict[str, Any]] = []
     tensors = ffi.new("rp_adam_tensor[]", len(entries))
+    eight_bit = False
     for k, ((p, grad, state, group), step) in enumerate(zip(entries, step_values, strict=True)):
         key = (id(group), step)
         if key not in hyper_index:
@@ -439,6 +440,7 @@ def _native_update(
         desc.exp_avg_sq = state["exp_avg_sq"].data_ptr()
         desc.max_exp_avg_sq = state["max_exp_avg_sq"].data_ptr() if group["amsgrad"] else 0
         if state["exp_avg"].dtype == torch.uint8:
+            eight_bit = True
             desc.exp_avg_absmax = state["exp_avg_absmax"].data_ptr()
             desc.exp_avg_sq_absmax = state["exp_avg_sq_absmax"].data_ptr()
         desc.param_dtype = _PARAM_DTYPES[p.dtype]
@@ -454,7 +456,7 @@ def _native_update(
         desc.hyper = hyper_index[key]
         desc.grad_dtype = _GRAD_DTYPES[grad.dtype]
         desc.state_dtype = _STATE_DTYPES[state["exp_avg"].dtype]
-    if isa == "avx512" and any(s["exp_avg"].dtype == torch.uint8 for _, _, s, _ in entries):
+    if isa == "avx512" and eight_bit:
         _native.q8_lookup(lib)  # times the two lookups once per process
     hypers = ffi.new("rp_adam_hyper[]", hyper_rows)
     # cffi releases the GIL for the call; `entries` keeps every tensor alive until it returns.
