@@ -9,8 +9,9 @@ memory figure is that run's alone), then one line per comparison:
   8b           Qwen3-8B shape, the same tokens: compact against the 12-byte lean mode (bf16
                moments, the half gradient in place, fp32 masters); within 5% of its tok/s
   1.7b         Qwen3-1.7B shape, 200 steps of generated text (the demo's stories; the
-               schedule at ACCURACY), per --lrs and --seeds: the final loss (mean of the last 20 steps) of compact against the fp32-master
-               path (fp32 masters and moments, stepped synchronously as compact is: see
+               schedule at ACCURACY), a pair for each of --lrs and --seeds: the final loss
+               (mean of the last 20 steps) of compact against the fp32-master path (fp32
+               masters and moments, stepped synchronously as compact is: see
                FP32_MASTER); within 1%. Each row carries its loss every 10 steps, the
                first step below 90% of the text's unigram entropy (2.88 nats a byte: a
                model that learned only the byte frequencies) and the drift of its last
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     if args.tiny:
         env["RP_DEVICES"] = "cpu:2"
-    groups = []  # (case, runs): the 1.7b case once per learning rate
+    groups = []  # (case, runs): the 1.7b case once per learning rate and seed
     for case in args.cases:
         if case != "1.7b":
             groups.append((case, _runs(case, args.tiny)))

@@ -221,7 +221,7 @@ def _history_breaks_chunked_mlp(args: argparse.Namespace) -> bool:
     return bool(limit) and micro_batch_tokens > limit
 
 
-def warmup_lr(
+def scheduled_lr(
     lr: float,
     step: int,
     warmup_steps: int,
@@ -246,6 +246,6 @@ def warmup_lr(
 def lr_at(args: argparse.Namespace, step: int) -> float:
     """The learning rate of optimizer step `step` (1 for the first) under args' schedule."""
     total = args.warmup + args.steps
-    return warmup_lr(
+    return scheduled_lr(
         args.lr, step, args.lr_warmup_steps, total, args.lr_min_ratio, args.lr_decay_steps
     )

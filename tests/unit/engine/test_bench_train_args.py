@@ -66,14 +66,14 @@ def test_one_sequence_a_step_needs_no_baseline_divisor() -> None:
 def test_lr_warmup_is_linear_then_flat() -> None:
     assert _parse("--lr 3e-4").lr_warmup_steps == 0
     assert _parse("--lr 3e-4 --lr-warmup-steps 20").lr_warmup_steps == 20
-    assert [train_args.warmup_lr(1.0, k, 4) for k in (1, 2, 4, 5, 200)] == [
+    assert [train_args.scheduled_lr(1.0, k, 4) for k in (1, 2, 4, 5, 200)] == [
         0.25,
         0.5,
         1.0,
         1.0,
         1.0,
     ]
-    assert train_args.warmup_lr(3e-4, 1, 0) == 3e-4  # no warm-up: the full lr at once
+    assert train_args.scheduled_lr(3e-4, 1, 0) == 3e-4  # no warm-up: the full lr at once
 
 
 def test_unigram_entropy_of_the_batches() -> None:
@@ -83,11 +83,11 @@ def test_unigram_entropy_of_the_batches() -> None:
 
 
 def test_cosine_decay_after_the_warm_up_or_over_the_last_steps() -> None:
-    lr = [train_args.warmup_lr(1.0, k, 10, 200, 0.1) for k in (5, 10, 11, 105, 200)]
+    lr = [train_args.scheduled_lr(1.0, k, 10, 200, 0.1) for k in (5, 10, 11, 105, 200)]
     assert lr[:2] == [0.5, 1.0] and 0.99 < lr[2] < 1.0
     assert abs(lr[3] - 0.55) < 1e-9 and abs(lr[4] - 0.1) < 1e-12  # half-way; the floor
     # decay over the last 50 steps: the peak holds until step 150
-    late = [train_args.warmup_lr(1.0, k, 10, 200, 0.1, 50) for k in (11, 150, 151, 175, 200)]
+    late = [train_args.scheduled_lr(1.0, k, 10, 200, 0.1, 50) for k in (11, 150, 151, 175, 200)]
     assert late[:2] == [1.0, 1.0] and late[2] < 1.0
     assert abs(late[3] - 0.55) < 1e-9 and abs(late[4] - 0.1) < 1e-12
-    assert train_args.warmup_lr(1.0, 200, 10, 200) == 1.0  # min_ratio 1: constant
+    assert train_args.scheduled_lr(1.0, 200, 10, 200) == 1.0  # min_ratio 1: constant
