@@ -52,10 +52,15 @@ def test_the_samples_panel_lists_each_evaluation_through_pause_and_resume(
     page = context.new_page()
     console = Console(page)
     with daemon.client() as api:
+        # One CPU job at a time: a long job ahead keeps ours queued, so its panel is seen
+        # empty however slowly the page loads; cancelling it lets ours start.
+        ahead = api.post("/v1/jobs", json=spec(name="ahead", train={"steps": 10_000})).json()
         job = api.post("/v1/jobs", json=body).json()
         page.goto(f"{daemon.base_url}/#/jobs/{job['id']}")
         page.wait_for_selector("#samples:not([hidden])")  # the spec asks for samples
         assert page.is_visible("#samples-empty")
+        assert api.get(f"/v1/jobs/{job['id']}").json()["status"] == "queued"
+        assert api.post(f"/v1/jobs/{ahead['id']}/cancel").status_code == 200
 
         page.wait_for_selector(f"#samples-table tbody[data-step='{EVERY}']")
         assert api.post(f"/v1/jobs/{job['id']}/pause").status_code == 200
