@@ -121,11 +121,6 @@ def train_result(proc: subprocess.Popen[str], argv: list[str]) -> dict[str, Any]
     return dict(json.loads(lines[-1]))
 
 
-def run_train(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """bench/train.py with `argv` in a fresh process; its result line."""
-    return train_result(start_train(argv, env), argv)
-
-
 def _summary(case: str, name: str, result: dict[str, Any]) -> dict[str, Any]:
     plan = result.get("plan_host_parts_gib") or {}
     return {
@@ -254,13 +249,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     started: dict[tuple[int, str], subprocess.Popen[str]] = {}
     if args.concurrent:
         for k, (_, runs) in enumerate(groups):
-            started.update({(k, name): start_train(argv, env) for name, argv in runs})
+            started.update({(k, name): start_train(run_argv, env) for name, run_argv in runs})
     out = []
     for k, (case, runs) in enumerate(groups):
         rows = {}
-        for name, train_args in runs:
-            proc = started.get((k, name)) or start_train(train_args, env)
-            rows[name] = _summary(case, name, train_result(proc, train_args))
+        for name, run_argv in runs:
+            proc = started.get((k, name)) or start_train(run_argv, env)
+            rows[name] = _summary(case, name, train_result(proc, run_argv))
             print(json.dumps(rows[name]), flush=True)
             out.append(rows[name])
         line = compare(case, rows)
