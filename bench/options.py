@@ -38,13 +38,10 @@ def add_lora_step_options(p: argparse.ArgumentParser, *, steps: int) -> None:
 
 
 def grouped_plan(num_layers: int, size: int | None) -> Any:
-    """Forward and backward groups of `size` layers, the head with the last group's layers
-    as the fused tail; None for the automatic plan. Fewer groups keep fewer recompute
-    inputs in host memory (one per backward group and micro-batch)."""
+    """`ModelExecutePlan.grouped(num_layers, size)`, or None (the automatic plan) when
+    `size` is not given."""
     if not size:
         return None
     from engine.scheduler import ModelExecutePlan
 
-    fwd = [range(a, min(a + size, num_layers)) for a in range(0, num_layers, size)]
-    bwd = list(reversed(fwd[:-1]))
-    return ModelExecutePlan.from_ranges(fwd, bwd)
+    return ModelExecutePlan.grouped(num_layers, size)

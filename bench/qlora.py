@@ -246,8 +246,8 @@ def gpu_reserved_peak_gib() -> float | None:
 
 
 def host_plan_gib(args: argparse.Namespace, config: Any, *, nf4: bool) -> dict[str, Any]:
-    """engine.memory_plan's prediction for this run (its automatic backward groups: with
-    `--group-layers K` the activations part is about K times what the run holds)."""
+    """engine.memory_plan's prediction for this run (the automatic backward groups, or
+    those of `--group-layers K`)."""
     from engine.planning.memory_plan import ModelShape, RunShape, plan_host_memory
 
     shape = ModelShape.from_config(config)
@@ -261,6 +261,7 @@ def host_plan_gib(args: argparse.Namespace, config: Any, *, nf4: bool) -> dict[s
         trainable_params=shape.lora_params(args.lora_rank),
         base_quantization="nf4" if nf4 else "none",
         model_dtype_bytes=4 if args.tiny else 2,
+        layers_per_group=args.group_layers,
     )
     return plan_host_memory(shape, run).summary()
 

@@ -281,6 +281,7 @@ def host_plan(args: argparse.Namespace) -> Any:
         saved_attention=not args.recompute_attention,
         trainable_params=shape.lora_params(args.lora_rank) if args.lora else None,
         double_buffer_weights=_double_buffer(args),
+        layers_per_group=args.group_layers,
     )
     return plan_host_memory(shape, run)
 

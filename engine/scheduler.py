@@ -75,6 +75,29 @@ class ModelExecutePlan:
         plan.tail_split = tail_split
         return plan
 
+    @classmethod
+    def grouped(cls, num_layers: int, layers_per_group: int) -> ModelExecutePlan:
+        """Groups of `layers_per_group` consecutive layers for forward and backward, the
+        last group (with the head) being the fused tail.
+
+        Each backward group keeps its input in host memory per micro-batch for the
+        recompute, so larger groups keep fewer (the automatic plan makes one-layer groups
+        where a layer weighs about as much as the head: a 70B model) and upload more
+        weights at once to the GPU (two groups are in flight).
+        """
+        if isinstance(layers_per_group, bool) or not isinstance(layers_per_group, int):
+            raise ConfigError(f"layers_per_group must be an int, got {layers_per_group!r}")
+        if layers_per_group < 1 or num_layers < 1:
+            raise ConfigError(
+                f"layers_per_group and num_layers must be >= 1, got {layers_per_group} "
+                f"and {num_layers}"
+            )
+        fwd = [
+            range(a, min(a + layers_per_group, num_layers))
+            for a in range(0, num_layers, layers_per_group)
+        ]
+        return cls.from_ranges(fwd, list(reversed(fwd[:-1])))
+
     def check_valid(self, num_layers: int, run_type: RunType) -> None:
         """Raise ConfigError unless the plans cover the layers exactly once, in order."""
         if not self.fwd_plan:

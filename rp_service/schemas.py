@@ -234,6 +234,16 @@ class EngineSection(_Section):
         description="Recompute attention in the backward instead of keeping its outputs in "
         "host memory (2 bytes x tokens x heads x head_dim per layer).",
     )
+    layers_per_group: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 16,
+        description="Decoder layers per upload group (an explicit plan of equal groups, the "
+        "last one with the head). Each backward group keeps its input in host memory per "
+        "micro-batch for the recompute: two-layer groups keep half of what one-layer groups "
+        "do (the automatic plan makes one-layer groups for a 70B model), and two groups are "
+        "on the GPU at once. null: the automatic plan.",
+    )
     pin_model: Literal["alloc", "register", "arena", "off"] = "alloc"
     gpus: int = Field(1, ge=0, le=64, description="How many GPUs (0 = CPU devices).")
     async_step: bool = True

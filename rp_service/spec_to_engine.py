@@ -53,6 +53,8 @@ class EngineOptions:
             4-bit: engine.adapters.nf4; the schema allows it with lora only).
         max_gpu_memory_gib: RoundPipe's max_gpu_memory (GiB); None: the engine's default,
             the RP_GPU_MEMORY_GIB the daemon gives the worker.
+        layers_per_group: RoundPipeRunConfig.execute_plan =
+            ModelExecutePlan.grouped(layers, layers_per_group); None: the automatic plan.
     """
 
     model_dtype: str
@@ -68,6 +70,7 @@ class EngineOptions:
     lora: LoraOptions | None
     base_quantization: str = "none"
     max_gpu_memory_gib: float | None = None
+    layers_per_group: int | None = None
 
     @property
     def run_config(self) -> dict[str, Any]:
@@ -118,4 +121,5 @@ def spec_to_engine(spec: JobSpec) -> EngineOptions:
         lora=lora,
         base_quantization=spec.model.quantization,
         max_gpu_memory_gib=engine.max_gpu_memory_gib,
+        layers_per_group=engine.layers_per_group,
     )

@@ -14,6 +14,7 @@ __all__ = [
     "TERMINAL_STATUSES",
     "Checkpoint",
     "DataSection",
+    "DpoSection",
     "EngineSection",
     "Event",
     "File",
@@ -216,6 +217,7 @@ class TrainSection(_Model):
     checkpoint_interval: int | None = None
     keep_checkpoints: int | None = None
     method: str | None = None  # "full" | "lora"
+    objective: str | None = None  # "sft" | "dpo" (data format preference, the dpo section)
     sample_prompts: list[str] | None = None  # completed at every evaluation (`sample` events)
     sample_max_tokens: int | None = None
 
@@ -228,6 +230,7 @@ class EngineSection(_Model):
     optim_memory: str | None = None  # default | compact (docs/HOST_MEMORY_MODES.md)
     optim_grad_dtype: str | None = None  # float32 | model
     recompute_attention: bool | None = None
+    layers_per_group: int | None = None  # null: the automatic plan (docs/API.md)
     pin_model: str | None = None
     gpus: int | None = None
     async_step: bool | None = None
@@ -242,6 +245,11 @@ class LoraSection(_Model):
     merge: bool | None = None
 
 
+class DpoSection(_Model):
+    beta: float | None = None
+    label_smoothing: float | None = None
+
+
 class JobSpec(_Model):
     """What to train; `to_body()` sends only the fields that were set."""
 
@@ -253,6 +261,7 @@ class JobSpec(_Model):
     train: TrainSection | None = None
     engine: EngineSection | None = None
     lora: LoraSection | None = None
+    dpo: DpoSection | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> JobSpec:

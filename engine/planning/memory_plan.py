@@ -79,6 +79,9 @@ BUDGET_MARGIN = 0.05
 BUDGET_MARGIN_MIN_BYTES = GIB
 # scheduler.ModelExecutePlan.auto groups layers up to 1.1x the slowest one (the head).
 _GROUP_THRESHOLD = 1.1
+# Explicit group sizes a refusal may offer: two groups are in flight on a GPU, so larger
+# ones take GPU memory (a 70B NF4 layer packs to ~0.5 GB; an 8B bf16 layer is ~0.4 GB).
+_GROUP_SIZES_TO_OFFER = (2, 4)
 _ALIGN = 64  # memory.ARENA_ALIGN_BYTES
 _QBLOCK = 256  # engine.optim._q8.QBLOCK (that module imports torch)
 _PIECES_MIN_BYTES = 64 << 20  # transfer.PIECES_MIN_BYTES
@@ -296,10 +299,16 @@ class ModelShape:
         per_layer = sum(sum(shapes[m]) for m in target_modules if m in shapes)
         return rank * per_layer * self.num_hidden_layers
 
-    def backward_groups(self, grain: str) -> int:
-        """How many backward groups (each keeps its input) the automatic plan makes."""
+    def backward_groups(self, grain: str, layers_per_group: int | None = None) -> int:
+        """How many backward groups keep a hidden state as their input: the automatic
+        plan's, or with `layers_per_group` those of `ModelExecutePlan.grouped` over the
+        preset's layers (the embedding, the decoder layers, the head), less the first
+        group, whose input is the token ids."""
         if grain == "layer":
             return self.num_hidden_layers
+        if layers_per_group is not None:
+            groups = math.ceil((self.num_hidden_layers + 2) / layers_per_group)
+            return max(0, groups - 2)  # the fused tail keeps none; the first, token ids
         layer = sum(self.layer_tensors())
         head = self.vocab_size * self.hidden_size
         per_group = max(1, int(_GROUP_THRESHOLD * head / layer))
@@ -333,6 +342,8 @@ class RunShape:
     optim_memory: Literal["default", "compact"] = "default"  # compact: see the module doc
     # "nf4": the frozen projections are held packed (engine.adapters.nf4), LoRA only.
     base_quantization: Literal["none", "nf4"] = "none"
+    # Layers per group of an explicit ModelExecutePlan.grouped; None: the automatic plan.
+    layers_per_group: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,6 +429,16 @@ class HostMemoryPlan:
                     text = f"recompute_attention=true{label} ({format_gib(need)})"
                     out.append(("recompute_attention", text))
                     break
+        if run.recompute_grain == "stage" and run.layers_per_group is None:
+            for size in _GROUP_SIZES_TO_OFFER:
+                need = plan_host_memory(shape, replace(run, layers_per_group=size)).total_bytes
+                if need <= budget:
+                    text = (
+                        f"layers_per_group={size} (fewer backward groups keep fewer recompute "
+                        f"inputs: {format_gib(need)})"
+                    )
+                    out.append(("layers_per_group", text))
+                    break
         if run.trainable_params is None:
             need = plan_host_memory(shape, replace(run, trainable_params=shape.lora_params(16)))
             if need.total_bytes <= budget:
@@ -500,7 +521,9 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
     mb_tokens = run.tokens_per_step // run.num_microbatch
     boundary = _activation_pinned(mb_tokens * shape.hidden_size * mbytes, cuda)
     parts["activations"] = (
-        shape.backward_groups(run.recompute_grain) * run.num_microbatch * boundary
+        shape.backward_groups(run.recompute_grain, run.layers_per_group)
+        * run.num_microbatch
+        * boundary
     )
     if cuda and run.saved_attention:
         q_width = shape.num_attention_heads * shape.head_dim

@@ -37,6 +37,7 @@ _OPTION_FIELDS = {
     "optim_state_dtype": "engine.optim_state_dtype",
     "optim_memory": "engine.optim_memory",
     "recompute_attention": "engine.recompute_attention",
+    "layers_per_group": "engine.layers_per_group",
     "lora": "model",
     "tokens_per_step": "train.batch_size",
 }
@@ -98,6 +99,7 @@ def plan_for_spec(
         saved_attention=cuda and model_bytes == 2 and not options.recompute_attention,
         trainable_params=_lora_params(options, shape),
         base_quantization=options.base_quantization,  # type: ignore[arg-type]
+        layers_per_group=options.layers_per_group,
     )
     return plan_host_memory(shape, run)
 

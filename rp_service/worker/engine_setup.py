@@ -98,12 +98,27 @@ def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
     from engine.errors import ConfigError
 
     try:
-        return _wrap(hf_model, options)
+        rp = _wrap(hf_model, options)
     except ConfigError as exc:
         if exc.field != "max_gpu_memory":
             raise
         param = "engine.max_gpu_memory_gib" if options.max_gpu_memory_gib is not None else None
         raise JobFailure("gpu_memory_too_small", str(exc), param=param) from exc
+    if options.layers_per_group is not None:
+        _use_grouped_plan(rp, options.layers_per_group)
+    return rp
+
+
+def _use_grouped_plan(rp: Any, layers_per_group: int) -> None:
+    """Every call of `rp` runs groups of `layers_per_group` layers (engine.layers_per_group),
+    counted over the wrapped model's layers (the preset's embedding, decoder layers, head)."""
+    import dataclasses
+
+    from engine import ModelExecutePlan
+
+    plan = ModelExecutePlan.grouped(rp.num_layers, layers_per_group)
+    rp.model_run_config = dataclasses.replace(rp.model_run_config, execute_plan=plan)
+    log.info("layer groups of %d: %s", layers_per_group, plan)
 
 
 def _wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
