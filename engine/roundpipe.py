@@ -55,7 +55,13 @@ from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from .run_state import Act, RunState
 from .scheduler import ModelExecutePlan, RunType
 from .timer import ModelTimer
-from .transfer import LayerReplica, UploadedGroup, make_replica, upload_layers
+from .transfer import (
+    LayerReplica,
+    UploadedGroup,
+    kernel_written_buffers,
+    make_replica,
+    upload_layers,
+)
 
 __all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase"]
 
@@ -272,6 +278,7 @@ class RoundPipe(RoundPipeBase):
                 if rep is None:
                     rep = make_replica(self.layers[layer_id])
                     self._replicas[key] = rep
+        rep.follow_training_mode()
         return rep
 
     def upload_group(
@@ -343,7 +350,7 @@ class RoundPipe(RoundPipeBase):
     def _plan(self, run_type: RunType, cfg: FullRoundPipeRunConfig) -> ModelExecutePlan:
         if cfg.execute_plan is not None:
             cfg.execute_plan.check_valid(self.num_layers, run_type)
-            return cfg.execute_plan
+            return self._tail_in_one_job(cfg.execute_plan)
         updates = self.model_timer.updates
         # Re-planned after the 1st, 3rd and 10th timed iteration: by the 10th, the moving
         # average has forgotten the early iterations (host allocations, cold caches).
@@ -364,9 +371,25 @@ class RoundPipe(RoundPipeBase):
             # stays as planned then.
             if run_type == "fused" and single and cfg.recompute_grain == "stage":
                 plan = self._widen_tail(plan)
+            plan = self._tail_in_one_job(plan)
             self._plans[key] = plan
             log.debug("%s: %s plan %s", self.name, run_type, plan)
         return plan
+
+    def _tail_in_one_job(self, plan: ModelExecutePlan) -> ModelExecutePlan:
+        """`plan` with its fused tail in one job if a tail layer writes a buffer: the jobs of
+        a split tail run at once on several devices, each would update its own copy (a
+        BatchNorm's running statistics) and the last one downloaded would win. Python
+        writes show at the first call's download; the first call never splits the tail
+        (the split needs measured times)."""
+        if plan.tail_split == 1:
+            return plan
+        written = {j for (_, j), rep in self._replicas.items() if rep.wrote_buffers}
+        tail = plan.fwd_plan[-1]
+        if not any(j in written or kernel_written_buffers(self.layers[j]) for j in tail):
+            return plan
+        log.debug("%s: the fused tail writes buffers; it runs in one job", self.name)
+        return ModelExecutePlan.from_ranges(plan.fwd_plan, plan.bwd_plan)
 
     def _widen_tail(self, plan: ModelExecutePlan) -> ModelExecutePlan:
         """On one GPU, the automatic fused plan with the top backward group's layers moved

@@ -38,6 +38,7 @@ __all__ = [
     "async_d2h",
     "async_h2d",
     "download_buffers",
+    "kernel_written_buffers",
     "make_replica",
     "piece_sizes",
     "release_group",
@@ -70,6 +71,20 @@ class LayerReplica:
     params: list[tuple[nn.Parameter, nn.Parameter]]  # (host, placeholder)
     buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (host, placeholder)
     after_upload: list[Any] = field(default_factory=list)  # AFTER_UPLOAD_HOOK methods
+    # ids of host buffers that torch's own kernels write in place without bumping the
+    # version counter (running statistics of batch and instance norms): downloaded after
+    # every job, since a changed version cannot show their writes.
+    kernel_written: frozenset[int] = frozenset()
+    # (host submodule, its twin): the twins follow the host's train()/eval() at every job
+    modules: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
+    wrote_buffers: bool = False  # a job has downloaded a buffer this layer changed
+
+    def follow_training_mode(self) -> None:
+        """Set each twin's `training` to its host module's (a replica is made once, the
+        mode may change between calls: dropout and batch norm read it)."""
+        for host, twin in self.modules:
+            if twin.training != host.training:
+                twin.training = host.training
 
 
 def make_replica(layer: nn.Module) -> LayerReplica:
@@ -91,7 +106,19 @@ def make_replica(layer: nn.Module) -> LayerReplica:
     hooks = [
         getattr(m, AFTER_UPLOAD_HOOK) for m in module.modules() if hasattr(m, AFTER_UPLOAD_HOOK)
     ]
-    return LayerReplica(module, params, buffers, hooks)
+    pairs = list(zip(layer.modules(), module.modules(), strict=True))
+    return LayerReplica(module, params, buffers, hooks, kernel_written_buffers(layer), pairs)
+
+
+def kernel_written_buffers(layer: nn.Module) -> frozenset[int]:
+    """ids of the running mean and variance of `layer`'s batch and instance norms: the
+    batch_norm kernel updates them in place and leaves their version counter as it was
+    (num_batches_tracked is a Python `+= 1`, which counts)."""
+    ids: set[int] = set()
+    for m in layer.modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            ids.update(id(b) for b in (m.running_mean, m.running_var) if b is not None)
+    return frozenset(ids)
 
 
 @dataclass
@@ -245,14 +272,17 @@ def download_buffers(
     """Copy buffers the forward changed back to the host.
 
     Unchanged buffers (the usual case: rotary tables, masks) are detected by their version
-    counter and skipped. With `saved_buffers`, a changed buffer's previous host value is
-    kept there first, so the recompute replays the forward from the same state.
+    counter and skipped; the norms' running statistics, which the kernel writes without
+    counting a version, always come back. With `saved_buffers`, a changed buffer's previous
+    host value is kept there first, so the recompute replays the forward from the same state.
     """
     changed: list[tuple[torch.Tensor, torch.Tensor]] = []
     for rep in group.replicas:
         for host, bh in rep.buffers:
-            if bh._version != group.buffer_versions.get(id(host), bh._version):
+            written = id(host) in rep.kernel_written and rep.module.training
+            if written or bh._version != group.buffer_versions.get(id(host), bh._version):
                 changed.append((host, bh))
+                rep.wrote_buffers = True
     if not changed:
         return
     if saved_buffers is not None:
