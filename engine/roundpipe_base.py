@@ -91,22 +91,30 @@ class RoundPipeBase(nn.Module):
                     return getattr(target, name)
             raise
 
+    def _mirrors(self, name: str) -> list[nn.Module]:
+        """Where a write of attribute `name` goes once initialised: the wrapped model and the
+        original one (reads fall through to them), unless `name` is this wrapper's own (set
+        in its __init__, or a class attribute such as a property or method)."""
+        if not self.__dict__.get("_rp_initialized") or name in self.__dict__:
+            return []
+        if hasattr(type(self), name) or name in self._modules or name in self._parameters:
+            return []
+        targets = (self.__dict__.get("original_model"), self._modules.get("model"))
+        return [t for t in dict.fromkeys(targets) if t is not None]
+
     def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_rp_initialized") and name not in self.__dict__:
-            orig = self.__dict__.get("original_model")
-            if (
-                orig is not None
-                and not isinstance(value, (nn.Module, nn.Parameter))
-                and hasattr(orig, name)
-            ):
-                setattr(orig, name, value)
-                return
+        targets = self._mirrors(name)
+        if targets and not isinstance(value, (nn.Module, nn.Parameter)):
+            for target in targets:
+                setattr(target, name, value)
+            return
         super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
-        orig = self.__dict__.get("original_model")
-        if self.__dict__.get("_rp_initialized") and orig is not None and hasattr(orig, name):
-            delattr(orig, name)
+        holders = [t for t in self._mirrors(name) if hasattr(t, name)]
+        if holders:
+            for target in holders:
+                delattr(target, name)
             return
         super().__delattr__(name)
 

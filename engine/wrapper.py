@@ -116,7 +116,8 @@ def wrap_model_to_roundpipe(
         model: The model to wrap; its modules are reused, not copied.
         use_sequential_preset: None: use the preset of `config.model_type` if there is
             one, else the auto-split. True: the preset or an error. False: the auto-split.
-        lower_threshold: Modules smaller than this (bytes) stay on the host, unwrapped.
+        lower_threshold: Modules smaller than this (bytes) stay on the host, unwrapped (an
+            `nn.Sequential` model itself is always a RoundPipe).
         upper_threshold: Modules larger than this (bytes) are split into their children.
             Default: the model's size / (number of devices + 1).
         skip_modules: Modules left untouched by the auto-split.
@@ -155,6 +156,10 @@ def wrap_model_to_roundpipe(
         )
     if upper_threshold is None:
         upper_threshold = get_model_size(model) // (get_num_devices() + 1)
+    if isinstance(model, nn.Sequential):
+        # Already the form RoundPipe runs: one RoundPipe over its children, however small
+        # (the thresholds decide how to split a model that is not a Sequential).
+        lower_threshold = 0
     wrapped = wrap_model_recursive(
         model,
         lower_threshold,

@@ -143,6 +143,14 @@ def test_sequential_root_becomes_one_roundpipe() -> None:
     out = wrapper.wrap_model_to_roundpipe(seq, lower_threshold=0)
     assert isinstance(out, FakeRoundPipe) and not isinstance(out, FakeAutoRoundPipe)
     assert out.model is seq
+    # below the default lower threshold (16 KiB) too: it is already in Sequential form
+    tiny = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    out = wrapper.wrap_model_to_roundpipe(tiny, use_sequential_preset=False)
+    assert isinstance(out, FakeRoundPipe) and not isinstance(out, FakeAutoRoundPipe)
+    assert out.model is tiny
+    # skipped, it stays as it is, under an AutoRoundPipe
+    out = wrapper.wrap_model_to_roundpipe(tiny, skip_modules=[tiny])
+    assert isinstance(out, FakeAutoRoundPipe)
 
 
 def test_auto_split_output_matches_the_model() -> None:
