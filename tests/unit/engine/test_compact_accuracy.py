@@ -4,14 +4,16 @@ against the fp32-master path (the same bf16 compute, fp32 masters and fp32 momen
 
 Both runs compute the forward and backward in bf16, as RoundPipe does on the GPUs with a bf16
 model; only what the optimizer keeps differs, so the test measures the mode itself. One
-run's loss lands 2-4% from another's that differs by a rounding, so the bounds apply to
-the mean over SEEDS (each seed: the initialisation and the batch order). The README and
-docs/HOST_MEMORY_MODES.md quote what this measured.
+run's loss lands about 1% (train) and 2% (valid) from another's that differs by a rounding
+at lr 1e-3 (3.6-3.8% at 3e-3, where six seeds drew +1.9% on one CPU and -0.6% on another),
+so the bounds apply to the mean over SEEDS (each seed: the initialisation and the batch
+order), run in two processes. docs/HOST_MEMORY_MODES.md has the measurements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import concurrent.futures
+import multiprocessing
 
 import pytest
 import torch
@@ -22,10 +24,12 @@ from rp_service.demo import synthetic_records
 
 SEQ, BATCH, STEPS, TAIL = 64, 8, 300, 30
 VOCAB = 256  # bytes
+LR = 1e-3
 REL_BOUND = 0.01  # the issue's 1%, on the mean over the seeds
-# Six seeds is what ~90 s of CI allows; their mean still has a ~1.5% standard error
-# (docs/HOST_MEMORY_MODES.md: 16 seeds measured -0.6% train, -0.5% valid).
-SEEDS = tuple(range(6))
+# Twelve seeds in two processes, ~80 s on 2 cores: their mean has a ~0.3% (train) and
+# ~0.5% (valid) standard error (docs/HOST_MEMORY_MODES.md: 24 seeds measured -0.1% and +0.3%).
+SEEDS = tuple(range(12))
+PROCESSES = 2
 
 
 def _tokens(records: list[dict[str, str]]) -> torch.Tensor:
@@ -61,7 +65,7 @@ def _train(
     """One run; `seed` picks the initialisation and the batch order."""
     model = _model(seed)
     params = list(model.parameters())
-    hyper = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.01}
+    hyper = {"lr": LR, "betas": (0.9, 0.95), "weight_decay": 0.01}
     if mode.startswith("compact"):
         masters = params  # the bf16 weights are the masters
         opt = eo.Adam(params, decoupled_weight_decay=True, state_dtype=torch.uint8, **hyper)
@@ -90,22 +94,22 @@ def _train(
     return losses, val
 
 
-@pytest.fixture(scope="module")
-def runs() -> Iterator[dict[str, list[tuple[list[float], float]]]]:
-    """Each mode's runs, one per seed of SEEDS."""
-    threads = torch.get_num_threads()
+def _train_seed(seed: int) -> dict[str, tuple[list[float], float]]:
+    """Both modes at one seed, on one thread (a worker process's task)."""
     torch.set_num_threads(1)  # tiny model: more threads only cost on a loaded CI box
     eo.set_num_threads(1)
-    try:
-        train = _tokens(synthetic_records(2000))
-        valid = _tokens(synthetic_records(64, valid=True))
-        yield {
-            mode: [_train(mode, train, valid, seed) for seed in SEEDS]
-            for mode in ("fp32_master", "compact")
-        }
-    finally:
-        torch.set_num_threads(threads)
-        eo.set_num_threads(None)
+    train = _tokens(synthetic_records(2000))
+    valid = _tokens(synthetic_records(64, valid=True))
+    return {mode: _train(mode, train, valid, seed) for mode in ("fp32_master", "compact")}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[tuple[list[float], float]]]:
+    """Each mode's runs, one per seed of SEEDS (the seeds shared over PROCESSES)."""
+    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+    with concurrent.futures.ProcessPoolExecutor(PROCESSES, mp_context=context) as pool:
+        by_seed = list(pool.map(_train_seed, SEEDS))
+    return {mode: [seed_runs[mode] for seed_runs in by_seed] for mode in by_seed[0]}
 
 
 def _final(losses: list[float]) -> float:
@@ -124,10 +128,10 @@ def test_the_run_learns(runs) -> None:
 def test_compact_train_loss_within_one_percent(runs) -> None:
     ref = _mean([_final(losses) for losses, _ in runs["fp32_master"]])
     got = _mean([_final(losses) for losses, _ in runs["compact"]])
-    assert abs(got - ref) / ref < REL_BOUND, ("train", ref, got)  # measured: -0.5%
+    assert abs(got - ref) / ref < REL_BOUND, ("train", ref, got)  # measured: +0.1%
 
 
 def test_compact_valid_loss_within_one_percent(runs) -> None:
     ref = _mean([val for _, val in runs["fp32_master"]])
     got = _mean([val for _, val in runs["compact"]])
-    assert abs(got - ref) / ref < REL_BOUND, ("valid", ref, got)  # measured: -0.8%
+    assert abs(got - ref) / ref < REL_BOUND, ("valid", ref, got)  # measured: +0.0%
