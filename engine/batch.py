@@ -12,7 +12,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+from torch.distributed.pipelining.microbatch import (
+    TensorChunkSpec,
+    _CustomReducer,
+    _Replicate,
+    sum_reducer,
+)
 from torch.utils import _pytree as pytree
 
 from .errors import ConfigError, SplitError
@@ -26,6 +31,7 @@ __all__ = [
     "merge_outputs",
     "split_args_kwargs",
     "split_label",
+    "sum_reducer",
 ]
 
 
@@ -168,8 +174,10 @@ def split_label(label: Any, num_microbatch: int, split_spec: Any, batch: int | N
 def merge_outputs(outputs: list[Any], merge_output: Any) -> Any:
     """Merge per-micro-batch outputs: concatenate batched tensors, keep equal values.
 
-    `merge_output` may be True (automatic), a callable over the list, or a spec tree of
-    TensorChunkSpec(dim) / _Replicate mirroring one output.
+    `merge_output` may be True (automatic), a callable over the list, or a spec tree
+    mirroring one output of TensorChunkSpec(dim) (concatenate along dim), _Replicate (the
+    first micro-batch's) and reducers (`avg_reducer`, torch's `sum_reducer`, any
+    `_CustomReducer`: folded over the micro-batches in order).
     """
     if callable(merge_output) and not isinstance(merge_output, (bool, tuple, list, dict)):
         return merge_output(outputs)
@@ -192,6 +200,11 @@ def merge_outputs(outputs: list[Any], merge_output: Any) -> Any:
 
 
 def _merge_column(column: list[Any], spec: Any) -> Any:
+    if isinstance(spec, _CustomReducer):
+        reduced = spec.init_value
+        for value in column:
+            reduced = spec.reduce_fn(reduced, value)
+        return reduced
     first = column[0]
     if isinstance(first, torch.Tensor):
         if spec is _Replicate:
@@ -205,20 +218,34 @@ def _merge_column(column: list[Any], spec: Any) -> Any:
     return list(column)
 
 
-class AvgReducer:
-    """Running mean of scalar losses across micro-batches (reset by passing None)."""
+class AvgReducer(_CustomReducer):
+    """Running mean of scalar losses across micro-batches: a merge_output spec that averages
+    (its fold starts from None, which resets the running sum and count)."""
 
     def __init__(self) -> None:
+        super().__init__(None, self.reduce)
         self.sum: torch.Tensor | None = None
         self.count = 0
+        self._last: torch.Tensor | None = None  # what the fold in progress was given back
 
     def reduce(self, reduced_val: torch.Tensor | None, new_val: torch.Tensor) -> torch.Tensor:
-        """Fold `new_val` into the running mean and return the mean."""
+        """Fold `new_val` into the running mean and return the mean.
+
+        Raises:
+            AssertionError: `reduced_val` is not the mean this reducer returned last: the
+                same instance is folding two reductions at once (give each an AvgReducer()).
+        """
         if reduced_val is None:
             self.sum, self.count = None, 0
+        elif reduced_val is not self._last:
+            raise AssertionError(
+                "this AvgReducer is folding two reductions at the same time; use one "
+                "AvgReducer() per reduction"
+            )
         self.sum = new_val.detach().clone() if self.sum is None else self.sum + new_val.detach()
         self.count += 1
-        return self.sum / self.count
+        self._last = self.sum / self.count
+        return self._last
 
 
 avg_reducer = AvgReducer()

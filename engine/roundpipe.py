@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from .accel import graphs
 from .accel.weight_buffers import attach_second_copies
 from .attribute import LayerAttribute, ParamAttribute, resolve_optim_memory
-from .autograd_bridge import attach_backward, backprop_to_inputs
+from .autograd_bridge import attach_backward, attach_backward_packed, backprop_to_inputs
 from .batch import (
     RoundPipePackedData,
     guess_split_spec,
@@ -491,6 +491,8 @@ class RoundPipe(RoundPipeBase):
         synchronize_optim()
         outputs = [a.rebuild(a.leaves) for a in run.outputs if a is not None]
         if cfg.merge_output is False:
+            if wants_grad:
+                outputs = attach_backward_packed(self, run, outputs, args, kwargs, specs)
             return RoundPipePackedData(outputs)
         merged = merge_outputs(outputs, cfg.merge_output)
         if wants_grad:
