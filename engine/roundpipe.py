@@ -664,6 +664,8 @@ class AutoRoundPipe(RoundPipeBase):
         for p in model.parameters():
             if not ParamAttribute.has(p):
                 ParamAttribute.set(p, 0, optim_dtype or p.dtype, optim_grad_dtype)
+        # id(loose parameter) -> (the .grad synchronize() left, its version then)
+        object.__setattr__(self, "_grad_mirrors", {})
         object.__setattr__(self, "_rp_initialized", True)
 
     def _loose_params(self) -> list[tuple[nn.Parameter, ParamAttribute]]:
@@ -696,12 +698,7 @@ class AutoRoundPipe(RoundPipeBase):
         if not callable(step_fn):
             raise ConfigError(f"step_fn must be callable, got {type(step_fn).__name__}")
         check_optim_error()
-        # Host-side autograd left the loose gradients in .grad: hand them to the optimizer.
-        for p, pa in self._loose_params():
-            if p.grad is not None:
-                pa.grad_host = p.grad
-                pa.grad_pending = True
-                p.grad = None
+        self._take_loose_grads()
         events = [*self.module_param_uploaded_events, *self.module_gradient_ready_events]
         for e in events:
             e.clear()
@@ -709,6 +706,27 @@ class AutoRoundPipe(RoundPipeBase):
         launch_optim_kernel(self._auto_step_kernel, step_fn, args, kwargs, not is_async)
         if not is_async:
             synchronize_optim()
+
+    def _take_loose_grads(self) -> None:
+        """Hand the loose parameters' .grad (host autograd's) to the optimizer side.
+
+        After synchronize() a loose .grad mirrors the optimizer-side gradient, which holds it
+        already: left as it was, nothing is added again; accumulated into by another
+        backward, it is the whole gradient now; replaced or cleared (zero_grad), the sum
+        it mirrored goes with it.
+        """
+        mirrors = self._grad_mirrors
+        for p, pa in self._loose_params():
+            mirror = mirrors.pop(id(p), None)
+            if mirror is not None:
+                tensor, version = mirror
+                if p.grad is tensor and tensor._version == version:
+                    p.grad = None
+                    continue
+                if pa.optim is not None:
+                    pa.optim.grad = None
+            if p.grad is not None:
+                pa.grad_host, pa.grad_pending, p.grad = p.grad, True, None
 
     def _auto_step_kernel(
         self, step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], sync: bool
@@ -743,15 +761,17 @@ class AutoRoundPipe(RoundPipeBase):
                 if pa.optim is not None:
                     p.data.copy_(pa.optim.data)
             object.__setattr__(self, "_optim_ahead", False)
+        self._take_loose_grads()
+        loose_ids = {id(p) for p, _ in loose}
         for p, pa in self._all_params():
-            if p.grad is not None and id(p) in {id(q) for q, _ in loose}:
-                pa.grad_host, pa.grad_pending, p.grad = p.grad, True, None
             pa.fold_grad()
             p.grad = (
                 pa.optim.grad.detach().to(p.dtype, copy=True)
                 if pa.optim is not None and pa.optim.grad is not None
                 else None
             )
+            if p.grad is not None and id(p) in loose_ids:
+                self._grad_mirrors[id(p)] = (p.grad, p.grad._version)
 
     def sync_optim_param(self) -> None:
         """Copy every newer optimizer-side weight into the model."""

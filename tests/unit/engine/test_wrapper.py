@@ -206,3 +206,46 @@ def test_auto_split_trains_like_plain_pytorch(
     for name, p in ref.named_parameters():
         key = next(k for k in trained if k.replace("model.", "") == name.replace("model.", ""))
         torch.testing.assert_close(trained[key].detach(), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("between", ["nothing", "another backward", "zero_grad"])
+def test_auto_split_gradients_after_synchronize_count_once(
+    monkeypatch: pytest.MonkeyPatch, between: str, cpu3: int
+) -> None:
+    """synchronize() shows the loose parameters' gradients in .grad; the next step adds
+    them once (a second backward accumulates on top, zero_grad drops them), as in PyTorch.
+    The loose ones follow the model's own zero_grad() too; the streamed ones keep theirs
+    on the optimizer side, which the wrapper's zero_grad() clears."""
+    import copy
+
+    monkeypatch.undo()
+    from engine import AutoRoundPipe
+
+    torch.manual_seed(0)
+    ref = Net()
+    auto = wrapper.wrap_model_to_roundpipe(
+        copy.deepcopy(ref), lower_threshold=1024, upper_threshold=60_000, name="net"
+    )
+    assert isinstance(auto, AutoRoundPipe) and auto._loose_params()  # the norm, the scale
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(auto.optim_parameters(), lr=0.1)
+    x = torch.randint(0, 1000, (4, 5), generator=torch.Generator().manual_seed(0))
+    for model in (ref, auto):
+        model(x).square().mean().backward()
+    auto.synchronize()
+    for name, p in auto.model.named_parameters():  # the gradients, as in PyTorch
+        ref_p = dict(ref.named_parameters())[name.replace("model.", "")]
+        torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    if between == "another backward":
+        for model in (ref, auto):
+            model(x).square().mean().backward()
+    elif between == "zero_grad":
+        ref.zero_grad()
+        auto.zero_grad()
+    ref_opt.step()
+    auto.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    auto.synchronize()
+    trained = dict(auto.model.named_parameters())
+    for name, p in ref.named_parameters():
+        key = next(k for k in trained if k.replace("model.", "") == name.replace("model.", ""))
+        torch.testing.assert_close(trained[key].detach(), p.detach(), rtol=1e-5, atol=1e-6)
