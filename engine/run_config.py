@@ -19,7 +19,7 @@ RecomputeGrain = Literal["stage", "layer"]
 _GRAINS = ("stage", "layer")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, slots=True)  # positional too, in the seeds' order of arguments
 class RoundPipeRunConfig:
     """Settings for running a RoundPipe model; None everywhere means "inherit".
 

@@ -134,3 +134,35 @@ def test_malformed_custom_splitter(cpu3: int) -> None:
         rp(x, roundpipe_run_config=bad)
     with torch.no_grad(), pytest.raises(AssertionError):  # the seeds' documented type
         rp(x, roundpipe_run_config=bad)
+
+
+def test_run_config_takes_the_seeds_order_of_arguments() -> None:
+    """RoundPipeRunConfig(requires_grad, output_device, preserve_rng_state, recompute_grain,
+    num_microbatch, split_input, split_label, merge_output, execute_plan), as the seeds
+    give its __init__; it stays frozen (a per-call config is merged, never changed)."""
+    import dataclasses
+    import inspect
+
+    from engine import RoundPipeRunConfig
+
+    names = list(inspect.signature(RoundPipeRunConfig).parameters)
+    assert names[:9] == [
+        "requires_grad",
+        "output_device",
+        "preserve_rng_state",
+        "recompute_grain",
+        "num_microbatch",
+        "split_input",
+        "split_label",
+        "merge_output",
+        "execute_plan",
+    ]
+    cfg = RoundPipeRunConfig(None, "cpu", False, "layer", 4)
+    assert (cfg.output_device, cfg.preserve_rng_state, cfg.recompute_grain) == (
+        "cpu",
+        False,
+        "layer",
+    )
+    assert cfg.num_microbatch == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_microbatch = 8  # type: ignore[misc]
