@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..data.datasets import TokenBlocks
 
-__all__ = ["MAX_EVAL_BLOCKS", "evaluate"]
+__all__ = ["MAX_EVAL_BLOCKS", "evaluate", "evaluating"]
 
 MAX_EVAL_BLOCKS = 256  # validation sequences per evaluation (the first ones, in order)
 _EVAL_LOGITS = 1 << 28  # logits elements per evaluation forward
+
+
+@contextlib.contextmanager
+def evaluating(rp: Any) -> Iterator[None]:
+    """`rp` in eval mode for a validation loss or samples (dropout off, as a trainer
+    evaluates: a LoRA job's lora.dropout would otherwise draw in every evaluation forward),
+    back in training mode after."""
+    rp.eval()
+    try:
+        yield
+    finally:
+        rp.train()
 
 
 def evaluate(rp: Any, valid: TokenBlocks, *, vocab_size: int, batch_size: int) -> float:

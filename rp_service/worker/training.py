@@ -47,7 +47,7 @@ from ..schemas import JobSpec
 from ..spec_to_engine import spec_to_engine
 from . import checkpoint as ckpt
 from .engine_setup import apply_lora, check_host_memory, make_optimizer, wrap
-from .evaluation import evaluate
+from .evaluation import evaluate, evaluating
 from .meter import Emit, Meter
 from .modeling import build_model
 from .output import MERGED_DIR, save_output
@@ -470,10 +470,12 @@ class _Run:
             valid_loss = None
             eval_step = train.eval_interval > 0 and step % train.eval_interval == 0
             if self.valid is not None and (eval_step or step == self.total_steps):
-                valid_loss = self.evaluate()
+                with evaluating(self.rp):
+                    valid_loss = self.evaluate()
             self.meter.flush(valid_loss=valid_loss)
             if train.sample_prompts and (eval_step or step == self.total_steps):
-                self.emit("sample", *self.sample(step))
+                with evaluating(self.rp):
+                    self.emit("sample", *self.sample(step))
             checkpoint = train.checkpoint_interval > 0 and step % train.checkpoint_interval == 0
             if checkpoint or pausing or step == self.total_steps:
                 self.save_checkpoint(step, next_model)

@@ -178,3 +178,28 @@ def test_the_event_decodes_each_completion_with_its_prompt() -> None:
     for sample, ids in zip(data["samples"], raw, strict=True):
         assert sample["completion"] == tokenizer.decode(ids.ids)
         assert sample["tokens"] == len(ids.ids) and sample["finish_reason"] == ids.finish_reason
+
+
+def test_evaluations_run_without_the_adapters_dropout() -> None:
+    """A LoRA job's lora.dropout draws in training mode; its validation loss and samples run
+    in eval mode (worker.evaluation.evaluating), the same at every call, and training
+    resumes in training mode."""
+    from rp_service.worker.evaluation import evaluating
+
+    model = tiny("qwen3").train()
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0, dropout=0.5))
+    with torch.no_grad():
+        for _, module in lora_modules(model):
+            module.lora_B.weight.normal_(std=0.2)
+    rp = wrap_model_to_roundpipe(model)
+    ids = torch.tensor(PROMPTS[0] * 2).view(2, 7).repeat(3, 1)
+    with torch.no_grad():
+        drawn = [rp(ids).logits for _ in range(2)]  # dropout on: two draws
+        assert not torch.equal(drawn[0], drawn[1])
+        with evaluating(rp):
+            assert not rp.training
+            clean = [rp(ids).logits for _ in range(2)]
+        assert rp.training
+        again = rp(ids).logits
+    torch.testing.assert_close(clean[0], clean[1], rtol=0, atol=0)
+    assert not torch.equal(again, clean[0])
