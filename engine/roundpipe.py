@@ -429,6 +429,12 @@ class RoundPipe(RoundPipeBase):
             specs = None
             batch = None
         else:
+            if any(isinstance(x, RoundPipePackedData) for x in pytree.tree_leaves((args, kwargs))):
+                raise ConfigError(
+                    "a RoundPipePackedData (merge_output=False outputs) is taken as the only "
+                    "input, rp(packed); to pass more arguments, merge it first (merge_output "
+                    "left on) or let the model before return them with it"
+                )
             rows, batch = split_args_kwargs(args, kwargs, cfg.num_microbatch, cfg.split_input)
             specs = None
             if not callable(cfg.split_input) or isinstance(cfg.split_input, (tuple, list)):

@@ -119,3 +119,13 @@ def test_an_avg_reducer_folds_one_reduction_at_a_time() -> None:
     assert float(other) == 5.0 and reducer.count == 1
     with pytest.raises(AssertionError, match="one AvgReducer"):
         reducer.reduce(mean, torch.tensor(1.0))  # a fold that another one interrupted
+
+
+def test_a_packed_input_among_other_arguments_is_refused(cpu3: int) -> None:
+    first, second = _pair()
+    a = RoundPipe(first, model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    b = RoundPipe(second, model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    with torch.no_grad():
+        packed = a(torch.randn(9, 4), roundpipe_run_config=PACKED)
+        with pytest.raises(ConfigError, match="only input"):
+            b(packed, torch.ones(9))
