@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import tempfile
@@ -36,7 +37,23 @@ def _settings() -> Settings:
         raise _refuse("; ".join(problems)) from None
 
 
-def main() -> None:
+def _parse_args(argv: list[str] | None) -> None:
+    """`--help` lists the settings; the daemon takes no other argument (a typo, or an option
+    meant for `rp serve`, is refused before anything starts or is written)."""
+    names = ", ".join(f"RP_{name.upper()}" for name in Settings.model_fields)
+    parser = argparse.ArgumentParser(
+        prog="python -m rp_service",
+        description="The RoundPipe training daemon. Settings come from RP_ environment "
+        "variables (defaults: 127.0.0.1:8321, data in ./rp-data, a bearer token written to "
+        "<data dir>/token); docs/SERVICE.md describes each. `rp serve` starts it with "
+        "options.",
+        epilog=f"Settings: {names}.",
+    )
+    parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _parse_args(argv)
     settings = _settings()
     logging.basicConfig(
         level=settings.log_level.upper(),

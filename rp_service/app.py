@@ -27,7 +27,13 @@ from rp_service.api import openai as openai_api
 from rp_service.api.deps import Services
 from rp_service.api.metrics import build_registry
 from rp_service.datadir import DataDir
-from rp_service.errors import InvalidRequest, JobFailure, ServiceError
+from rp_service.errors import (
+    BODY_NOT_AN_OBJECT,
+    InvalidRequest,
+    JobFailure,
+    ServiceError,
+    body_is_not_an_object,
+)
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.files import FileService
 from rp_service.jobs.orchestrator import Orchestrator
@@ -279,6 +285,8 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
                 f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'decode error')}"
             )
             param = None
+        elif body_is_not_an_object(err):
+            message, param = BODY_NOT_AN_OBJECT, None
         else:
             param = _param(tuple(err.get("loc", ())))
         details.append({"param": param, "message": message})

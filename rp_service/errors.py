@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BODY_NOT_AN_OBJECT",
     "BadRequest",
     "Conflict",
     "DiskFull",
@@ -24,7 +25,19 @@ __all__ = [
     "ServiceError",
     "TooManyRequests",
     "Unauthorized",
+    "body_is_not_an_object",
 ]
+
+BODY_NOT_AN_OBJECT = (
+    "the body must be a JSON object; send it as JSON with the header Content-Type: application/json"
+)
+
+
+def body_is_not_an_object(error: dict[str, Any]) -> bool:
+    """Whether a request validation error says the whole body is no mapping (a form-encoded
+    body, curl -d without a content type; a JSON list)."""
+    kinds = ("model_attributes_type", "model_type", "dict_type")
+    return tuple(error.get("loc", ())) == ("body",) and error.get("type") in kinds
 
 
 class ServiceError(Exception):

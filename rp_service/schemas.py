@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import (
@@ -75,6 +76,23 @@ EventLevel = Literal["info", "warning", "error"]
 FileFormat = Literal["text", "chat", "prompt_completion", "preference"]
 DType = Literal["float32", "float16", "bfloat16"]
 ConfigValue = int | float | str | bool | None | list[int | float | str | bool | None]
+# Shape fields of a preset's config: whole numbers the model's tensors are built from (and
+# the host-memory plan counts), each in 1..2**31; the two HF derives when null may be null.
+_CONFIG_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+)
+_CONFIG_NULLABLE = ("num_key_value_heads", "head_dim")
+_MAX_CONFIG_SIZE = 1 << 31
 
 
 class _Section(BaseModel):
@@ -105,6 +123,23 @@ class ModelSection(_Section):
         description="nf4: the frozen base's linear weights held 4-bit in host memory "
         "(QLoRA, docs/QLORA.md); needs train.method lora.",
     )
+
+    @field_validator("config")
+    @classmethod
+    def _sizes_and_finite_numbers(cls, config: dict[str, ConfigValue]) -> dict[str, ConfigValue]:
+        for key, value in config.items():
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ValueError(f"model.config.{key} is {value!r}; give a finite number")
+            if key not in _CONFIG_SIZES or (value is None and key in _CONFIG_NULLABLE):
+                continue
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if not whole or not 1 <= value <= _MAX_CONFIG_SIZE:  # type: ignore[operator]
+                raise ValueError(
+                    f"model.config.{key} must be a whole number from 1 to {_MAX_CONFIG_SIZE}, "
+                    f"got {value!r}"
+                )
+        return config
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:

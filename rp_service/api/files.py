@@ -52,7 +52,8 @@ async def upload_file(
     file: UploadFile,
     files: FilesDep,
     format: Annotated[
-        Literal["auto", "text", "chat", "prompt_completion"], Form(description="jsonl format")
+        Literal["auto", "text", "chat", "prompt_completion", "preference"],
+        Form(description="jsonl format (preference: DPO pairs)"),
     ] = "auto",
     purpose: Annotated[
         str | None, Form(max_length=100, description='OpenAI\'s files API: "fine-tune"')

@@ -185,7 +185,7 @@ class FileService:
     def get(self, file_id: str) -> FileRecord:
         record = self.store.get_file(file_id)
         if record is None:
-            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+            raise NotFound(f"no file with id {file_id!r}", code="file_not_found", param="file_id")
         return record
 
     def list(self, *, after: str | None, limit: int) -> tuple[list[FileRecord], bool]:
@@ -194,6 +194,6 @@ class FileService:
     def delete(self, file_id: str) -> FileRecord:
         record = self.store.delete_file(file_id)
         if record is None:
-            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+            raise NotFound(f"no file with id {file_id!r}", code="file_not_found", param="file_id")
         Path(record.path).unlink(missing_ok=True)
         return record

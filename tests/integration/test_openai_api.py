@@ -484,6 +484,16 @@ def test_an_idempotency_key_returns_the_same_job(fake_daemon: Daemon) -> None:
             model=MODEL, training_file=file_id, suffix="other", extra_headers=key
         )
     assert info.value.response.headers["x-should-retry"] == "false"
+    # with a seed given, metadata alone differs (the OpenAI object's, not the native spec's):
+    # still another body
+    key = {"Idempotency-Key": f"seeded-{time.monotonic_ns()}"}
+    made = dict(model=MODEL, training_file=file_id, seed=7, extra_headers=key)
+    first = client.fine_tuning.jobs.create(**made, metadata={"run": "a"})  # type: ignore[arg-type]
+    with pytest.raises(openai.ConflictError) as info:
+        client.fine_tuning.jobs.create(**made, metadata={"run": "b"})  # type: ignore[arg-type]
+    assert info.value.body["code"] == "idempotency_key_reused"  # type: ignore[index]
+    again = client.fine_tuning.jobs.create(**made, metadata={"run": "a"})  # type: ignore[arg-type]
+    assert again.id == first.id
 
 
 def test_a_supervised_lora_method_makes_a_lora_job(fake_daemon: Daemon) -> None:

@@ -104,7 +104,10 @@ def test_upload_and_train_on_a_file(service_daemon: Daemon) -> None:
             "object": "file",
             "deleted": True,
         }
-        assert c.get(f"/v1/files/{f['id']}").status_code == 404
+        gone = c.get(f"/v1/files/{f['id']}")
+        assert gone.status_code == 404
+        assert gone.json()["error"]["code"] == "file_not_found"  # as job_not_found for jobs
+        assert c.delete(f"/v1/files/{f['id']}").json()["error"]["code"] == "file_not_found"
 
 
 def _error(r: httpx.Response, status: int) -> dict:

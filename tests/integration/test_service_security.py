@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.integration.service_daemon import HERE, REPO, Daemon, free_port, spec
 
@@ -403,3 +404,25 @@ def test_openai_model_paths_check_the_roots_before_reading(make_daemon, tmp_path
         )
     }
     assert len(messages) == 1  # outside and missing read alike
+
+
+@pytest.mark.parametrize(("argv", "status"), [(["--help"], 0), (["--port", "9"], 2)])
+def test_the_daemon_prints_help_and_refuses_arguments(
+    tmp_path: Path, argv: list[str], status: int
+) -> None:
+    """`python -m rp_service --help` lists the RP_ settings; any other argument is refused;
+    neither starts a daemon or writes a data directory (the default ./rp-data)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rp_service", *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == status, done.stderr
+    if status == 0:
+        assert "RP_PORT" in done.stdout and "RP_DATA_DIR" in done.stdout
+    else:
+        assert "unrecognized arguments: --port 9" in done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,7 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
-from rp_service.errors import BadRequest
+from rp_service.errors import BODY_NOT_AN_OBJECT, BadRequest, body_is_not_an_object
 
 __all__ = ["OpenAIRoute", "bad_request"]
 
@@ -56,6 +56,8 @@ def bad_request(exc: RequestValidationError) -> BadRequest:
         elif kind == "json_invalid":
             param, code = None, "invalid_json"
             message = "the body is not valid JSON"
+        elif body_is_not_an_object(err):
+            param, code, message = None, "invalid_json", BODY_NOT_AN_OBJECT
         else:
             text = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
             if kind in (

@@ -117,6 +117,17 @@ class FineTuning:
                 job_id=job.id, body_sha256=body_sha, created_at=job.created_at, fields=plan.fields
             )
             await asyncio.to_thread(self.openai.add_job, record)
+        elif idempotency_key is not None:
+            # The native check compares the specs, which leave out what only the OpenAI
+            # object keeps (metadata, suffix): the key's first body is compared here.
+            first = (await asyncio.to_thread(self.openai.get_jobs, [job.id])).get(job.id)
+            if first is not None and first.body_sha256 != body_sha:
+                raise Conflict(
+                    "this Idempotency-Key was already used with a different request body; "
+                    "use a new key for a new job",
+                    code="idempotency_key_reused",
+                    param="Idempotency-Key",
+                )
         return await self._public(job), created
 
     def _model(self, name: str) -> tuple[ModelSection, int | None]:

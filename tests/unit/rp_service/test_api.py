@@ -44,6 +44,18 @@ def test_malformed_json_is_422_not_500(client: TestClient) -> None:
     assert "not valid JSON" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("route", ["/v1/jobs", "/v1/fine_tuning/jobs"])
+def test_a_body_that_is_no_json_object_says_to_send_json(client: TestClient, route: str) -> None:
+    """A form-encoded body (curl -d without a content type) or a JSON list: the error says
+    to send a JSON object, not pydantic's "valid dictionary or object"."""
+    for request in ({"data": {"model": "x"}}, {"json": [1, 2]}):
+        r = client.post(route, **request)  # type: ignore[arg-type]
+        assert r.status_code in (400, 422), r.text
+        error = r.json()["error"]
+        assert "must be a JSON object" in error["message"], error
+        assert "Content-Type: application/json" in error["message"]
+
+
 def test_unknown_route_and_method_use_the_envelope(client: TestClient) -> None:
     r = client.get("/v2/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -160,7 +160,12 @@ print("torch" in sys.modules)
         {"intermediate_size": 10**300},
     ],
 )
-def test_an_unplannable_config_is_left_to_the_worker(config: dict[str, Any]) -> None:
-    """No plan (and no 500): the worker reports the invalid config as invalid_model."""
-    spec = JobSpec.model_validate({**_spec(), "model": {"preset": "qwen3", "config": config}})
-    assert plan_for_spec(spec, path_config=None, cuda=False) is None
+def test_a_bad_preset_config_is_refused_before_any_plan(config: dict[str, Any]) -> None:
+    """A preset's shape overrides are checked where they enter (they used to skip the plan
+    and fail in the worker); a model folder's config.json without a shape still gets no
+    plan (and no 500): the worker reports it."""
+    key = next(iter(config))
+    with pytest.raises(ValidationError, match=f"model.config.{key} must be a whole number"):
+        JobSpec.model_validate({**_spec(), "model": {"preset": "qwen3", "config": config}})
+    spec = JobSpec.model_validate({**_spec(), "model": {"path": "/models/m"}})
+    assert plan_for_spec(spec, path_config={"model_type": "qwen3", **config}, cuda=False) is None

@@ -83,6 +83,16 @@ def test_a_good_upload_is_stored_as_preference(client: TestClient) -> None:
     assert r.json()["format"] == "preference" and r.json()["line_count"] == 2
 
 
+def test_an_upload_may_name_the_preference_format(client: TestClient) -> None:
+    """`rp upload --format preference` (the CLI offers it) and the SDK's format=."""
+    body = jsonl(PLAIN, CHAT)
+    r = client.post("/v1/files", files={"file": ("p.jsonl", body)}, data={"format": "preference"})
+    assert r.status_code == 201, r.text
+    assert r.json()["format"] == "preference"
+    r = client.post("/v1/files", files={"file": ("t.jsonl", jsonl(PLAIN))}, data={"format": "text"})
+    assert r.status_code == 422, r.text  # a pair is not a text line
+
+
 def _spec(**train: Any) -> dict[str, Any]:
     return {
         "model": {"preset": "qwen3", "config": {"hidden_size": 32}},
