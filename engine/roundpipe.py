@@ -675,7 +675,7 @@ class AutoRoundPipe(RoundPipeBase):
         object.__setattr__(self, "_rp_initialized", True)
 
     def _loose_params(self) -> list[tuple[nn.Parameter, ParamAttribute]]:
-        inside = {id(p) for s in self._subs for p in nn.Module.parameters(s)}
+        inside = {id(p) for s in self._subs for _, p in nn.Module.named_parameters(s)}
         return [(p, pa) for p, pa in self._all_params() if id(p) not in inside]
 
     @property

@@ -140,14 +140,23 @@ class RoundPipeBase(nn.Module):
         """Model parameters; the optimizer-side copies inside a step_fn."""
         if doing_optimizer():
             return self.optim_parameters()
-        return super().parameters(recurse)
+        # nn.Module.parameters() goes through named_parameters(), which warns here
+        return (p for _, p in nn.Module.named_parameters(self, recurse=recurse))
 
     def named_parameters(  # type: ignore[override]
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named model parameters; the optimizer-side copies inside a step_fn."""
+        """Named model parameters, with a warning against using them directly (the seeds'
+        RoundPipeBase); the optimizer-side copies inside a step_fn."""
         if doing_optimizer():
             return self.optim_named_parameters(prefix, remove_duplicate)
+        warnings.warn(
+            f"{type(self).__name__}.named_parameters() outside a step_fn gives the model "
+            "copy of the weights: build the optimizer from optim_parameters() (or "
+            "optim_named_parameters()), and call synchronize() before reading them",
+            UserWarning,
+            stacklevel=2,
+        )
         return super().named_parameters(prefix, recurse, remove_duplicate)
 
     def optim_named_parameters(
@@ -167,7 +176,7 @@ class RoundPipeBase(nn.Module):
 
     def _all_params(self) -> list[tuple[nn.Parameter, ParamAttribute]]:
         out = []
-        for p in super().parameters(True):
+        for _, p in nn.Module.named_parameters(self):
             if ParamAttribute.has(p):
                 out.append((p, ParamAttribute.get(p)))
         return out

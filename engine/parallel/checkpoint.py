@@ -114,7 +114,7 @@ def save_checkpoint(
             dist.all_gather_object(everyone, (tensor_keys, scalars, groups), group=dp.control)
         tensor_keys = sorted({k for keys, _, _ in everyone for k in keys})
         scalars = {n: v for _, s, _ in everyone for n, v in s.items()}
-        order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        order = {name: i for i, (name, _) in enumerate(nn.Module.named_parameters(model))}
         groups = [
             sorted({n for _, _, gs in everyone for n in gs[g]}, key=order.__getitem__)
             for g in range(len(groups))

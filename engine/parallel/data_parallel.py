@@ -325,7 +325,7 @@ class DataParallel:
                 )
             self.device = gpus[0]
             self.stream = torch.cuda.Stream(self.device)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in nn.Module.named_parameters(model)}
         self.layouts = [
             _LayerLayout(
                 [(p, pa, names[id(p)]) for p, pa in group_params if pa.optim is not None],
@@ -394,7 +394,8 @@ class DataParallel:
     def _check_same_model(self, model: RoundPipe) -> None:
         """Compare every rank's parameter names, shapes and dtypes with rank 0's."""
         signature = [
-            f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()
+            f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+            for n, p in nn.Module.named_parameters(model)
         ]
         digest = hashlib.sha256("\n".join(signature).encode()).hexdigest()
         numel = sum(p.numel() for p in model.parameters())

@@ -56,3 +56,24 @@ def test_the_wrappers_own_attributes_stay_its_own(cpu3: int) -> None:
     assert rp.num_layers == 1
     with torch.no_grad():
         assert rp(torch.ones(8, 2)).shape == (8, 2)
+
+
+def test_named_parameters_warn_against_direct_use(cpu3: int) -> None:
+    """The seeds' RoundPipeBase.named_parameters "warns against direct use" (the model copy,
+    not the optimizer's); parameters() does not, and inside a step_fn both give the
+    optimizer-side tensors without a warning."""
+    import warnings
+
+    rp = RoundPipe(nn.Sequential(nn.Linear(2, 2)), optim_dtype=torch.float32)
+    with pytest.warns(UserWarning, match="optim_parameters"):
+        names = [n for n, _ in rp.named_parameters()]
+    assert names == ["model.0.weight", "model.0.bias"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(rp.parameters())) == 2
+        rp.zero_grad()
+        seen: list[list[tuple[str, torch.Tensor]]] = []
+        rp.step(lambda: seen.append(list(rp.named_parameters())), is_async=False)
+    masters = dict(rp.optim_named_parameters())
+    assert [n for n, _ in seen[0]] == list(masters)
+    assert all(p is masters[n] for n, p in seen[0])
