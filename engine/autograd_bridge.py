@@ -64,16 +64,18 @@ def _inputs_needing_grad(
     `merge_output=False` outputs) is its micro-batches: micro-batch i's tensor gets micro-
     batch i's gradient, nothing is merged."""
     if len(args) == 1 and not kwargs and isinstance(args[0], RoundPipePackedData):
-        packed = [x if isinstance(x, torch.Tensor) and x.requires_grad else None for x in args[0]]
+        wanted = [  # (micro-batch, leaf, tensor): a micro-batch's output may be a tree
+            (i, k, t)
+            for i, out in enumerate(args[0])
+            for k, t in enumerate(pytree.tree_leaves(out))
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
 
         def packed_grads(run: RunState) -> list[torch.Tensor | None]:
-            return [
-                a.leaves[0] if a is not None else None
-                for a, x in zip(run.input_grads, packed, strict=True)
-                if x is not None
-            ]
+            grads = run.input_grads
+            return [grads[i].leaves[k] if grads[i] is not None else None for i, k, _ in wanted]
 
-        return [x for x in packed if x is not None], packed_grads
+        return [t for _, _, t in wanted], packed_grads
     leaves, _ = pytree.tree_flatten((args, kwargs))
     flags = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
 
@@ -128,7 +130,7 @@ def _split_merged_grads(
             if spec is _Replicate:
                 per_mb_grads[0][k] = g
                 continue
-            if isinstance(spec, _CustomReducer):  # a sum: each micro-batch's share is all of it
+            if isinstance(spec, _CustomReducer):  # a sum's gradient reaches every micro-batch
                 pieces = [g / m if isinstance(spec, AvgReducer) else g] * m
             elif column[0].dim() == 0:
                 pieces = list(g.unbind(0))

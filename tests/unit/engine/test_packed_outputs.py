@@ -129,3 +129,31 @@ def test_a_packed_input_among_other_arguments_is_refused(cpu3: int) -> None:
         packed = a(torch.randn(9, 4), roundpipe_run_config=PACKED)
         with pytest.raises(ConfigError, match="only input"):
             b(packed, torch.ones(9))
+
+
+class Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x.square()
+
+
+class Join(nn.Linear):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(pair[0] + pair[1])
+
+
+def test_packed_tuple_outputs_carry_every_gradient(cpu3: int) -> None:
+    """A micro-batch's output may be a tuple: each of its tensors gets its gradient."""
+    torch.manual_seed(0)
+    first, second = nn.Sequential(nn.Linear(4, 6), Pair()), nn.Sequential(Join(6, 2))
+    ref_first, ref_second = copy.deepcopy(first), copy.deepcopy(second)
+    a = RoundPipe(first, model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    b = RoundPipe(second, model_run_config=RoundPipeRunConfig(num_microbatch=MB))
+    x = torch.randn(9, 4)
+    packed = a(x, roundpipe_run_config=PACKED)
+    assert all(isinstance(out, tuple) and out[1].requires_grad for out in packed)
+    b(packed).sum().backward()
+    a.synchronize()
+    b.synchronize()
+    ref_second(ref_first(x)).sum().backward()
+    for got, ref in zip(_grads(first, second), _grads(ref_first, ref_second), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
