@@ -71,10 +71,11 @@ class LayerReplica:
     params: list[tuple[nn.Parameter, nn.Parameter]]  # (host, placeholder)
     buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (host, placeholder)
     after_upload: list[Any] = field(default_factory=list)  # AFTER_UPLOAD_HOOK methods
-    # ids of host buffers that torch's own kernels write in place without bumping the
-    # version counter (running statistics of batch and instance norms): downloaded after
-    # every job, since a changed version cannot show their writes.
-    kernel_written: frozenset[int] = frozenset()
+    # id of a host buffer that torch's own kernel writes in place without bumping its
+    # version counter (the running statistics of batch and instance norms) -> its host
+    # module: downloaded after every job of that module in training mode, since no changed
+    # version shows the writes.
+    kernel_written: dict[int, nn.Module] = field(default_factory=dict)
     # (host submodule, its twin): the twins follow the host's train()/eval() at every job
     modules: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
     wrote_buffers: bool = False  # a job has downloaded a buffer this layer changed
@@ -110,15 +111,17 @@ def make_replica(layer: nn.Module) -> LayerReplica:
     return LayerReplica(module, params, buffers, hooks, kernel_written_buffers(layer), pairs)
 
 
-def kernel_written_buffers(layer: nn.Module) -> frozenset[int]:
-    """ids of the running mean and variance of `layer`'s batch and instance norms: the
-    batch_norm kernel updates them in place and leaves their version counter as it was
-    (num_batches_tracked is a Python `+= 1`, which counts)."""
-    ids: set[int] = set()
-    for m in layer.modules():
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
-            ids.update(id(b) for b in (m.running_mean, m.running_var) if b is not None)
-    return frozenset(ids)
+def kernel_written_buffers(layer: nn.Module) -> dict[int, nn.Module]:
+    """id -> module of the running mean and variance of `layer`'s batch and instance norms:
+    the batch_norm kernel updates them in place (in training mode) and leaves their version
+    counter as it was (num_batches_tracked is a Python `+= 1`, which counts)."""
+    return {
+        id(b): m
+        for m in layer.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        for b in (m.running_mean, m.running_var)
+        if b is not None
+    }
 
 
 @dataclass
@@ -279,7 +282,8 @@ def download_buffers(
     changed: list[tuple[torch.Tensor, torch.Tensor]] = []
     for rep in group.replicas:
         for host, bh in rep.buffers:
-            written = id(host) in rep.kernel_written and rep.module.training
+            norm = rep.kernel_written.get(id(host))
+            written = norm is not None and norm.training
             if written or bh._version != group.buffer_versions.get(id(host), bh._version):
                 changed.append((host, bh))
                 rep.wrote_buffers = True

@@ -165,3 +165,25 @@ def test_the_device_copies_follow_train_and_eval(cpu3: int) -> None:
     rp.train()
     with torch.no_grad():
         assert not torch.allclose(rp(x), ref(x))
+
+
+def test_a_norm_in_eval_inside_a_training_model_keeps_its_statistics(cpu3: int) -> None:
+    """Fine-tuning often freezes the norms' statistics (bn.eval() under model.train()):
+    what counts is the norm's own mode, either way round, also inside a layer."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))  # one layer with a norm inside
+    model = nn.Sequential(block, nn.ReLU(), nn.Linear(6, 2))
+    bn = block[1]
+    bn.eval()
+    frozen = bn.running_mean.clone(), bn.running_var.clone()
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=NUM_MICROBATCH))
+    batches = _batches(2)
+    for x in batches:
+        rp.forward_backward((x,), label=x, loss_fn=_loss)
+    rp.synchronize()
+    assert torch.equal(bn.running_mean, frozen[0]) and torch.equal(bn.running_var, frozen[1])
+    rp.eval()  # the other way round: the layer in eval, its norm still updating
+    bn.train()
+    with torch.no_grad():
+        rp(batches[0])
+    assert not torch.equal(bn.running_mean, frozen[0])
