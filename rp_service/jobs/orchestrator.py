@@ -199,6 +199,8 @@ class Orchestrator:
             spec=spec.model_dump(mode="json"),
             name=spec.name,
             priority=spec.priority,
+            # known before the worker starts when given in steps (epochs need the data)
+            progress={"total_steps": spec.train.steps} if spec.train.steps else {},
         )
         job, created, event = await self.io.write(
             self.store.create_job,

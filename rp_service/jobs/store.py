@@ -378,9 +378,17 @@ class Store:
                         )
                     return _job_from_row(existing), False, None
             conn.execute(
-                "INSERT INTO jobs (id, name, status, created_at, priority, spec) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (job.id, job.name, job.status, job.created_at, job.priority, json.dumps(job.spec)),
+                "INSERT INTO jobs (id, name, status, created_at, priority, spec, progress) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    job.id,
+                    job.name,
+                    job.status,
+                    job.created_at,
+                    job.priority,
+                    json.dumps(job.spec),
+                    json.dumps(job.progress),
+                ),
             )
             if idempotency_key is not None:
                 conn.execute(

@@ -87,3 +87,28 @@ def test_openapi_declares_bearer_auth_and_docs_are_served(client: TestClient) ->
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert "/v1/jobs/{job_id}/events" in schema["paths"]
     assert client.get("/docs").status_code == 200
+
+
+def test_a_job_in_steps_shows_its_total_from_submission(client: TestClient) -> None:
+    """progress.total_steps is known at submission when train.steps is given (it was null
+    until the worker started); in epochs it waits for the data."""
+    spec = {
+        "model": {"preset": "qwen3", "config": {"hidden_size": 32, "head_dim": 8}},
+        "data": {"train": "synthetic", "seq_len": 32},
+        "train": {"steps": 7, "batch_size": 2},
+        "engine": {"gpus": 0},
+    }
+    r = client.post("/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    assert r.json()["progress"] == {
+        "step": 0,
+        "total_steps": 7,
+        "epoch": None,
+        "eta_seconds": None,
+    }
+    epochs = {**spec, "train": {"epochs": 1, "batch_size": 2}}
+    r = client.post("/v1/jobs", json=epochs)
+    assert r.status_code == 201, r.text
+    assert r.json()["progress"]["total_steps"] is None
+    for job in client.get("/v1/jobs").json()["data"]:
+        client.post(f"/v1/jobs/{job['id']}/cancel")
