@@ -17,6 +17,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine import catalog
+from engine.planning.memory_plan import MAX_DIM
 
 __all__ = [
     "MAX_INT64",
@@ -92,7 +93,6 @@ _CONFIG_SIZES = (
     "num_experts_per_tok",
 )
 _CONFIG_NULLABLE = ("num_key_value_heads", "head_dim")
-_MAX_CONFIG_SIZE = 1 << 31
 
 
 class _Section(BaseModel):
@@ -134,10 +134,9 @@ class ModelSection(_Section):
             if key not in _CONFIG_SIZES or (value is None and key in _CONFIG_NULLABLE):
                 continue
             whole = isinstance(value, int) and not isinstance(value, bool)
-            if not whole or not 1 <= value <= _MAX_CONFIG_SIZE:  # type: ignore[operator]
+            if not whole or not 1 <= value <= MAX_DIM:  # type: ignore[operator]
                 raise ValueError(
-                    f"model.config.{key} must be a whole number from 1 to {_MAX_CONFIG_SIZE}, "
-                    f"got {value!r}"
+                    f"model.config.{key} must be a whole number from 1 to {MAX_DIM}, got {value!r}"
                 )
         return config
 

@@ -52,6 +52,7 @@ from ..catalog import LORA_TARGET_MODULES, projection_shapes_of
 from ..errors import ConfigError, HostMemoryError
 
 __all__ = [
+    "MAX_DIM",
     "HostMemoryPlan",
     "ModelShape",
     "RunShape",
@@ -86,9 +87,9 @@ _ALIGN = 64  # memory.ARENA_ALIGN_BYTES
 _QBLOCK = 256  # engine.optim._q8.QBLOCK (that module imports torch)
 _PIECES_MIN_BYTES = 64 << 20  # transfer.PIECES_MIN_BYTES
 _PIECE_GRANULE_BYTES = 2 << 20  # transfer.PIECE_GRANULE_BYTES
-_MAX_DIM = (
-    1 << 31
-)  # no real model dimension is larger; bigger values are typos (kept here so this module stays torch-free)
+# No real model dimension is larger; bigger values are typos (the daemon checks a preset's
+# model.config against it at submission).
+MAX_DIM = 1 << 31
 
 _UNITS = {
     "": 1,
@@ -257,9 +258,9 @@ class ModelShape:
                 f"the model config lacks a transformer shape field the memory plan needs: {exc}"
             ) from exc
         sizes = [f for f in fields(shape) if f.type == "int"]
-        bad = [f.name for f in sizes if not 0 < getattr(shape, f.name) <= _MAX_DIM]
+        bad = [f.name for f in sizes if not 0 < getattr(shape, f.name) <= MAX_DIM]
         if bad:
-            raise ConfigError(f"the model config's {', '.join(bad)} must be in 1..{_MAX_DIM}")
+            raise ConfigError(f"the model config's {', '.join(bad)} must be in 1..{MAX_DIM}")
         return shape
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
