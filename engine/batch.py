@@ -24,6 +24,7 @@ from .errors import ConfigError, SplitError
 
 __all__ = [
     "AvgReducer",
+    "Batch",
     "RoundPipePackedData",
     "TensorChunkSpec",
     "avg_reducer",
@@ -251,3 +252,111 @@ class AvgReducer(_CustomReducer):
 avg_reducer = AvgReducer()
 
 SplitFn = Callable[..., list[Any]]
+
+
+class Batch:
+    """One call's micro-batches, flattened: the split inputs and labels on the way in, the
+    outputs on the way out (`store_outputs`, then `dump`).
+
+    RoundPipe builds one per forward / forward_backward from the effective run config
+    (`FullRoundPipeRunConfig`: num_microbatch, split_input, split_label, merge_output).
+
+    Attributes:
+        flatten_states: per micro-batch, the flat leaves of `(args, kwargs)` (after
+            `store_outputs`, of its output).
+        flatten_specs: per micro-batch, the TreeSpec that rebuilds them.
+        forward_events / backward_events: per micro-batch, the events after which the
+            host data (and its gradients) are valid; empty where nothing is in flight.
+        num_microbatch: micro-batches actually made (a packed input keeps its own count).
+        label_list: the label of each micro-batch (None without a label).
+        loss_list: the losses of each micro-batch, once a training call has them.
+        loss_ready: an event set when every loss is on the host (None: nothing to wait).
+        batch_size: the rows split (None for a custom split_input or a packed input).
+        split_specs: the inputs' flat chunk specs (None for a custom split_input or a
+            packed input): how an input's gradient is put back together.
+        requires_grad: per leaf of the first micro-batch, whether it is a tensor that
+            requires grad.
+    """
+
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run_config: Any,
+        label: Any = None,
+    ) -> None:
+        """Split `(args, kwargs)` and `label` by `run_config`; a RoundPipePackedData (the
+        merge_output=False outputs of the model before) is taken micro-batch by micro-batch.
+
+        Raises:
+            ConfigError: a packed input among other arguments, or inputs / labels that do
+                not split into num_microbatch parts.
+            SplitError: a custom split_input / split_label returned a malformed list.
+        """
+        rows, self.batch_size, self.split_specs = _split_call(args, kwargs, run_config)
+        self.flatten_states: list[list[Any]] = []
+        self.flatten_specs: list[Any] = []
+        for row in rows:
+            leaves, tree = pytree.tree_flatten(row)
+            self.flatten_states.append(leaves)
+            self.flatten_specs.append(tree)
+        self.num_microbatch: int = len(rows)
+        first = self.flatten_states[0] if rows else []
+        self.requires_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in first]
+        self.label_list = split_label(
+            label, self.num_microbatch, run_config.split_label, self.batch_size
+        )
+        self.forward_events: list[Sequence[Any]] = [() for _ in rows]
+        self.backward_events: list[Sequence[Any]] = [() for _ in rows]
+        self.loss_list: list[Any] = []
+        self.loss_ready: Any = None
+
+    def store_outputs(self, outputs: list[Any], events: list[Any] | None = None) -> None:
+        """Take the call's outputs (one pytree per micro-batch) as the state `dump` merges."""
+        if len(outputs) != self.num_microbatch:
+            raise ValueError(f"{len(outputs)} outputs for {self.num_microbatch} micro-batches")
+        flat = [pytree.tree_flatten(o) for o in outputs]
+        self.flatten_states = [leaves for leaves, _ in flat]
+        self.flatten_specs = [tree for _, tree in flat]
+        self.forward_events = [() if e is None else (e,) for e in events or [None] * len(flat)]
+
+    def outputs(self) -> list[Any]:
+        """The state as one pytree per micro-batch."""
+        return [
+            pytree.tree_unflatten(leaves, tree)
+            for leaves, tree in zip(self.flatten_states, self.flatten_specs, strict=True)
+        ]
+
+    def dump(self, run_config: Any) -> Any:
+        """The micro-batches merged by `run_config.merge_output`; with merge_output=False a
+        RoundPipePackedData that the next RoundPipe model takes as it is, without merging
+        and re-splitting."""
+        if run_config.merge_output is False:
+            events = [ev[0] if ev else None for ev in self.forward_events]
+            return RoundPipePackedData(self.outputs(), events)
+        for events in self.forward_events:
+            for ev in events:
+                ev.synchronize()
+        return merge_outputs(self.outputs(), run_config.merge_output)
+
+
+def _split_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], run_config: Any
+) -> tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], int | None, list[Any] | None]:
+    """(micro-batch rows, batch size, flat chunk specs) of one call's arguments."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], RoundPipePackedData):
+        packed = args[0]
+        packed.synchronize()
+        return [((x,), {}) for x in packed], None, None
+    if any(isinstance(x, RoundPipePackedData) for x in pytree.tree_leaves((args, kwargs))):
+        raise ConfigError(
+            "a RoundPipePackedData (merge_output=False outputs) is taken as the only "
+            "input, rp(packed); to pass more arguments, merge it first (merge_output "
+            "left on) or let the model before return them with it"
+        )
+    split_input = run_config.split_input
+    rows, batch = split_args_kwargs(args, kwargs, run_config.num_microbatch, split_input)
+    if callable(split_input) and not isinstance(split_input, (tuple, list)):
+        return rows, batch, None
+    spec_tree = guess_split_spec((args, kwargs))[0] if split_input is None else split_input
+    return rows, batch, pytree.tree_flatten(spec_tree)[0]

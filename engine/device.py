@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .errors import DeviceError
-from .threads import AnnotatedSemaphore, RoundPipeThread
+from .threads import AnnotatedSemaphore, RoundPipeThread, working
 
 __all__ = [
     "DeviceManager",
@@ -173,7 +173,8 @@ class DeviceManager:
             if job is None:
                 return
             try:
-                job.fn(self, *job.args)
+                with working():
+                    job.fn(self, *job.args)
             except BaseException as exc:  # handed to the main thread through the job
                 job.error = exc
             finally:

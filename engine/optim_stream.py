@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import StepError
-from .threads import RoundPipeThread
+from .threads import RoundPipeThread, interruptible_wait, working
 
 __all__ = [
     "OPTIM_STOP",
@@ -44,7 +44,8 @@ def controller() -> None:
         try:
             if fn is OPTIM_STOP:
                 return
-            fn(*args, **kwargs)
+            with working():
+                fn(*args, **kwargs)
         except BaseException as exc:  # handed to the main thread's next call; first one wins
             if _error is None:
                 _error = exc
@@ -90,7 +91,7 @@ def launch_optim_kernel(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> No
 def synchronize_optim() -> None:
     """Wait until every queued kernel has run; raise a kernel's error if one failed."""
     if not on_optim_stream() and _thread is not None:
-        kernel_queue.join()
+        interruptible_wait(kernel_queue.join)
     _raise_pending()
 
 

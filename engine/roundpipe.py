@@ -24,13 +24,7 @@ from .accel import graphs
 from .accel.weight_buffers import attach_second_copies
 from .attribute import LayerAttribute, ParamAttribute, resolve_optim_memory
 from .autograd_bridge import attach_backward, attach_backward_packed, backprop_to_inputs
-from .batch import (
-    RoundPipePackedData,
-    guess_split_spec,
-    merge_outputs,
-    split_args_kwargs,
-    split_label,
-)
+from .batch import Batch
 from .call_site import get_call_location
 from .context import OptimizerCtx
 from .device import (
@@ -418,39 +412,13 @@ class RoundPipe(RoundPipeBase):
         return meter
 
     # ---- inputs ------------------------------------------------------------------------------
-    def _split_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], cfg: FullRoundPipeRunConfig
-    ) -> tuple[list[Act], list[bool], int | None, list[Any] | None]:
-        """Micro-batches of the arguments, per-leaf requires_grad, batch size, chunk specs."""
-        if len(args) == 1 and not kwargs and isinstance(args[0], RoundPipePackedData):
-            packed = args[0]
-            packed.synchronize()
-            rows = [((x,), {}) for x in packed]
-            specs = None
-            batch = None
-        else:
-            if any(isinstance(x, RoundPipePackedData) for x in pytree.tree_leaves((args, kwargs))):
-                raise ConfigError(
-                    "a RoundPipePackedData (merge_output=False outputs) is taken as the only "
-                    "input, rp(packed); to pass more arguments, merge it first (merge_output "
-                    "left on) or let the model before return them with it"
-                )
-            rows, batch = split_args_kwargs(args, kwargs, cfg.num_microbatch, cfg.split_input)
-            specs = None
-            if not callable(cfg.split_input) or isinstance(cfg.split_input, (tuple, list)):
-                if cfg.split_input is None:
-                    spec_tree, _ = guess_split_spec((args, kwargs))
-                else:
-                    spec_tree = cfg.split_input
-                specs = pytree.tree_flatten(spec_tree)[0]
-        acts = []
-        flags: list[bool] = []
-        for k, row in enumerate(rows):
-            leaves, tree = pytree.tree_flatten(row)
-            acts.append(Act(leaves, tree, None, is_args=True))
-            if k == 0:
-                flags = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
-        return acts, flags, batch, specs
+    @staticmethod
+    def _acts(batch: Batch) -> list[Act]:
+        """The micro-batches of the arguments as the jobs take them."""
+        return [
+            Act(leaves, tree, None, is_args=True)
+            for leaves, tree in zip(batch.flatten_states, batch.flatten_specs, strict=True)
+        ]
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(
@@ -476,7 +444,8 @@ class RoundPipe(RoundPipeBase):
         cfg = FullRoundPipeRunConfig(
             roundpipe_run_config, self.model_run_config, num_devices=get_num_devices()
         )
-        acts, flags, _, specs = self._split_inputs(args, kwargs, cfg)
+        batch = Batch(args, kwargs, cfg)
+        flags = batch.requires_grad
         wants_grad = (
             cfg.requires_grad
             and torch.is_grad_enabled()
@@ -489,18 +458,20 @@ class RoundPipe(RoundPipeBase):
             )
         run_type: RunType = "train" if wants_grad else "infer"
         plan = self._plan(run_type, cfg)
-        run = RunState(self, cfg, plan, run_type, acts, flags)
+        run = RunState(self, cfg, plan, run_type, self._acts(batch), flags)
         for g in range(len(plan.fwd_plan)):
             run.launch(get_next_device(), forward_job, g, name=f"fwd{g}")
         run.join()
         self.model_timer.update_times()
         synchronize_optim()
         outputs = [a.rebuild(a.leaves) for a in run.outputs if a is not None]
+        specs = batch.split_specs
+        if cfg.merge_output is False and wants_grad:
+            outputs = attach_backward_packed(self, run, outputs, args, kwargs, specs)
+        batch.store_outputs(outputs)
         if cfg.merge_output is False:
-            if wants_grad:
-                outputs = attach_backward_packed(self, run, outputs, args, kwargs, specs)
-            return RoundPipePackedData(outputs)
-        merged = merge_outputs(outputs, cfg.merge_output)
+            return batch.dump(cfg)
+        merged = batch.dump(cfg)
         if wants_grad:
             merged = attach_backward(self, run, merged, outputs, args, kwargs, specs, cfg)
         return _to_device(merged, cfg.output_device)
@@ -551,17 +522,17 @@ class RoundPipe(RoundPipeBase):
             input_args, input_kwargs, label = self._dp.take_share(
                 input_args, input_kwargs, label, cfg
             )
-        acts, flags, batch, specs = self._split_inputs(input_args, input_kwargs, cfg)
-        labels = split_label(label, len(acts), cfg.split_label, batch)
+        batch = Batch(input_args, input_kwargs, cfg, label)
+        flags = batch.requires_grad
         plan = self._plan("fused", cfg)
         run = RunState(
             self,
             cfg,
             plan,
             "fused",
-            acts,
+            self._acts(batch),
             flags,
-            labels=labels,
+            labels=batch.label_list,
             loss_fn=loss_fn,
             return_outputs=return_outputs,
         )
@@ -596,17 +567,21 @@ class RoundPipe(RoundPipeBase):
             # anyway; waiting here costs no overlap and surfaces a failed step_fn at this
             # call.
             synchronize_optim()
+        # A loss Act's tree says whether loss_fn returned a sequence.
+        batch.loss_list = [
+            list(a.leaves) if a.tree else a.leaves[0] for a in run.losses if a is not None
+        ]
         loss = _sum_losses(run)
         if self._dp is not None:
             loss = self._dp.reduce_loss(loss)
         if any(flags):
-            backprop_to_inputs(run, input_args, input_kwargs, specs)
+            backprop_to_inputs(run, input_args, input_kwargs, batch.split_specs)
         if not return_outputs:
             return loss
-        outputs = [a.rebuild(a.leaves) for a in run.outputs if a is not None]
+        batch.store_outputs([a.rebuild(a.leaves) for a in run.outputs if a is not None])
         if cfg.merge_output is False:
-            return loss, RoundPipePackedData(outputs)
-        return loss, _to_device(merge_outputs(outputs, cfg.merge_output), cfg.output_device)
+            return loss, batch.dump(cfg)
+        return loss, _to_device(batch.dump(cfg), cfg.output_device)
 
 
 def _one_cuda_device() -> bool:

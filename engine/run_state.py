@@ -22,6 +22,7 @@ from .device import DeviceManager, Job
 from .errors import RoundPipeError
 from .planning.one_device import ActivationMeter
 from .scheduler import ModelExecutePlan, ModelTracker, RunType
+from .threads import interruptible_wait
 from .timer import IterTimer
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ class RunState:
     def join(self) -> None:
         """Wait for every job and its device work; raise the first job error."""
         for job in self.jobs:
-            job.done.wait()
+            interruptible_wait(job.done.wait)
         if self.errors:
             exc = self.errors[0]
             raise exc

@@ -1,29 +1,50 @@
-"""Thread helpers: named events and semaphores, worker threads that keep their errors, and
-the registry of open models that closes them (and so stops their threads) at exit."""
+"""Thread helpers: named events and semaphores, worker threads that keep their errors, stack
+dumps of the threads at work (what a Ctrl-C while RoundPipe waits prints), and the registry
+of open models that closes them (and so stops their threads) at exit."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
+import sys
 import threading
+import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, Protocol
 
 __all__ = [
     "AnnotatedEvent",
     "AnnotatedSemaphore",
+    "KeyboardInterruptRoundPipeThreads",
     "RoundPipeThread",
     "any_open",
+    "dump_all_active_threads",
+    "interruptible_wait",
+    "is_threading_internal",
     "mark_closed",
+    "print_trimmed_traceback",
     "roundpipe_threads",
+    "thread_exception_print_lock",
     "track_open",
+    "working",
 ]
 
 log = logging.getLogger(__name__)
 
 roundpipe_threads: weakref.WeakSet[RoundPipeThread] = weakref.WeakSet()
 """Every RoundPipe thread still referenced (for debugging dumps)."""
+
+thread_exception_print_lock = threading.Lock()
+"""Held while a thread's error or a stack dump is written, so two never interleave."""
+
+
+class KeyboardInterruptRoundPipeThreads(KeyboardInterrupt):
+    """Ctrl-C while the caller waited for RoundPipe's threads; the stacks of the threads at
+    work were printed to stderr first (where a hung call was stuck)."""
 
 
 class AnnotatedEvent(threading.Event):
@@ -67,8 +88,77 @@ class RoundPipeThread(threading.Thread):
         try:
             self._work()
         except BaseException:
-            log.exception("RoundPipe thread %s died", self.name)
+            with thread_exception_print_lock:
+                log.exception("RoundPipe thread %s died", self.name)
             raise
+
+
+@contextlib.contextmanager
+def working() -> Iterator[None]:
+    """Mark the current RoundPipe thread as running user work (a job, an optimizer kernel)
+    for the duration: `dump_all_active_threads` shows only such threads."""
+    thread = threading.current_thread()
+    if not isinstance(thread, RoundPipeThread):
+        yield
+        return
+    thread.is_active = True
+    try:
+        yield
+    finally:
+        thread.is_active = False
+
+
+_INTERNAL_FILES = frozenset(
+    os.path.normcase(os.path.abspath(f)) for f in (threading.__file__, __file__)
+)
+
+
+def is_threading_internal(frame: FrameType) -> bool:
+    """Whether `frame` is Python's threading machinery or this module's (noise in a dump)."""
+    return os.path.normcase(os.path.abspath(frame.f_code.co_filename)) in _INTERNAL_FILES
+
+
+def print_trimmed_traceback(frame: FrameType | None) -> None:
+    """Print the stack that ends at `frame` to stderr, without threading's own frames."""
+    if frame is None:
+        print("  (no frame: the thread is not running Python code)", file=sys.stderr)
+        return
+    kept: list[FrameType] = []
+    cur: FrameType | None = frame
+    while cur is not None:
+        if not is_threading_internal(cur):
+            kept.append(cur)
+        cur = cur.f_back
+    summary = traceback.StackSummary.extract(
+        ((f, f.f_lineno) for f in reversed(kept)), capture_locals=False
+    )
+    print("".join(summary.format()), end="", file=sys.stderr)
+
+
+def dump_all_active_threads() -> None:
+    """Print to stderr the stack of every RoundPipe thread now running user work."""
+    frames = sys._current_frames()
+    with thread_exception_print_lock:
+        for thread in list(roundpipe_threads):
+            if not (thread.is_alive() and thread.is_active):
+                continue
+            print(f"RoundPipe thread {thread.name} (at work):", file=sys.stderr)
+            print_trimmed_traceback(frames.get(thread.ident or -1))
+
+
+def interruptible_wait(wait: Callable[[], Any]) -> Any:
+    """`wait()`, turning a Ctrl-C into KeyboardInterruptRoundPipeThreads after dumping the
+    stacks of the threads at work (what the caller was waiting on)."""
+    try:
+        return wait()
+    except KeyboardInterruptRoundPipeThreads:
+        raise
+    except KeyboardInterrupt:
+        dump_all_active_threads()
+        raise KeyboardInterruptRoundPipeThreads(
+            "interrupted while waiting for RoundPipe's threads; the stacks of those at work "
+            "are printed above"
+        ) from None
 
 
 # ---- open models ---------------------------------------------------------------------
