@@ -311,14 +311,14 @@ class Batch:
         self.loss_list: list[Any] = []
         self.loss_ready: Any = None
 
-    def store_outputs(self, outputs: list[Any], events: list[Any] | None = None) -> None:
-        """Take the call's outputs (one pytree per micro-batch) as the state `dump` merges."""
+    def store_outputs(self, outputs: list[Any]) -> None:
+        """Take the call's outputs (one pytree per micro-batch, on the host once the call
+        has joined its jobs) as the state `dump` merges."""
         if len(outputs) != self.num_microbatch:
             raise ValueError(f"{len(outputs)} outputs for {self.num_microbatch} micro-batches")
         flat = [pytree.tree_flatten(o) for o in outputs]
         self.flatten_states = [leaves for leaves, _ in flat]
         self.flatten_specs = [tree for _, tree in flat]
-        self.forward_events = [() if e is None else (e,) for e in events or [None] * len(flat)]
 
     def outputs(self) -> list[Any]:
         """The state as one pytree per micro-batch."""

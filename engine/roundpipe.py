@@ -469,9 +469,9 @@ class RoundPipe(RoundPipeBase):
         if cfg.merge_output is False and wants_grad:
             outputs = attach_backward_packed(self, run, outputs, args, kwargs, specs)
         batch.store_outputs(outputs)
-        if cfg.merge_output is False:
-            return batch.dump(cfg)
         merged = batch.dump(cfg)
+        if cfg.merge_output is False:
+            return merged
         if wants_grad:
             merged = attach_backward(self, run, merged, outputs, args, kwargs, specs, cfg)
         return _to_device(merged, cfg.output_device)
