@@ -114,10 +114,22 @@ def _specs_for(data: Any, spec: Any, batch_hint: int | None, what: str) -> tuple
     return specs, (leaves, tree)
 
 
+Rows = list[tuple[tuple[Any, ...], dict[str, Any]]]
+
+
 def split_args_kwargs(
     args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int, split_input: Any
-) -> tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], int | None]:
+) -> tuple[Rows, int | None]:
     """Split forward arguments into micro-batches: `([(args_i, kwargs_i)], batch size)`."""
+    rows, batch, _ = _split_with_specs(args, kwargs, num_microbatch, split_input)
+    return rows, batch
+
+
+def _split_with_specs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int, split_input: Any
+) -> tuple[Rows, int | None, list[Any] | None]:
+    """`split_args_kwargs` and the flat chunk specs it split by (None for a callable
+    split_input)."""
     if callable(split_input) and not isinstance(split_input, (tuple, list)):
         parts = split_input(args, kwargs, num_microbatch)
         if not isinstance(parts, Sequence) or len(parts) != num_microbatch:
@@ -131,7 +143,7 @@ def split_args_kwargs(
             if not (isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[1], dict)):
                 raise SplitError("split_input must return (args tuple, kwargs dict) pairs")
             out.append((tuple(p[0]), dict(p[1])))
-        return out, None
+        return out, None, None
     _, batch = guess_split_spec((args, kwargs))
     specs, (leaves, tree) = _specs_for((args, kwargs), split_input, batch, "input")
     if batch is None and split_input is None and num_microbatch > 1:
@@ -144,7 +156,7 @@ def split_args_kwargs(
     for row in rows:
         a, k = pytree.tree_unflatten(row, tree)
         result.append((tuple(a), dict(k)))
-    return result, batch
+    return result, batch, specs
 
 
 def split_label(label: Any, num_microbatch: int, split_spec: Any, batch: int | None) -> list[Any]:
@@ -342,7 +354,7 @@ class Batch:
 
 def _split_call(
     args: tuple[Any, ...], kwargs: dict[str, Any], run_config: Any
-) -> tuple[list[tuple[tuple[Any, ...], dict[str, Any]]], int | None, list[Any] | None]:
+) -> tuple[Rows, int | None, list[Any] | None]:
     """(micro-batch rows, batch size, flat chunk specs) of one call's arguments."""
     if len(args) == 1 and not kwargs and isinstance(args[0], RoundPipePackedData):
         packed = args[0]
@@ -354,9 +366,4 @@ def _split_call(
             "input, rp(packed); to pass more arguments, merge it first (merge_output "
             "left on) or let the model before return them with it"
         )
-    split_input = run_config.split_input
-    rows, batch = split_args_kwargs(args, kwargs, run_config.num_microbatch, split_input)
-    if callable(split_input) and not isinstance(split_input, (tuple, list)):
-        return rows, batch, None
-    spec_tree = guess_split_spec((args, kwargs))[0] if split_input is None else split_input
-    return rows, batch, pytree.tree_flatten(spec_tree)[0]
+    return _split_with_specs(args, kwargs, run_config.num_microbatch, run_config.split_input)
