@@ -296,6 +296,11 @@ class Replayer:
         self._numbers = itertools.count()
         self._graphs: dict[Hashable, _Segment | None] = {}
         self._warned = False
+        # acquire() and _capture() run on this device's worker thread, drop_slots() on any
+        # thread (a job on another device that saw a micro-batch over the replay limit):
+        # without the lock a drop between two layers of one acquire left it indexing an
+        # emptied set (the IndexError of 4-GPU runs).
+        self._lock = threading.Lock()
 
     # ---- slots --------------------------------------------------------------------------
     def acquire(
@@ -305,22 +310,23 @@ class Replayer:
         parity: consecutive jobs on a device use different sets."""
         if not any(wanted):
             return [None] * len(replicas)
-        parity = self._jobs % 2
-        self._jobs += 1
-        used: dict[Any, int] = {}
-        out: list[Slot | None] = []
-        for rep, want in zip(replicas, wanted, strict=True):
-            if not want:
-                out.append(None)
-                continue
-            sig = _signature(rep)
-            slots = self._sets.setdefault((sig, parity), [])
-            k = used.get(sig, 0)
-            used[sig] = k + 1
-            if k == len(slots):
-                slots.append(self._new_slot(rep))
-            out.append(slots[k])
-        return out
+        with self._lock:
+            parity = self._jobs % 2
+            self._jobs += 1
+            used: dict[Any, int] = {}
+            out: list[Slot | None] = []
+            for rep, want in zip(replicas, wanted, strict=True):
+                if not want:
+                    out.append(None)
+                    continue
+                sig = _signature(rep)
+                slots = self._sets.setdefault((sig, parity), [])
+                k = used.get(sig, 0)
+                used[sig] = k + 1
+                if k == len(slots):
+                    slots.append(self._new_slot(rep))
+                out.append(slots[k])
+            return out
 
     def _new_slot(self, rep: LayerReplica) -> Slot:
         device = self.dev.device
@@ -332,9 +338,15 @@ class Replayer:
         )
 
     def drop_slots(self) -> None:
-        """Forget the slots and graphs (their memory returns once in-flight work is done)."""
-        self._sets.clear()
-        self._graphs.clear()
+        """Forget the slots and graphs (their memory returns once in-flight work is done).
+
+        Safe from any thread: a job holding slots of the dropped sets keeps them until it
+        ends. What this drops is freed with this device current, whichever thread asks."""
+        with self._lock:
+            dropped = (self._sets, self._graphs)
+            self._sets, self._graphs = {}, {}
+        with torch.cuda.device(self.dev.device) if self.is_cuda else _nothing():
+            del dropped
 
     # ---- which layers replay ------------------------------------------------------------
     def _span(
@@ -405,16 +417,18 @@ class Replayer:
 
     def _capture(self, key: Hashable, make: Callable[[], _Segment]) -> _Segment | None:
         """The segment of `key`, captured on first use; None where it cannot be."""
-        seg = self._graphs.get(key, _MISSING)
+        with self._lock:
+            seg = self._graphs.get(key, _MISSING)
+            count = len(self._graphs)
         if seg is not _MISSING:
             return seg  # type: ignore[return-value]
-        if len(self._graphs) >= MAX_GRAPHS_PER_DEVICE:
+        if count >= MAX_GRAPHS_PER_DEVICE:
             if not self._warned:
                 self._warned = True
                 log.warning(
                     "%s: %d graphs captured; further layer groups run without replay",
                     self.dev.name,
-                    len(self._graphs),
+                    count,
                 )
             return None
         try:
@@ -428,7 +442,8 @@ class Replayer:
             seg = None
         else:
             _count("captures")
-        self._graphs[key] = seg
+        with self._lock:
+            self._graphs[key] = seg
         return seg
 
     def run_forward(
