@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -17,6 +17,7 @@ from .errors import ConfigError
 from .planning.search import group_param_cap, plan_groups
 from .planning.simulate import DEFAULT_PUBLISH_MS_PER_GB
 from .threads import AnnotatedSemaphore
+from .timer import ModelTimer
 
 if TYPE_CHECKING:
     from .roundpipe import RoundPipe
@@ -129,6 +130,7 @@ class ModelExecutePlan:
         num_microbatch: int | None = None,
         overlap: bool = False,
         by_size: bool = False,
+        fixed_tail: tuple[int | None, int] | None = None,
     ) -> ModelExecutePlan:
         """A plan balanced on the models' measured (or size-estimated) layer times.
 
@@ -145,6 +147,12 @@ class ModelExecutePlan:
         device) whose simulated call is shortest (with `overlap`, the shortest time between
         overlapped calls: RoundPipe overlap_calls). With `by_size`, the sizes stand for the
         times even once measured (one GPU: engine.planning.one_device). See `plan_from_times`.
+
+        A split tail sums its layers' gradients in parts, so where the tail is split, its
+        split and its first layer are chosen from the layer sizes, not the measured times
+        (or given as `fixed_tail`: first layer or None, split): two identical runs then get the
+        same sums, bit for bit, however their timings differ; the groups below the tail,
+        which change no sum, follow the times.
         """
         if not models:
             raise ConfigError("ModelExecutePlan.auto needs at least one RoundPipe model")
@@ -173,6 +181,15 @@ class ModelExecutePlan:
                 models[0].publish_ms_per_gb() if hasattr(models[0], "publish_ms_per_gb") else None
             )
             publish = [g * (ms_per_gb or DEFAULT_PUBLISH_MS_PER_GB) for g in mem]
+        # Fewer than 3 devices never split the tail.
+        searched = run_type == "fused" and measured and min_stages >= 3
+        if fixed_tail is None and searched and num_microbatch:
+            work = [0.0] * n
+            for m in models:
+                work = [a + b for a, b in zip(work, _work_sizes(m), strict=True)]
+            fixed_tail = _tail_by_size(
+                work, mem, min_stages, num_microbatch, upper_threshold, model_memory_limit, overlap
+            )
         return plan_from_times(
             run_type,
             fwd,
@@ -184,7 +201,67 @@ class ModelExecutePlan:
             mem_cap=group_param_cap(model_memory_limit),
             overlap=overlap,
             publish=publish,
+            fixed_tail=fixed_tail,
         )
+
+
+def _work_sizes(model: Any) -> list[float]:
+    """Per layer, the GB of parameters its forward multiplies with: the layer's size less
+    what only embedding lookups read (an embedding layer costs a lookup, not a matmul; a
+    head tied to it multiplies with the same weight and keeps it). A static stand-in for
+    the layers' times."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return list(model.layer_size)
+    sizes = []
+    for layer in layers:
+        looked_up = {
+            id(p)
+            for mod in layer.modules()
+            if isinstance(mod, torch.nn.Embedding)
+            for p in mod.parameters(recurse=False)
+        }
+        multiplied = {
+            id(p): p
+            for mod in layer.modules()
+            if not isinstance(mod, torch.nn.Embedding)
+            for p in mod.parameters(recurse=False)
+        }
+        numel_bytes = sum(
+            p.numel() * p.element_size() for i, p in multiplied.items() if i not in looked_up
+        )
+        sizes.append(numel_bytes / 1e9)
+    return sizes
+
+
+def _tail_by_size(
+    work: list[float],
+    mem: list[float],
+    num_devices: int,
+    num_microbatch: int,
+    upper_threshold: float,
+    model_memory_limit: float | None,
+    overlap: bool,
+) -> tuple[int | None, int]:
+    """The fused tail (first layer, or None where any will do; split) of the plan whose
+    layer times are their `work` sizes: what measured times may not change."""
+    # The floor keeps a layer of no weights (an embedding) from costing nothing at all.
+    floor = max(work) / 100 if work and max(work) > 0 else 1.0
+    fwd = [max(w, floor) for w in work]
+    groups = plan_groups(
+        "fused",
+        fwd,
+        [f * ModelTimer.BACKWARD_MULTIPLIER for f in fwd],
+        mem,
+        num_devices=num_devices,
+        num_microbatch=num_microbatch,
+        upper_threshold=upper_threshold,
+        mem_cap=group_param_cap(model_memory_limit),
+        overlap=overlap,
+    )
+    # An unsplit tail may start anywhere: its extent changes no sum.
+    split = groups.tail_split
+    return (groups.fwd_plan[-1].start if split > 1 else None, split)
 
 
 def plan_from_times(
@@ -199,6 +276,7 @@ def plan_from_times(
     mem_cap: float = float("inf"),
     overlap: bool = False,
     publish: Sequence[float] | None = None,
+    fixed_tail: tuple[int | None, int] | None = None,
 ) -> ModelExecutePlan:
     """`ModelExecutePlan.auto` on given per-layer costs and sizes: the groups of
     `engine.planning.search.plan_groups` (its arguments), checked. bench/simulate.py
@@ -214,6 +292,7 @@ def plan_from_times(
         mem_cap=mem_cap,
         overlap=overlap,
         publish=publish,
+        fixed_tail=fixed_tail,
     )
     plan = ModelExecutePlan.from_ranges(groups.fwd_plan, groups.bwd_plan, groups.tail_split)
     plan.check_valid(len(fwd), run_type)

@@ -704,12 +704,21 @@ class DataParallel:
             for f, (p, _, _) in zip(full, layout.params, strict=True)
         ]
 
-    def all_reduce_scalar(self, value: float) -> float:
-        """The sum over ranks of a float, on the bulk group (optimizer thread or idle)."""
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+    def all_reduce_scalar(
+        self, value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> float:
+        """The sum (or `op`) over ranks of a float, on the bulk group (optimizer thread or
+        idle).
+
+        The value goes up, is reduced and comes down on the collective's stream: NCCL orders
+        its kernel after the current stream only, so a tensor written on another stream (the
+        thread's default one) could be read before its copy landed, and read back before the
+        reduction finished; the NCCL ranks' gradient norm was one rank's share then.
+        """
         with self._on_device(), self._guard("a scalar all-reduce"):
-            dist.all_reduce(t, group=self.bulk)
-        return float(t.cpu())
+            t = torch.tensor([value], dtype=torch.float64).to(self.device)
+            dist.all_reduce(t, op=op, group=self.bulk)
+            return float(t.cpu())
 
     def barrier(self) -> None:
         with self._guard("a barrier"):
@@ -732,10 +741,7 @@ def grad_norm(model: RoundPipeBase, norm_type: float = 2.0) -> float:
         local = max((float(g.abs().max()) for g in grads), default=0.0)
         if dp is None:
             return local
-        t = torch.tensor([local], dtype=torch.float64, device=dp.device)
-        with dp._on_device(), dp._guard("the gradient norm"):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp.bulk)
-        return float(t.cpu())
+        return dp.all_reduce_scalar(local, dist.ReduceOp.MAX)
     local = sum(float(g.double().norm(norm_type) ** norm_type) for g in grads)
     total = local if dp is None else dp.all_reduce_scalar(local)
     return total ** (1.0 / norm_type)

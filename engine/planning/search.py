@@ -35,14 +35,16 @@ def plan_groups(
     mem_cap: float = float("inf"),
     overlap: bool = False,
     publish: Sequence[float] | None = None,
+    fixed_tail: tuple[int | None, int] | None = None,
 ) -> PlanGroups:
     """The layer groups `ModelExecutePlan.auto` takes, from per-layer costs (forward,
     backward: ms over a call's micro-batches) and parameter sizes (GB, at most `mem_cap`
     per group), for `num_devices` devices; with `num_microbatch`, fused plans for several
     devices are searched on the pipeline simulation (`simulate_plan`: one call, or with
     `overlap` the time between overlapped calls, whose first job waits `publish` ms per
-    layer of its group: see `simulate_plan`). `scheduler.plan_from_times` makes them a
-    checked ModelExecutePlan."""
+    layer of its group: see `simulate_plan`). A given `fixed_tail` (the fused tail's first
+    layer, or None to choose it; its split) is taken as it is instead of searched. `scheduler.plan_from_times`
+    makes them a checked ModelExecutePlan."""
     if not overlap:
         publish = None
     n = len(fwd)
@@ -70,17 +72,22 @@ def plan_groups(
         # One device runs everything in turn: the tail stays one job. With several, each
         # split of the tail over 1..devices jobs gets its groups and its simulated call.
         # A split sums the tail's parameter gradients in another order (part sums, then
-        # their sum), which changes the last bits of fp16 weights: since plans follow
-        # measured times, it is taken only where it pays clearly (3+ devices, a call 5%
-        # shorter than the unsplit plan's), so 1- and 2-GPU training stays reproducible
-        # bit for bit whatever the timings.
+        # their sum), which changes the last bits of the weights: it is taken only where it
+        # pays clearly (3+ devices, a call 5% shorter than the unsplit plan's), and
+        # ModelExecutePlan.auto passes the tail it chose from the layer sizes
+        # (`fixed_tail`: a split tail's extent decides which layers sum in parts), so
+        # measured times never make two identical runs sum differently.
         searched = bool(num_microbatch) and min_stages >= 3
-        splits = range(1, min_stages + 1) if searched else (1,)
+        splits: Sequence[int] = range(1, min_stages + 1) if searched else (1,)
+        if fixed_tail is not None:
+            start, split = fixed_tail
+            tail_start = tail_start if start is None else start
+            splits = (max(1, min(split, min_stages, num_microbatch or split)),)
         # Overlapped calls on 3+ devices also try tails holding the last one or two layers
         # before the head: a fused layer runs its forward once instead of a forward and a
         # recompute, and with no fill or drain to keep short the longer tail job pays.
         tails = [tail_start]
-        if overlap and searched:
+        if overlap and searched and (fixed_tail is None or fixed_tail[0] is None):
             tails += [t for t in (n - 2, n - 3) if 0 < t < tail_start]
         for tail_start in tails:
             acc = sum(fused_cost[tail_start:])
@@ -138,7 +145,7 @@ def plan_groups(
                         overlap=overlap,
                         publish=publish,
                     )
-                if len(splits) == 1:
+                if len(splits) == 1 and len(tails) == 1:
                     best = (0.0, head, back, split, tail_start)
                     break
                 trial = PlanGroups([*head, range(tail_start, n)], list(reversed(back)), split)

@@ -31,13 +31,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(scenario: str, out: Path, timeout_s: float = 90.0) -> list[dict[str, Any]]:
-    """Run `scenario` on WORLD spawned ranks; return what each rank that finished wrote."""
+def _spawn(
+    scenario: str, out: Path, timeout_s: float = 90.0, world: int = WORLD
+) -> list[dict[str, Any]]:
+    """Run `scenario` on `world` spawned ranks; return what each rank that finished wrote."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
-        ctx.Process(target=dp_worker.rank_main, args=(r, WORLD, port, str(out), scenario))
-        for r in range(WORLD)
+        ctx.Process(target=dp_worker.rank_main, args=(r, world, port, str(out), scenario))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -50,7 +52,7 @@ def _spawn(scenario: str, out: Path, timeout_s: float = 90.0) -> list[dict[str, 
     assert not alive, f"{scenario}: rank(s) still running after {timeout_s} s; {errors}"
     assert not errors, "\n".join(errors)
     results = []
-    for r in range(WORLD):
+    for r in range(world):
         f = out / f"{scenario}-rank{r}.pt"
         results.append(torch.load(f, weights_only=False) if f.exists() else None)
     return results
