@@ -259,7 +259,7 @@ def host_plan_gib(args: argparse.Namespace, config: Any, *, nf4: bool) -> dict[s
         cuda=torch.cuda.is_available(),
         saved_attention=not args.recompute_attention,
         trainable_params=shape.lora_params(args.lora_rank),
-        base_quantization="nf4" if nf4 else "none",
+        quantization="nf4" if nf4 else "none",
         model_dtype_bytes=4 if args.tiny else 2,
         layers_per_group=args.group_layers,
     )

@@ -10,6 +10,7 @@ and the step (roundpipe_base), the autograd bridge (autograd_bridge), call-site 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import statistics
 import threading
@@ -151,6 +152,9 @@ class RoundPipe(RoundPipeBase):
             from 2**20 up, or a string with a unit ('24GiB'); default RP_GPU_MEMORY_GIB,
             else none. The plan sizes for a card that large and, on CUDA, the caching
             allocator cannot reserve past it (docs/ENGINE.md, "GPU memory").
+        layers_per_group: Every call runs groups of this many consecutive layers
+            (`ModelExecutePlan.grouped` over this model's layers, the last group the fused
+            tail) instead of the automatic plan; not with model_run_config.execute_plan.
     """
 
     def __init__(
@@ -169,6 +173,7 @@ class RoundPipe(RoundPipeBase):
         double_buffer_weights: bool | None = None,
         optim_memory: str = "default",
         max_gpu_memory: float | str | None = None,
+        layers_per_group: int | None = None,
     ) -> None:
         optim_grad_dtype = resolve_optim_memory(
             optim_memory,
@@ -223,6 +228,15 @@ class RoundPipe(RoundPipeBase):
         if gpu_cap is not None:
             set_gpu_memory_cap(gpu_cap)
         object.__setattr__(self, "max_gpu_memory_bytes", gpu_cap)
+        if layers_per_group is not None:
+            if model_run_config.execute_plan is not None:
+                raise ConfigError(
+                    "give layers_per_group or model_run_config.execute_plan, not both",
+                    field="layers_per_group",
+                )
+            plan = ModelExecutePlan.grouped(len(layers), layers_per_group)
+            model_run_config = dataclasses.replace(model_run_config, execute_plan=plan)
+            log.info("%s: layer groups of %d: %s", self.name, layers_per_group, plan)
         object.__setattr__(self, "model_run_config", model_run_config)
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "num_layers", len(layers))
@@ -263,6 +277,15 @@ class RoundPipe(RoundPipeBase):
         object.__setattr__(self, "_rp_initialized", True)
 
     # ---- device-side copies --------------------------------------------------------------
+    @property
+    def num_microbatch(self) -> int:
+        """Micro-batches a call makes unless its own run config says otherwise: the
+        model_run_config's num_microbatch, else the engine's default on its devices."""
+        full = FullRoundPipeRunConfig(
+            RoundPipeRunConfig(), self.model_run_config, num_devices=get_num_devices()
+        )
+        return full.num_microbatch
+
     def _replica(self, dev: DeviceManager, layer_id: int) -> LayerReplica:
         key = (dev.id, layer_id)
         rep = self._replicas.get(key)

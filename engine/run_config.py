@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 
 from .device import get_num_devices
 from .errors import ConfigError
-from .planning.memory_plan import default_num_microbatch
+from .options import RecomputeGrain, default_num_microbatch
 from .scheduler import ModelExecutePlan
 
 __all__ = ["FullRoundPipeRunConfig", "RoundPipeRunConfig"]
 
-RecomputeGrain = Literal["stage", "layer"]
-_GRAINS = ("stage", "layer")
+_GRAINS = get_args(RecomputeGrain)
 
 
 @dataclass(frozen=True, slots=True)  # positional too, in the seeds' order of arguments

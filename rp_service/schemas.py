@@ -9,14 +9,20 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from engine import catalog
+from engine.options import (
+    DtypeName,
+    OptimMemory,
+    OptimStateDtype,
+    PinModel,
+    Quantization,
+    RecomputeGrain,
+)
 from engine.planning.memory_plan import MAX_DIM
 
 __all__ = [
@@ -75,7 +81,7 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled
 EventType = Literal["status", "metrics", "checkpoint", "sample", "log", "message"]
 EventLevel = Literal["info", "warning", "error"]
 FileFormat = Literal["text", "chat", "prompt_completion", "preference"]
-DType = Literal["float32", "float16", "bfloat16"]
+DType = DtypeName
 ConfigValue = int | float | str | bool | None | list[int | float | str | bool | None]
 # Shape fields of a preset's config: whole numbers the model's tensors are built from (and
 # the host-memory plan counts), each in 1..2**31; the two HF derives when null may be null.
@@ -118,7 +124,7 @@ class ModelSection(_Section):
         description="Absolute local HF directory (config.json + *.safetensors) under RP_MODEL_ROOTS.",
     )
     dtype: DType = Field("float32", description="dtype of the model copy; the optimizer is fp32.")
-    quantization: Literal["none", "nf4"] = Field(
+    quantization: Quantization = Field(
         "none",
         description="nf4: the frozen base's linear weights held 4-bit in host memory "
         "(QLoRA, docs/QLORA.md); needs train.method lora.",
@@ -243,9 +249,9 @@ class TrainSection(_Section):
 
 class EngineSection(_Section):
     num_microbatch: int | None = Field(None, ge=1, le=512, description="null: devices + 1.")
-    recompute_grain: Literal["stage", "layer"] = "stage"
+    recompute_grain: RecomputeGrain = "stage"
     optim_dtype: DType = "float32"
-    optim_state_dtype: Literal["float32", "bfloat16"] = Field(
+    optim_state_dtype: OptimStateDtype = Field(
         "float32",
         description="Adam's exp_avg/exp_avg_sq: float32 (exact) or bfloat16 (4 bytes a "
         "parameter less; stochastic rounding).",
@@ -255,7 +261,7 @@ class EngineSection(_Section):
         description="The optimizer's gradient: a float32 buffer, or the model-dtype gradient "
         "the GPUs downloaded, read in place (4 bytes a parameter less).",
     )
-    optim_memory: Literal["default", "compact"] = Field(
+    optim_memory: OptimMemory = Field(
         "default",
         description="default: as optim_dtype / optim_state_dtype / optim_grad_dtype say; "
         "compact: the bfloat16 weights are the optimizer's masters (stochastic rounding), "
@@ -278,7 +284,7 @@ class EngineSection(_Section):
         "do (the automatic plan makes one-layer groups for a 70B model), and two groups are "
         "on the GPU at once. null: the automatic plan.",
     )
-    pin_model: Literal["alloc", "register", "arena", "off"] = "alloc"
+    pin_model: PinModel = "alloc"
     gpus: int = Field(1, ge=0, le=64, description="How many GPUs (0 = CPU devices).")
     async_step: bool = True
     max_gpu_memory_gib: float | None = Field(
@@ -393,27 +399,6 @@ class JobSpec(_Section):
             raise ValueError(
                 "engine.optim_memory compact keeps the bfloat16 weights as the optimizer's "
                 f"masters; set model.dtype to bfloat16 (got {self.model.dtype})"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _nf4_needs_lora(self) -> JobSpec:
-        if self.model.quantization == "nf4" and self.train.method != "lora":
-            # A ValidationError keeps its loc, so the 422's param names the field.
-            raise ValidationError.from_exception_data(
-                "JobSpec",
-                [
-                    InitErrorDetails(
-                        type=PydanticCustomError(
-                            "value_error",
-                            "model.quantization nf4 freezes the base in 4 bits, which only "
-                            "adapters can train on; set train.method to 'lora' or "
-                            "model.quantization to 'none'",
-                        ),
-                        loc=("model", "quantization"),
-                        input=self.model.quantization,
-                    )
-                ],
             )
         return self
 

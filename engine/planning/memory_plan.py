@@ -36,7 +36,7 @@ avoids it), the activations kept for the backward (each backward group's input, 
 micro-batch; from 64 MiB up pinned in power-of-two pieces, so not rounded), the saved
 attention outputs (on CUDA unless attention is recomputed; pieces as well) and
 the runtime itself (CUDA context, libraries). Frozen parameters (LoRA bases) have only
-the model copy; with base_quantization='nf4' the projections' copy is packed (half a byte
+the model copy; with quantization='nf4' the projections' copy is packed (half a byte
 a parameter plus a 4-byte absmax per 64: engine.adapters.nf4).
 """
 
@@ -50,6 +50,15 @@ from typing import Any, Literal
 
 from ..catalog import LORA_TARGET_MODULES, projection_shapes_of
 from ..errors import ConfigError, HostMemoryError
+from ..options import (
+    EngineOptions,
+    OptimMemory,
+    OptimStateDtype,
+    PinModel,
+    Quantization,
+    RecomputeGrain,
+    default_num_microbatch,
+)
 
 __all__ = [
     "MAX_DIM",
@@ -66,6 +75,7 @@ __all__ = [
     "parse_bytes",
     "plan_host_memory",
     "process_rss_bytes",
+    "run_shape",
 ]
 
 GIB = 1 << 30
@@ -84,6 +94,7 @@ _GROUP_THRESHOLD = 1.1
 # ones take GPU memory (a 70B NF4 layer packs to ~0.5 GB; an 8B bf16 layer is ~0.4 GB).
 _GROUP_SIZES_TO_OFFER = (2, 4)
 _ALIGN = 64  # memory.ARENA_ALIGN_BYTES
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _QBLOCK = 256  # engine.optim._q8.QBLOCK (that module imports torch)
 _PIECES_MIN_BYTES = 64 << 20  # transfer.PIECES_MIN_BYTES
 _PIECE_GRANULE_BYTES = 2 << 20  # transfer.PIECE_GRANULE_BYTES
@@ -316,12 +327,6 @@ class ModelShape:
         return math.ceil(self.num_hidden_layers / per_group)
 
 
-def default_num_microbatch(num_devices: int) -> int:
-    """Micro-batches per call when a run config leaves `num_microbatch` unset: the
-    devices + 1 (the seeds' default). RoundPipeRunConfig and the daemon's plan use it."""
-    return num_devices + 1
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunShape:
     """The run config the plan needs (JobSpec engine/train sections, RoundPipe options)."""
@@ -329,22 +334,57 @@ class RunShape:
     tokens_per_step: int
     seq_len: int
     num_microbatch: int = 4
-    recompute_grain: Literal["stage", "layer"] = "stage"
+    recompute_grain: RecomputeGrain = "stage"
     model_dtype_bytes: int = 2
     optim_dtype_bytes: int = 4
     optim_grad_dtype: Literal["optim", "model"] = "optim"
-    optim_state_dtype: Literal["float32", "bfloat16"] = "float32"
-    pin_model: Literal["alloc", "register", "arena", "off"] = "alloc"
+    optim_state_dtype: OptimStateDtype = "float32"
+    pin_model: PinModel = "alloc"
     cuda: bool = True
     saved_attention: bool = True  # CUDA, half precision, attention not recomputed
     trainable_params: int | None = None  # None: all (full fine-tune); else e.g. LoRA's
     optimizer_state: bool = True  # count Adam's moments
     double_buffer_weights: bool = False  # a second model copy per trainable parameter
-    optim_memory: Literal["default", "compact"] = "default"  # compact: see the module doc
-    # "nf4": the frozen projections are held packed (engine.adapters.nf4), LoRA only.
-    base_quantization: Literal["none", "nf4"] = "none"
+    optim_memory: OptimMemory = "default"  # compact: see the module doc
+    # "nf4": the frozen projections are held packed (engine.adapters.nf4); EngineOptions
+    # allows it with adapters only (trainable_params set).
+    quantization: Quantization = "none"
     # Layers per group of an explicit ModelExecutePlan.grouped; None: the automatic plan.
     layers_per_group: int | None = None
+
+
+def run_shape(
+    options: EngineOptions,
+    shape: ModelShape,
+    *,
+    tokens_per_step: int,
+    seq_len: int,
+    num_devices: int,
+    cuda: bool,
+) -> RunShape:
+    """The RunShape of a run of `shape` with `options` on `num_devices` devices."""
+    model_bytes = _DTYPE_BYTES[options.model_dtype]
+    lora = options.lora
+    return RunShape(
+        tokens_per_step=tokens_per_step,
+        seq_len=seq_len,
+        num_microbatch=options.num_microbatch_on(num_devices),
+        recompute_grain=options.recompute_grain,
+        model_dtype_bytes=model_bytes,
+        optim_dtype_bytes=_DTYPE_BYTES[options.optim_dtype],
+        optim_grad_dtype="optim" if options.optim_grad_dtype is None else "model",
+        optim_state_dtype=options.optim_state_dtype,
+        optim_memory=options.optim_memory,
+        pin_model=options.pin_model,
+        cuda=cuda,
+        # attention outputs are kept (on the host) for half-precision CUDA runs only
+        saved_attention=cuda and model_bytes == 2 and not options.recompute_attention,
+        trainable_params=None
+        if lora is None
+        else shape.lora_params(lora.rank, lora.target_modules),
+        quantization=options.quantization,
+        layers_per_group=options.layers_per_group,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,17 +517,8 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
     mbytes = run.model_dtype_bytes
     pin, cuda = run.pin_model, run.cuda
     parts: dict[str, int] = {}
-    if run.base_quantization not in ("none", "nf4"):
-        raise ConfigError(
-            f"base_quantization must be 'none' or 'nf4', got {run.base_quantization!r}"
-        )
     packed: list[int] = []
-    if run.base_quantization == "nf4":
-        if run.trainable_params is None:
-            raise ConfigError(
-                "base_quantization='nf4' needs a frozen base: train adapters (LoRA), "
-                "not the full model"
-            )
+    if run.quantization == "nf4":
         projections = shape.layer_tensors()[:7] * shape.num_hidden_layers
         packed = [b for n in projections for b in nf4_tensor_bytes(n)]
         tensors = _without(tensors, projections)

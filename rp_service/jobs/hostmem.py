@@ -2,7 +2,7 @@
 
 `engine.planning.memory_plan` predicts from shapes; this module turns a JobSpec into those
 shapes (a preset's config defaults from `engine.catalog` and the overrides, or a model
-directory's config.json; the run options through `rp_service.spec_to_engine`) and its
+directory's config.json; the run options `rp_service.spec_to_engine` mapped) and its
 refusal into `HostMemoryExceeded`, naming the JobSpec field to change: a 422 at
 submission (app.py), the job's error in the worker.
 """
@@ -13,25 +13,24 @@ from typing import Any
 
 from engine.catalog import FAMILIES, plannable
 from engine.errors import ConfigError, HostMemoryError
+from engine.options import EngineOptions
 from engine.planning.memory_plan import (
     HostMemoryPlan,
     ModelShape,
-    RunShape,
     default_budget_bytes,
     format_gib,
     parse_bytes,
     plan_host_memory,
+    run_shape,
 )
 from rp_service.errors import HostMemoryExceeded
 from rp_service.schemas import JobSpec
-from rp_service.spec_to_engine import EngineOptions, spec_to_engine
 
 __all__ = ["budget_bytes", "check_spec", "plan_for_spec"]
 
 # rp_service.data.tokenizer.BYTE_VOCAB_SIZE rounded up as modeling._preset_config does (that
 # module imports torch; the test checks the two agree).
 _BYTE_VOCAB_ROUNDED = 264
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # JobSpec field that each engine.planning.memory_plan option changes.
 _OPTION_FIELDS = {
     "optim_state_dtype": "engine.optim_state_dtype",
@@ -64,14 +63,10 @@ def _model_config(spec: JobSpec, path_config: dict[str, Any] | None) -> dict[str
 
 
 def plan_for_spec(
-    spec: JobSpec, *, path_config: dict[str, Any] | None, cuda: bool
+    spec: JobSpec, options: EngineOptions, *, path_config: dict[str, Any] | None, cuda: bool
 ) -> HostMemoryPlan | None:
-    """The plan of `spec` (None when the model's config has no transformer shape).
-
-    Raises:
-        JobFailure: `spec_to_engine`'s refusal of the spec's engine options.
-    """
-    options = spec_to_engine(spec)
+    """The plan of `spec`, run with `options` (`spec_to_engine`'s; None when the model's
+    config has no transformer shape)."""
     config = _model_config(spec, path_config)
     if config is None:
         return None
@@ -79,43 +74,29 @@ def plan_for_spec(
         shape = ModelShape.from_config(config)
     except ConfigError:
         return None
-    devices = max(spec.engine.gpus, 1)
-    model_bytes = _DTYPE_BYTES[options.model_dtype]
-    run = RunShape(
+    run = run_shape(
+        options,
+        shape,
         # a DPO step runs two rows (chosen, rejected) per pair of train.batch_size
         tokens_per_step=spec.train.batch_size * spec.data.seq_len * _rows_per_item(spec),
         seq_len=spec.data.seq_len,
-        # spec_to_engine refuses a num_microbatch above the batch size; the default
-        # (devices + 1) may be above it, and the plan counts whole sequences.
-        num_microbatch=min(options.num_microbatch_on(devices), spec.train.batch_size),
-        recompute_grain=options.recompute_grain,  # type: ignore[arg-type]
-        model_dtype_bytes=model_bytes,
-        optim_dtype_bytes=_DTYPE_BYTES[options.optim_dtype],
-        optim_grad_dtype="optim" if options.optim_grad_dtype is None else "model",
-        optim_state_dtype=options.optim_state_dtype,  # type: ignore[arg-type]
-        optim_memory=options.optim_memory,  # type: ignore[arg-type]
-        pin_model=options.pin_model,  # type: ignore[arg-type]
+        num_devices=max(spec.engine.gpus, 1),
         cuda=cuda,
-        saved_attention=cuda and model_bytes == 2 and not options.recompute_attention,
-        trainable_params=_lora_params(options, shape),
-        base_quantization=options.base_quantization,  # type: ignore[arg-type]
-        layers_per_group=options.layers_per_group,
     )
     return plan_host_memory(shape, run)
 
 
-def _lora_params(options: EngineOptions, shape: ModelShape) -> int | None:
-    """Adapter parameters of a LoRA job (None: a full fine-tune trains every weight)."""
-    if options.lora is None:
-        return None
-    return shape.lora_params(options.lora.rank, options.lora.target_modules)
-
-
 def check_spec(
-    spec: JobSpec, *, path_config: dict[str, Any] | None, cuda: bool, budget: int
+    spec: JobSpec,
+    options: EngineOptions,
+    *,
+    path_config: dict[str, Any] | None,
+    cuda: bool,
+    budget: int,
 ) -> HostMemoryPlan | None:
-    """Raise HostMemoryExceeded (naming the field to change) when `spec` would not fit."""
-    plan = plan_for_spec(spec, path_config=path_config, cuda=cuda)
+    """Raise HostMemoryExceeded (naming the field to change) when `spec`, run with
+    `options`, would not fit."""
+    plan = plan_for_spec(spec, options, path_config=path_config, cuda=cuda)
     if plan is None:
         return None
     try:

@@ -19,6 +19,7 @@ from rp_service.jobs.hostmem import budget_bytes, check_spec
 from rp_service.jobs.store import Store
 from rp_service.schemas import JobSpec, LoraSection
 from rp_service.settings import Settings
+from rp_service.spec_to_engine import spec_to_engine
 
 __all__ = ["SpecResolver", "check_lora_rank", "config_max_positions", "under_roots"]
 
@@ -117,7 +118,8 @@ class SpecResolver:
 
     def check(self, spec: JobSpec, *, gpu_count: int) -> None:
         """Raise InvalidRequest or JobFailure, naming the field, for what this daemon
-        cannot run."""
+        cannot run (the engine options' rules first: `spec_to_engine`)."""
+        options = spec_to_engine(spec)
         path_config = self._path_config(spec)  # config.json of a model folder, read once
         max_positions = self._max_positions(spec, path_config)
         if max_positions is not None and spec.data.seq_len > max_positions:
@@ -154,6 +156,7 @@ class SpecResolver:
             )
         check_spec(
             spec,
+            options,
             path_config=path_config,
             cuda=gpu_count > 0 and spec.engine.gpus > 0,
             budget=self.host_budget_bytes,

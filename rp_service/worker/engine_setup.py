@@ -1,7 +1,8 @@
 """A job's model in the engine: the host-memory check, the adapters, the wrap, the optimizer.
 
-Each step reads the spec through `rp_service.spec_to_engine`'s options, the ones the
-daemon planned host memory with at submission.
+Each step takes the job's `engine.options.EngineOptions`, mapped once from the spec by
+`rp_service.spec_to_engine` in `worker.main` (the daemon planned host memory with the
+same mapping at submission).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Any
 
 import torch
 
+from engine.options import EngineOptions, LoraOptions
+
 from ..errors import JobFailure
 from ..schemas import JobSpec
-from ..spec_to_engine import EngineOptions, LoraOptions
 from .modeling import DTYPES
 
 __all__ = ["apply_lora", "check_host_memory", "make_optimizer", "wrap"]
@@ -23,7 +25,7 @@ __all__ = ["apply_lora", "check_host_memory", "make_optimizer", "wrap"]
 log = logging.getLogger(__name__)
 
 
-def check_host_memory(spec: JobSpec, model_path: str | None) -> None:
+def check_host_memory(spec: JobSpec, options: EngineOptions, model_path: str | None) -> None:
     """The submission's host-memory plan again, against what this box has now (another job
     may hold memory the daemon could not count at submission): refuse before allocating
     rather than be ended by the OOM killer.
@@ -43,7 +45,7 @@ def check_host_memory(spec: JobSpec, model_path: str | None) -> None:
     budget = default_budget_bytes(host_memory_budget_setting(), in_use_bytes=process_rss_bytes())
     cuda = torch.cuda.is_available() and spec.engine.gpus > 0
     try:
-        check_spec(spec, path_config=config, cuda=cuda, budget=budget)
+        check_spec(spec, options, path_config=config, cuda=cuda, budget=budget)
     except HostMemoryExceeded as exc:
         # The error event keeps the message (which has the figures) and the field.
         raise JobFailure(exc.code, exc.message, param=exc.param) from None
@@ -88,7 +90,7 @@ def apply_lora(hf_model: torch.nn.Module, lora: LoraOptions, *, seed: int | None
 
 
 def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
-    """The job's RoundPipe over `hf_model`, with the spec's run config and wrap options.
+    """The job's RoundPipe over `hf_model`, with the options' run config and wrap options.
 
     Raises:
         JobFailure: code ``gpu_memory_too_small``: the GPU memory cap (the job's
@@ -104,60 +106,46 @@ def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
             raise
         param = "engine.max_gpu_memory_gib" if options.max_gpu_memory_gib is not None else None
         raise JobFailure("gpu_memory_too_small", str(exc), param=param) from exc
-    if options.layers_per_group is not None:
-        _use_grouped_plan(rp, options.layers_per_group)
     return rp
-
-
-def _use_grouped_plan(rp: Any, layers_per_group: int) -> None:
-    """Every call of `rp` runs groups of `layers_per_group` layers (engine.layers_per_group),
-    counted over the wrapped model's layers (the preset's embedding, decoder layers, head)."""
-    import dataclasses
-
-    from engine import ModelExecutePlan
-
-    plan = ModelExecutePlan.grouped(rp.num_layers, layers_per_group)
-    rp.model_run_config = dataclasses.replace(rp.model_run_config, execute_plan=plan)
-    log.info("layer groups of %d: %s", layers_per_group, plan)
 
 
 def _wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
     from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
+    from engine.device import get_num_devices
 
+    kwargs: dict[str, Any] = {
+        # the micro-batches the daemon planned with, on the devices this worker has
+        "model_run_config": RoundPipeRunConfig(
+            num_microbatch=options.num_microbatch_on(get_num_devices()),
+            recompute_grain=options.recompute_grain,
+        ),
+        "pin_model": options.pin_model,
+        "recompute_attention": options.recompute_attention,
+        "max_gpu_memory": options.max_gpu_memory_gib,
+        "layers_per_group": options.layers_per_group,
+    }
     if options.optim_memory == "compact":  # the bf16 weights are the masters
-        return wrap_model_to_roundpipe(
-            hf_model,
-            model_run_config=RoundPipeRunConfig(**options.run_config),
-            pin_model=options.pin_model,
-            recompute_attention=options.recompute_attention,
-            optim_memory="compact",
-            max_gpu_memory=options.max_gpu_memory_gib,
-        )
+        return wrap_model_to_roundpipe(hf_model, optim_memory="compact", **kwargs)
     grad_dtype = options.optim_grad_dtype
     return wrap_model_to_roundpipe(
         hf_model,
         optim_dtype=DTYPES[options.optim_dtype],
         optim_grad_dtype=None if grad_dtype is None else DTYPES[grad_dtype],
-        model_run_config=RoundPipeRunConfig(**options.run_config),
-        pin_model=options.pin_model,
-        recompute_attention=options.recompute_attention,
-        max_gpu_memory=options.max_gpu_memory_gib,
+        **kwargs,
     )
 
 
-def make_optimizer(
-    masters: list[torch.Tensor], spec: JobSpec, options: EngineOptions
-) -> torch.optim.Optimizer:
-    """The C Adam over the master weights, with the spec's hyperparameters (8-bit moments
+def make_optimizer(masters: list[torch.Tensor], options: EngineOptions) -> torch.optim.Optimizer:
+    """The C Adam over the master weights, with the options' hyperparameters (8-bit moments
     with optim_memory compact)."""
     from engine.optim import Adam
 
-    train = spec.train
+    adam = options.adam
     return Adam(
         masters,
-        lr=train.lr,
-        betas=tuple(train.betas),
-        weight_decay=train.weight_decay,
+        lr=adam.lr,
+        betas=adam.betas,
+        weight_decay=adam.weight_decay,
         decoupled_weight_decay=True,
         state_dtype=torch.uint8
         if options.optim_memory == "compact"

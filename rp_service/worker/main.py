@@ -237,6 +237,7 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
 
     from ..errors import JobFailure
     from ..schemas import JobSpec
+    from ..spec_to_engine import spec_to_engine
     from .training import JobPaths, run_job
 
     try:
@@ -255,7 +256,9 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
 
     hf_logging.disable_progress_bar()  # the log is a file: no progress bars in it
     try:
-        outcome = run_job(spec, paths, emit, pause)
+        # the one mapping of this process: everything below takes these options
+        options = spec_to_engine(spec)
+        outcome = run_job(spec, options, paths, emit, pause)
     except JobFailure as exc:
         return _fail(emit, exc.code, exc.message, exc.param, **exc.details)
     except Exception as exc:

@@ -1,4 +1,4 @@
-"""Per-step training metrics: each step's event once its gradient norm has arrived."""
+"""Per-step training metrics: each step's event once its optimizer update has run."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ _SPEED_WINDOW = 20  # steps over which tokens/s is averaged
 
 @dataclass(slots=True)
 class Meter:
-    """Per-step metrics: waits for each step's grad norm, then emits its event."""
+    """Per-step metrics: waits for each step's update (its grad norm and the learning rate
+    the scheduler gave it, sent by the optimizer thread), then emits its event."""
 
     emit: Emit
     total_steps: int
@@ -31,12 +32,13 @@ class Meter:
     start_step: int = 0
     trained_tokens: int = 0
     pending: deque[dict[str, Any]] = field(default_factory=deque)
-    grad_norms: queue.SimpleQueue[tuple[int, float]] = field(default_factory=queue.SimpleQueue)
+    # (step, grad norm, learning rate) of each update, in step order
+    updates: queue.SimpleQueue[tuple[int, float, float]] = field(default_factory=queue.SimpleQueue)
     speed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_SPEED_WINDOW))
     last: dict[str, Any] = field(default_factory=dict)
 
     def record(
-        self, step: int, loss: float, lr: float, tokens: int, extra: dict[str, Any] | None = None
+        self, step: int, loss: float, tokens: int, extra: dict[str, Any] | None = None
     ) -> None:
         """Note step `step` (1-based) as done on the main thread; `extra`: the objective's
         own metrics (DPO's rewards and log-probabilities)."""
@@ -59,7 +61,7 @@ class Meter:
                 "epoch": round(self.order.epoch(step), 6),
                 "train_loss": loss,
                 "valid_loss": None,
-                "learning_rate": lr,
+                "learning_rate": None,
                 "grad_norm": None,
                 "tokens_per_second": round(tokens_per_s, 3),
                 "step_seconds": round(step_seconds, 4),
@@ -71,16 +73,17 @@ class Meter:
         )
 
     def flush(self, *, valid_loss: float | None = None) -> None:
-        """Emit every pending step whose grad norm has arrived (all of them after a sync)."""
+        """Emit every pending step whose update has run (all of them after a sync)."""
         while True:
             try:
-                step, norm = self.grad_norms.get_nowait()
+                step, norm, lr = self.updates.get_nowait()
             except queue.Empty:
                 return
             data = self.pending.popleft()
             if data["step"] != step:  # the optimizer thread runs steps in order
                 raise RuntimeError(f"grad norm of step {step} arrived for step {data['step']}")
             data["grad_norm"] = norm
+            data["learning_rate"] = lr
             if not self.pending and valid_loss is not None:
                 data["valid_loss"] = valid_loss
             self.last = data

@@ -38,13 +38,13 @@ from typing import Any
 import torch
 
 from engine.adapters.nf4 import host_base_bytes
+from engine.options import EngineOptions
 
 from ..data.datasets import BatchOrder, DataFormatError, TokenBlocks, build_blocks, read_records
 from ..data.tokenizer import JobTokenizer, load_tokenizer
 from ..demo import SYNTHETIC, SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_VALID_RECORDS, synthetic_records
 from ..errors import JobFailure
 from ..schemas import JobSpec
-from ..spec_to_engine import spec_to_engine
 from . import checkpoint as ckpt
 from .engine_setup import apply_lora, check_host_memory, make_optimizer, wrap
 from .evaluation import evaluate, evaluating
@@ -167,12 +167,19 @@ def _load_tokenizer(spec: JobSpec, paths: JobPaths) -> JobTokenizer:
 class _Run:
     """Everything one attempt of a job holds while it trains."""
 
-    def __init__(self, spec: JobSpec, paths: JobPaths, emit: Emit, pause: threading.Event) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        options: EngineOptions,
+        paths: JobPaths,
+        emit: Emit,
+        pause: threading.Event,
+    ) -> None:
         self.spec = spec
         self.paths = paths
         self.emit = emit
         self.pause = pause
-        self.options = spec_to_engine(spec)
+        self.options = options
         train = spec.train
 
         self.tokenizer = _load_tokenizer(spec, paths)
@@ -216,7 +223,7 @@ class _Run:
                 self.resume.num_blocks,
                 len(self.blocks),
             )
-        check_host_memory(spec, paths.model_path)
+        check_host_memory(spec, options, paths.model_path)
         # LoRA: the state_dict names of the adapter weights; None: every weight trains
         self.adapter_keys: list[str] | None = None
         self.hf_model = self._build_model()
@@ -231,7 +238,7 @@ class _Run:
             "total": sum(p.numel() for p in self.hf_model.parameters()),
             "base_host_bytes": self.base_host_bytes,
         }
-        self.optimizer = make_optimizer(self.masters, spec, self.options)
+        self.optimizer = make_optimizer(self.masters, options)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.meter = Meter(emit=emit, total_steps=self.total_steps, order=self.order)
         self.meter.start_step = self.start_step
@@ -258,7 +265,7 @@ class _Run:
             dtype=model.dtype,
             vocab_size=self.tokenizer.vocab_size,
             seed=self.spec.train.seed,
-            quantization=self.options.base_quantization,
+            quantization=self.options.quantization,
         )
         # The base as stored, before the adapters and the wrap (which may re-home storage).
         self.base_host_bytes = host_base_bytes(hf_model)
@@ -329,10 +336,11 @@ class _Run:
             else:
                 grads = [p.grad for p in self.masters if p.grad is not None]
                 norm = torch.nn.utils.get_total_norm(grads)
+            lr = self.scheduler.get_last_lr()[0]  # the rate this update uses
             self.optimizer.step()
             self.optimizer.zero_grad()
             self.scheduler.step()
-            self.meter.grad_norms.put((step, float(norm)))
+            self.meter.updates.put((step, float(norm), lr))
 
         return step_fn
 
@@ -460,9 +468,8 @@ class _Run:
                 next_model = self._model_tensors()
             self.rp.step(self._step_fn(step), is_async=async_step)
             loss = float(loss_t)  # the one host sync of a step
-            lr = train.lr * self._lr_factor(step - 1)
             extra = self.dpo.metrics() if self.dpo is not None else None
-            self.meter.record(step, loss, lr, tokens, extra)
+            self.meter.record(step, loss, tokens, extra)
             if not (sync or pausing):
                 self.meter.flush()
                 continue
@@ -493,10 +500,17 @@ class _Run:
         )
 
 
-def run_job(spec: JobSpec, paths: JobPaths, emit: Emit, pause: threading.Event) -> Outcome:
-    """Train the job described by `spec`; return how it ended.
+def run_job(
+    spec: JobSpec,
+    options: EngineOptions,
+    paths: JobPaths,
+    emit: Emit,
+    pause: threading.Event,
+) -> Outcome:
+    """Train the job described by `spec` with `options` (`spec_to_engine(spec)`, mapped
+    once by the caller); return how it ended.
 
     Raises:
         JobFailure: bad data, tokenizer or model (with the spec field to fix).
     """
-    return _Run(spec, paths, emit, pause).train()
+    return _Run(spec, options, paths, emit, pause).train()

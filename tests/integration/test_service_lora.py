@@ -162,13 +162,14 @@ def test_a_rank_the_model_cannot_take_fails_the_job_naming_the_field(tmp_path: P
 
     from rp_service.errors import JobFailure
     from rp_service.schemas import JobSpec
+    from rp_service.spec_to_engine import spec_to_engine
     from rp_service.worker.training import JobPaths, run_job
 
     job_dir = make_job(tmp_path / "wide", {**SMALL_LORA, "lora": {"rank": 40}})
     payload = json.loads((job_dir / "spec.json").read_text())
     spec, paths = JobSpec.model_validate(payload["spec"]), JobPaths.from_json(payload["resolved"])
     with pytest.raises(JobFailure) as failure:
-        run_job(spec, paths, lambda *args, **kwargs: None, threading.Event())
+        run_job(spec, spec_to_engine(spec), paths, lambda *args, **kwargs: None, threading.Event())
     assert failure.value.code == "invalid_lora" and failure.value.param == "lora.rank"
     assert "use rank <= 32" in failure.value.message
 

@@ -60,7 +60,7 @@ def _qlora_70b(layers_per_group: int | None) -> RunShape:
         pin_model="arena",
         saved_attention=False,
         trainable_params=shape.lora_params(16),
-        base_quantization="nf4",
+        quantization="nf4",
         layers_per_group=layers_per_group,
     )
 

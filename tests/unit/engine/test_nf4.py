@@ -27,6 +27,7 @@ from engine.adapters.nf4 import (
 )
 from engine.adapters.quantized_load import load_nf4_model
 from engine.memory import packed_form
+from engine.options import AdamOptions, EngineOptions
 from engine.planning.memory_plan import (
     ModelShape,
     RunShape,
@@ -257,16 +258,16 @@ def test_the_plan_counts_the_packed_base() -> None:
         "pin_model": "arena",
     }
     fp16 = plan_host_memory(shape, RunShape(**run))
-    packed = plan_host_memory(shape, RunShape(**run, base_quantization="nf4"))
+    packed = plan_host_memory(shape, RunShape(**run, quantization="nf4"))
     projections = shape.layer_tensors()[:7] * shape.num_hidden_layers
     nf4_bytes = sum(-(-b // 64) * 64 for n in projections for b in nf4_tensor_bytes(n))
     full_bytes = sum(-(-(2 * n) // 64) * 64 for n in projections)
     assert fp16.parts["model"] - packed.parts["model"] == full_bytes - nf4_bytes
     assert packed.parts["model"] < 45 * 2**30 < 125 * 2**30 < fp16.parts["model"]
-    with pytest.raises(ConfigError, match="frozen base"):
-        plan_host_memory(
-            shape, RunShape(tokens_per_step=2048, seq_len=2048, base_quantization="nf4")
-        )
+    # nf4 without adapters is refused once, by the options the plan is built from
+    with pytest.raises(ConfigError, match="only adapters can train") as refused:
+        EngineOptions(adam=AdamOptions(lr=1e-4), quantization="nf4")
+    assert refused.value.field == "quantization"
 
 
 def test_nf4_tensor_bytes() -> None:

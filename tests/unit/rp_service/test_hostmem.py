@@ -19,6 +19,7 @@ from rp_service.app import create_app
 from rp_service.jobs.hostmem import _BYTE_VOCAB_ROUNDED, plan_for_spec
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
+from rp_service.spec_to_engine import spec_to_engine
 
 TINY = {
     "hidden_size": 32,
@@ -114,7 +115,7 @@ def test_spec_plan_counts_the_model_the_worker_builds() -> None:
 
     model = {"preset": "llama", "config": TINY, "dtype": "float16"}
     spec = JobSpec.model_validate({**_spec(), "model": model})
-    plan = plan_for_spec(spec, path_config=None, cuda=False)
+    plan = plan_for_spec(spec, spec_to_engine(spec), path_config=None, cuda=False)
     assert plan is not None and plan.shape is not None
     model = build_model(
         preset="llama",
@@ -168,4 +169,9 @@ def test_a_bad_preset_config_is_refused_before_any_plan(config: dict[str, Any]) 
     with pytest.raises(ValidationError, match=f"model.config.{key} must be a whole number"):
         JobSpec.model_validate({**_spec(), "model": {"preset": "qwen3", "config": config}})
     spec = JobSpec.model_validate({**_spec(), "model": {"path": "/models/m"}})
-    assert plan_for_spec(spec, path_config={"model_type": "qwen3", **config}, cuda=False) is None
+    assert (
+        plan_for_spec(
+            spec, spec_to_engine(spec), path_config={"model_type": "qwen3", **config}, cuda=False
+        )
+        is None
+    )

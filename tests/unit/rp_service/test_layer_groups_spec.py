@@ -47,8 +47,8 @@ def test_the_groups_reach_the_plan_and_the_engine_options() -> None:
     auto, two = _qlora_70b(), _qlora_70b(layers_per_group=2)
     assert spec_to_engine(auto).layers_per_group is None
     assert spec_to_engine(two).layers_per_group == 2
-    auto_plan = plan_for_spec(auto, path_config=None, cuda=True)
-    two_plan = plan_for_spec(two, path_config=None, cuda=True)
+    auto_plan = plan_for_spec(auto, spec_to_engine(auto), path_config=None, cuda=True)
+    two_plan = plan_for_spec(two, spec_to_engine(two), path_config=None, cuda=True)
     assert auto_plan is not None and two_plan is not None
     # 80 one-layer groups' inputs against 39 (82 layers in groups of two, less the tail and
     # the embedding's): 40 GiB against 19.5
@@ -59,16 +59,17 @@ def test_the_groups_reach_the_plan_and_the_engine_options() -> None:
 
 def test_a_refused_job_is_told_the_groups_that_fit() -> None:
     spec = _qlora_70b()
-    need_two = plan_for_spec(_qlora_70b(layers_per_group=2), path_config=None, cuda=True)
+    two = _qlora_70b(layers_per_group=2)
+    need_two = plan_for_spec(two, spec_to_engine(two), path_config=None, cuda=True)
     assert need_two is not None
     with pytest.raises(HostMemoryExceeded) as refused:
-        check_spec(spec, path_config=None, cuda=True, budget=need_two.total_bytes)
+        check_spec(
+            spec, spec_to_engine(spec), path_config=None, cuda=True, budget=need_two.total_bytes
+        )
     offered = {o["param"]: o["change"] for o in refused.value.details["options"]}
     assert "layers_per_group=2" in offered["engine.layers_per_group"]
     # and the job that takes the advice fits
-    check_spec(
-        _qlora_70b(layers_per_group=2), path_config=None, cuda=True, budget=need_two.total_bytes
-    )
+    check_spec(two, spec_to_engine(two), path_config=None, cuda=True, budget=need_two.total_bytes)
 
 
 @pytest.mark.parametrize("value", [0, -1, "two", 1.5])

@@ -68,7 +68,7 @@ def test_the_service_has_no_table_of_its_own() -> None:
 
 def test_the_plan_counts_the_catalogs_projection_shapes() -> None:
     spec = JobSpec.model_validate(_spec(train={"method": "lora"}, lora={"rank": 3}))
-    plan = plan_for_spec(spec, path_config=None, cuda=False)
+    plan = plan_for_spec(spec, spec_to_engine(spec), path_config=None, cuda=False)
     assert plan is not None and plan.shape is not None
     config = {**catalog.FAMILIES["qwen3"].config_defaults, **spec.model.config}
     shapes = catalog.projection_shapes(config)
@@ -95,16 +95,20 @@ def test_the_plan_and_the_worker_read_one_mapping(
     from rp_service.worker import engine_setup
 
     spec = JobSpec.model_validate(_spec(model={"dtype": "bfloat16"}, engine=engine))
-    plan = plan_for_spec(spec, path_config=None, cuda=True)
+    plan = plan_for_spec(spec, spec_to_engine(spec), path_config=None, cuda=True)
     assert plan is not None
     assert {k: getattr(plan.run, k) for k in run} == run
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(engine_package, "wrap_model_to_roundpipe", lambda m, **kw: calls.append(kw))
-    engine_setup.wrap(object(), spec_to_engine(spec))
-    (kwargs,) = calls
     options = spec_to_engine(spec)
+    engine_setup.wrap(object(), options)
+    (kwargs,) = calls
     assert kwargs["recompute_attention"] is (not run["saved_attention"])
-    assert kwargs["model_run_config"].num_microbatch == engine.get("num_microbatch")
+    # the worker resolves the default on its own devices, as the plan did on the spec's
+    from engine.device import get_num_devices
+
+    want = engine.get("num_microbatch") or options.num_microbatch_on(get_num_devices())
+    assert kwargs["model_run_config"].num_microbatch == want
     assert options.num_microbatch_on(1) == run["num_microbatch"]  # gpus 0: one device planned
     in_place = kwargs["optim_grad_dtype"] is not None
     assert in_place is (run["optim_grad_dtype"] == "model")
@@ -123,7 +127,7 @@ def test_compact_optimizer_memory_is_one_mapping_too(monkeypatch: pytest.MonkeyP
     )
     options = spec_to_engine(spec)
     assert options.optim_memory == "compact"
-    plan = plan_for_spec(spec, path_config=None, cuda=False)
+    plan = plan_for_spec(spec, spec_to_engine(spec), path_config=None, cuda=False)
     assert plan is not None and plan.run.optim_memory == "compact"
     assert plan.parts["optim_master"] == 0 and plan.parts["optim_state_scales"] > 0
     calls: list[dict[str, Any]] = []
@@ -133,7 +137,7 @@ def test_compact_optimizer_memory_is_one_mapping_too(monkeypatch: pytest.MonkeyP
     assert kwargs["optim_memory"] == "compact"
     assert "optim_dtype" not in kwargs and "optim_grad_dtype" not in kwargs
     master = torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))
-    optimizer = engine_setup.make_optimizer([master], spec, options)
+    optimizer = engine_setup.make_optimizer([master], options)
     assert optimizer.state_dtype == torch.uint8
 
 
@@ -167,12 +171,13 @@ from rp_service.app import create_app
 from rp_service.jobs.hostmem import plan_for_spec
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
+from rp_service.spec_to_engine import spec_to_engine
 settings = Settings(
     data_dir={str(tmp_path)!r}, gpus="none", host_memory_budget="160GiB", token="tok"
 )
 app = create_app(settings)
 spec = JobSpec.model_validate({_spec(train={"method": "lora"})!r})
-assert plan_for_spec(spec, path_config=None, cuda=False) is not None
+assert plan_for_spec(spec, spec_to_engine(spec), path_config=None, cuda=False) is not None
 with TestClient(app, base_url={LOOPBACK!r}, headers={AUTH!r}) as client:
     r = client.post("/v1/jobs", json={_spec(engine={"num_microbatch": 5})!r})
     assert r.status_code == 422, r.text

@@ -65,15 +65,15 @@ def test_nf4_maps_to_the_engine_and_packs_the_planned_base() -> None:
     plain = JobSpec.model_validate({**BASE, "train": {"method": "lora"}})
     nf4 = JobSpec.model_validate({**NF4, "train": {"method": "lora"}})
     assert plain.model.quantization == "none"
-    assert spec_to_engine(plain).base_quantization == "none"
-    assert spec_to_engine(nf4).base_quantization == "nf4"
+    assert spec_to_engine(plain).quantization == "none"
+    assert spec_to_engine(nf4).quantization == "nf4"
     # the store's copy validates again to the same spec (the worker re-reads it)
     dumped = nf4.model_dump(mode="json")
     assert JobSpec.model_validate(dumped).model_dump(mode="json") == dumped
-    want = plan_for_spec(plain, path_config=None, cuda=False)
-    got = plan_for_spec(nf4, path_config=None, cuda=False)
+    want = plan_for_spec(plain, spec_to_engine(plain), path_config=None, cuda=False)
+    got = plan_for_spec(nf4, spec_to_engine(nf4), path_config=None, cuda=False)
     assert want is not None and got is not None
-    assert got.run.base_quantization == "nf4" and want.run.base_quantization == "none"
+    assert got.run.quantization == "nf4" and want.run.quantization == "none"
     assert got.parts["model"] < want.parts["model"]
 
 

@@ -1,0 +1,107 @@
+"""spec_to_engine is the one map from a JobSpec to EngineOptions, called once per process:
+the daemon's submission check maps once, the worker maps once and hands the options down."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rp_service.spec_to_engine as mapping
+from engine.options import AdamOptions, EngineOptions
+from rp_service.errors import JobFailure
+from rp_service.schemas import JobSpec
+from rp_service.spec_to_engine import spec_to_engine
+
+BODY: dict[str, Any] = {
+    "model": {"preset": "qwen3", "config": {"hidden_size": 64, "head_dim": 16}},
+    "data": {"train": "synthetic", "seq_len": 64},
+    "train": {"steps": 2, "batch_size": 4, "lr": 3e-4, "betas": [0.8, 0.95]},
+    "engine": {"gpus": 0, "num_microbatch": 2},
+}
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[EngineOptions]:
+    """Count spec_to_engine's calls, wherever they look it up from."""
+    made: list[EngineOptions] = []
+    real = mapping.spec_to_engine
+
+    def counted(spec: JobSpec) -> EngineOptions:
+        made.append(real(spec))
+        return made[-1]
+
+    monkeypatch.setattr(mapping, "spec_to_engine", counted)
+    import rp_service.jobs.resolve as resolve
+
+    monkeypatch.setattr(resolve, "spec_to_engine", counted)
+    return made
+
+
+def test_the_spec_maps_lr_quantization_and_micro_batches() -> None:
+    options = spec_to_engine(JobSpec.model_validate(BODY))
+    assert options.adam == AdamOptions(lr=3e-4, betas=(0.8, 0.95), weight_decay=0.0)
+    assert (options.num_microbatch, options.batch_size) == (2, 4)
+    assert options.quantization == "none"
+
+
+def test_a_refusal_names_the_jobspec_field() -> None:
+    body = {**BODY, "model": {**BODY["model"], "quantization": "nf4"}}
+    with pytest.raises(JobFailure) as refused:
+        spec_to_engine(JobSpec.model_validate(body))
+    assert (refused.value.code, refused.value.param) == ("nf4_needs_lora", "model.quantization")
+    assert "set train.method to 'lora'" in refused.value.message
+
+
+def test_the_worker_maps_once_and_hands_the_options_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rp_service.worker import main, training
+    from rp_service.worker.training import Outcome
+
+    made = _counting(monkeypatch)
+    given: list[EngineOptions] = []
+
+    def run_job(spec: JobSpec, options: EngineOptions, *args: Any) -> Outcome:
+        given.append(options)
+        return Outcome(status="paused", step=0)
+
+    monkeypatch.setattr(training, "run_job", run_job)
+    resolved = {
+        "train_path": "synthetic",
+        "output_dir": str(tmp_path / "out"),
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+    }
+    (tmp_path / "spec.json").write_text(json.dumps({"spec": BODY, "resolved": resolved}))
+    events = io.StringIO()
+    code = main.run(tmp_path, main.EventWriter(events), threading.Event())
+    assert code == main.EXIT_PAUSED, events.getvalue()
+    assert len(made) == 1 and given == made and given[0] is made[0]
+
+
+def test_the_workers_host_memory_check_takes_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the options, the check maps nothing again (spec_to_engine would raise)."""
+    from rp_service.worker.engine_setup import check_host_memory
+
+    options = spec_to_engine(JobSpec.model_validate(BODY))
+
+    def refuse(spec: JobSpec) -> EngineOptions:
+        raise AssertionError("spec_to_engine called again")
+
+    monkeypatch.setattr(mapping, "spec_to_engine", refuse)
+    check_host_memory(JobSpec.model_validate(BODY), options, None)
+
+
+def test_submission_maps_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The submission check (the rules, then the host-memory plan) maps the spec once."""
+    from rp_service.jobs.resolve import SpecResolver
+    from rp_service.settings import Settings
+
+    made = _counting(monkeypatch)
+    settings = Settings(data_dir=tmp_path / "data", gpus="none", host_memory_budget="64GiB")
+    resolver = SpecResolver(settings, store=None)  # type: ignore[arg-type]  # synthetic data
+    resolver.check(JobSpec.model_validate(BODY), gpu_count=0)
+    assert len(made) == 1
