@@ -28,10 +28,13 @@ __all__ = [
     "RoundPipePackedData",
     "TensorChunkSpec",
     "avg_reducer",
+    "even_counts",
     "guess_split_spec",
     "merge_outputs",
+    "row_bounds",
     "split_args_kwargs",
     "split_label",
+    "split_rows",
     "sum_reducer",
 ]
 
@@ -182,6 +185,52 @@ def split_label(label: Any, num_microbatch: int, split_spec: Any, batch: int | N
         pytree.tree_unflatten(row, tree)
         for row in _split_leaves(leaves, specs, num_microbatch, "the label")
     ]
+
+
+def even_counts(items: int, parts: int) -> list[int]:
+    """Items per micro-batch: `items` over at most `parts` micro-batches (never an empty
+    one), as even as can be, the first ones one larger."""
+    if items < 1:
+        raise ConfigError(f"a batch needs at least one item to split, got {items}")
+    parts = max(1, min(parts, items))
+    base, extra = divmod(items, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
+
+
+def row_bounds(counts: Sequence[int], *, rows_per_item: int = 1) -> list[tuple[int, int]]:
+    """The row range `[start, stop)` of each micro-batch of `counts` items, an item being
+    `rows_per_item` consecutive rows (2 for a preference pair: chosen, rejected)."""
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + rows_per_item * c))
+        start += rows_per_item * c
+    return bounds
+
+
+def split_rows(bounds: Sequence[tuple[int, int]]) -> SplitFn:
+    """A `split_input` callable for `len(bounds)` micro-batches: every tensor argument
+    whose dim 0 is the batch's rows (the last bound's stop) is cut on `bounds`; other
+    arguments go to every micro-batch. For splits the even automatic one does not make
+    (items of several rows, a split the caller needs to know)."""
+    bounds = list(bounds)
+    rows = bounds[-1][1]
+
+    def cut(value: Any, a: int, b: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            return value[a:b]
+        return value
+
+    def split(args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int) -> list[Any]:
+        if num_microbatch != len(bounds):
+            raise SplitError(
+                f"split for {len(bounds)} micro-batches, asked for num_microbatch={num_microbatch}"
+            )
+        return [
+            (tuple(cut(v, a, b) for v in args), {k: cut(v, a, b) for k, v in kwargs.items()})
+            for a, b in bounds
+        ]
+
+    return split
 
 
 def merge_outputs(outputs: list[Any], merge_output: Any) -> Any:

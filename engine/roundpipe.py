@@ -14,7 +14,8 @@ import dataclasses
 import logging
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -362,6 +363,18 @@ class RoundPipe(RoundPipeBase):
                 "%s: micro-batches over the replay limit; layers run without replay", self.name
             )
             graphs.drop_all_slots()
+
+    @contextmanager
+    def replay_paused(self) -> Iterator[None]:
+        """Inside the block, this model's layers run as they are (no CUDA graph capture or
+        replay; other models are not affected): for calls whose shapes change every time,
+        where a graph captured for each would only take GPU memory and graph slots."""
+        wanted = self._replay_wanted
+        object.__setattr__(self, "_replay_wanted", False)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_replay_wanted", wanted)
 
     # ---- planning ---------------------------------------------------------------------------
     def _plan(self, run_type: RunType, cfg: FullRoundPipeRunConfig) -> ModelExecutePlan:

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,42 +75,12 @@ def stop_ids(tokenizer: JobTokenizer, generation_config: Any = None) -> set[int]
     return ids
 
 
-def _bounds(rows: int, parts: int) -> list[tuple[int, int]]:
-    """Row ranges of `parts` micro-batches, as even as can be (the first ones larger)."""
-    base, extra = divmod(rows, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
-def _split(bounds: list[tuple[int, int]], rows: int) -> Callable[..., list[Any]]:
-    """A `split_input` callable cutting every (rows, ...) tensor argument on `bounds`."""
-
-    def cut(value: Any, a: int, b: int) -> Any:
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == rows:
-            return value[a:b]
-        return value
-
-    def split(args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int) -> list[Any]:
-        if num_microbatch != len(bounds):
-            raise ValueError(f"split for {len(bounds)} micro-batches, asked for {num_microbatch}")
-        return [
-            (tuple(cut(v, a, b) for v in args), {k: cut(v, a, b) for k, v in kwargs.items()})
-            for a, b in bounds
-        ]
-
-    return split
-
-
 def _next_ids(rp: Any, input_ids: Tensor, last: Tensor, *, num_microbatch: int) -> list[int]:
     """The greedy next token of each row of `input_ids` (rows, seq), read at `last`."""
     from engine import RoundPipeRunConfig
+    from engine.batch import even_counts, row_bounds, split_rows
 
-    rows = input_ids.shape[0]
-    bounds = _bounds(rows, max(1, min(num_microbatch, rows)))
+    bounds = row_bounds(even_counts(input_ids.shape[0], num_microbatch))
 
     def pick(outputs: Any, micro_batch: int) -> Tensor:
         hidden, weight = outputs  # the head's (normed hidden (mb, seq, hidden), lm_head weight)
@@ -123,27 +92,13 @@ def _next_ids(rp: Any, input_ids: Tensor, last: Tensor, *, num_microbatch: int) 
 
     config = RoundPipeRunConfig(
         num_microbatch=len(bounds),
-        split_input=_split(bounds, rows),
+        split_input=split_rows(bounds),
         merge_output=lambda parts: torch.cat([p.cpu() for p in parts]),
         output_fn=pick,
     )
     with torch.no_grad():
         out = rp.forward(input_ids=input_ids, return_logits=False, roundpipe_run_config=config)
     return [int(t) for t in out.tolist()]
-
-
-@contextmanager
-def _no_graph_capture() -> Iterator[None]:
-    """Layer calls run as they are: every forward here has a new sequence length, and a
-    captured CUDA graph for each would only take GPU memory and graph slots."""
-    from engine.accel import graphs
-
-    saved = graphs.ENABLED
-    graphs.ENABLED = False
-    try:
-        yield
-    finally:
-        graphs.ENABLED = saved
 
 
 def greedy_completions(
@@ -171,7 +126,9 @@ def greedy_completions(
     finish: list[str | None] = [
         "length" if not s or len(s) >= max_positions or max_new_tokens < 1 else None for s in seqs
     ]
-    with _no_graph_capture():
+    # Every forward here has a new sequence length: a CUDA graph captured for each would
+    # only take GPU memory and graph slots.
+    with rp.replay_paused():
         while active := [i for i, f in enumerate(finish) if f is None]:
             width = max(len(seqs[i]) for i in active)
             input_ids = torch.full((len(active), width), pad_id, dtype=torch.long)
@@ -189,12 +146,6 @@ def greedy_completions(
                 if len(made[i]) >= max_new_tokens or len(seqs[i]) >= max_positions:
                     finish[i] = "length"
     return [Sample(ids=m, finish_reason=f or "length") for m, f in zip(made, finish, strict=True)]
-
-
-def _num_microbatch(rp: Any) -> int:
-    from engine.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
-
-    return FullRoundPipeRunConfig(RoundPipeRunConfig(), rp.model_run_config).num_microbatch
 
 
 def sample_event(
@@ -218,7 +169,7 @@ def sample_event(
         stop=stop_ids(tokenizer, getattr(hf_model, "generation_config", None)),
         max_positions=positions or 1 << 30,
         pad_id=tokenizer.pad_id,
-        num_microbatch=_num_microbatch(rp),
+        num_microbatch=rp.num_microbatch,
     )
     seconds = time.perf_counter() - start
     tokens = sum(len(s.ids) for s in samples)

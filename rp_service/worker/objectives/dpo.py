@@ -37,6 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.batch import even_counts, row_bounds
+from engine.batch import split_rows as engine_split_rows
+
 from ...data.preference import PREFERENCE_METRICS
 
 __all__ = [
@@ -93,44 +96,18 @@ def pair_counts(num_pairs: int, num_microbatch: int) -> list[int]:
     as even as can be (the first ones one larger)."""
     if num_pairs < 1:
         raise ValueError(f"a DPO batch needs at least one pair, got {num_pairs}")
-    parts = max(1, min(num_microbatch, num_pairs))
-    base, extra = divmod(num_pairs, parts)
-    return [base + 1] * extra + [base] * (parts - extra)
-
-
-def _row_bounds(counts: list[int]) -> list[tuple[int, int]]:
-    bounds, start = [], 0
-    for c in counts:
-        bounds.append((start, start + 2 * c))
-        start += 2 * c
-    return bounds
+    return even_counts(num_pairs, num_microbatch)
 
 
 def split_rows(counts: list[int]) -> Callable[..., list[tuple[tuple[Any, ...], dict[str, Any]]]]:
     """A `split_input` callable: every tensor argument whose first dimension is the batch's
     rows (2 per pair) is cut on pair boundaries; other arguments go to every micro-batch."""
-    bounds = _row_bounds(counts)
-    rows = bounds[-1][1]
-
-    def cut(value: Any, a: int, b: int) -> Any:
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == rows:
-            return value[a:b]
-        return value
-
-    def split(args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatch: int) -> list[Any]:
-        if num_microbatch != len(counts):
-            raise ValueError(f"split for {len(counts)} micro-batches, asked for {num_microbatch}")
-        return [
-            (tuple(cut(v, a, b) for v in args), {k: cut(v, a, b) for k, v in kwargs.items()})
-            for a, b in bounds
-        ]
-
-    return split
+    return engine_split_rows(row_bounds(counts, rows_per_item=2))
 
 
 def split_label(counts: list[int]) -> Callable[[Any, int], list[Any]]:
     """A `split_label` callable for a `(targets, ref_logps)` label, cut like `split_rows`."""
-    bounds = _row_bounds(counts)
+    bounds = row_bounds(counts, rows_per_item=2)
 
     def split(label: Any, num_microbatch: int) -> list[Any]:
         targets, ref = label
@@ -210,7 +187,7 @@ def sequence_logps(
     from engine.models.logprobs import sequence_logprobs_output_fn
 
     counts = pair_counts(input_ids.shape[0] // 2, num_microbatch)
-    bounds = _row_bounds(counts)
+    bounds = row_bounds(counts, rows_per_item=2)
     extra = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
     config = RoundPipeRunConfig(
         num_microbatch=len(counts),

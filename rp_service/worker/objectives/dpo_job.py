@@ -138,7 +138,7 @@ class DpoObjective:
         return out
 
     def _logps(self, rp: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return dpo.sequence_logps(rp, ids, targets, num_microbatch=_num_microbatch(rp))
+        return dpo.sequence_logps(rp, ids, targets, num_microbatch=rp.num_microbatch)
 
     def _reference(
         self, rp: Any, ids: torch.Tensor, targets: torch.Tensor, stored: torch.Tensor | None
@@ -161,7 +161,7 @@ class DpoObjective:
         ref = self._reference(
             rp, ids, targets, None if self.ref_train is None else self.ref_train[indices]
         )
-        counts = dpo.pair_counts(len(indices), _num_microbatch(rp))
+        counts = dpo.pair_counts(len(indices), rp.num_microbatch)
         self._values = rp.forward_backward(
             input_kwargs={"input_ids": ids, "return_logits": False},
             label=(targets, ref),
@@ -200,9 +200,3 @@ class DpoObjective:
             label_smoothing=self.label_smoothing,
         )
         return loss
-
-
-def _num_microbatch(rp: Any) -> int:
-    from engine.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
-
-    return FullRoundPipeRunConfig(RoundPipeRunConfig(), rp.model_run_config).num_microbatch

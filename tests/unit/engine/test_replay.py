@@ -357,3 +357,22 @@ def test_a_recompute_reads_each_layers_saved_data_just_before_it(
     assert len(recomputes) == 4 * 3  # blocks 1-4 (block 5 is in the fused tail), 3 micro-batches
     for k in recomputes:
         assert events[k - 1] == ("data", events[k][1])
+
+
+def test_a_paused_model_replays_nothing_and_resumes_after(replay_on_cpu: None, cpu3: int) -> None:
+    """`replay_paused()` runs this model's calls as they are (same results); the next call
+    after the block replays again."""
+    model = make_model()
+    x, _ = batch()
+    rp = RoundPipe(
+        model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=GROUPED)
+    )
+    with torch.no_grad():
+        want = rp(x)
+        before = graphs.stats()
+        with rp.replay_paused():
+            got = rp(x)
+        assert graphs.stats() == before
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        rp(x)
+    assert graphs.stats()["replays"] > before["replays"]
