@@ -119,8 +119,8 @@ def to_sequential(model: nn.Module, *, recompute_attention: bool = False) -> nn.
             stage recompute skips the attention kernel (see _attention; same kernels, same
             gradients). It costs host memory: 2 bytes per token x heads x head_dim for
             every layer (15 GB for Qwen3-1.7B at 131k tokens a step, 18 GB for Qwen3-4B at
-            65k). Measured on the H100: +6% tokens/s at sequence length 8192, within noise
-            at 2048. True: recompute attention instead.
+            65k); what it gains in tokens/s: bench/RESULTS.md ("Figures moved out of engine
+            docstrings"). True: recompute attention instead.
 
     Raises:
         NotImplementedError: No preset for the model type, or the model's class is not the

@@ -161,8 +161,8 @@ def _compiled_loss_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The two chunk functions under torch.compile (one fused kernel each).
 
     Eager, a chunk's fp32 upcast, log-sum-exp, softmax and one-hot subtraction are a
-    dozen passes over (chunk x vocab) floats: an eighth of a step's time on the H100
-    (bench/RESULTS.md).
+    dozen passes over (chunk x vocab) floats (what they cost a step: bench/RESULTS.md,
+    "Figures moved out of engine docstrings").
     """
     return (
         compile_for_devices(lse_and_loss_of_chunk),

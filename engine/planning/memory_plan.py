@@ -80,9 +80,9 @@ __all__ = [
 
 GIB = 1 << 30
 # RSS of the process beside the model and the optimizer: Python, torch and its libraries,
-# and on CUDA the context, cuDNN/cuBLAS handles and compiled kernels. Measured on the H100
-# box with torch 2.11 + CUDA 13 (bench/RESULTS.md, session 13): a 70B NF4 run held 47.62 GiB
-# once wrapped, 40.16 of model and 3.47 of optimizer: 4.0 GiB of runtime.
+# and on CUDA the context, cuDNN/cuBLAS handles and compiled kernels: the CUDA figure is
+# the runtime a 70B NF4 run measured beside its model and optimizer (bench/RESULTS.md,
+# "Figures moved out of engine docstrings").
 RUNTIME_BYTES = {"cuda": 4 * GIB, "cpu": GIB // 2}
 # The default budget leaves this share of the available memory (at least MIN) to the OS,
 # the page cache the data loader uses, and anything the plan does not see.
