@@ -8,6 +8,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.options import Quantization
 from rp_service.schemas import LoraSection
 
 __all__ = [
@@ -87,7 +88,7 @@ class FineTuningJobCreate(_Request):
     integrations: list[Any] | None = None
     # This daemon's extension (the SDK's extra_body): the JobSpec's model.quantization;
     # "nf4" holds the frozen base 4-bit (QLoRA) and needs method.<type>.lora.
-    quantization: Literal["none", "nf4"] = "none"
+    quantization: Quantization = "none"
 
     @field_validator("metadata")
     @classmethod
