@@ -42,7 +42,6 @@ PinModel = Literal["alloc", "register", "arena", "off"]
 Quantization = Literal["none", "nf4"]
 
 
-
 class OptionError(ConfigError):
     """A rule of EngineOptions refused a value; `code` names the rule (stable, for APIs)."""
 
@@ -143,6 +142,7 @@ class EngineOptions:
         _positive(self, "adam.lr", self.adam.lr)
         self._check_micro_batches()
         self._check_quantization()
+        self._check_compact()
 
     def _name(self, option: str) -> str:
         return self.names.get(option, option)
@@ -169,6 +169,17 @@ class EngineOptions:
             f"{self.names.get('lora', 'give lora options')} or set {q} to 'none'",
             field=q,
             code="nf4_needs_lora",
+        )
+
+    def _check_compact(self) -> None:
+        if self.optim_memory != "compact" or self.model_dtype == "bfloat16":
+            return
+        om, md = self._name("optim_memory"), self._name("model_dtype")
+        raise OptionError(
+            f"{om}: compact keeps the bfloat16 weights as the optimizer's masters; set {md} "
+            f"to bfloat16 (got {self.model_dtype})",
+            field=om,
+            code="compact_needs_bfloat16",
         )
 
     def num_microbatch_on(self, num_devices: int) -> int:

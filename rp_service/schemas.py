@@ -394,15 +394,6 @@ class JobSpec(_Section):
         return dpo
 
     @model_validator(mode="after")
-    def _compact_needs_bf16(self) -> JobSpec:
-        if self.engine.optim_memory == "compact" and self.model.dtype != "bfloat16":
-            raise ValueError(
-                "engine.optim_memory compact keeps the bfloat16 weights as the optimizer's "
-                f"masters; set model.dtype to bfloat16 (got {self.model.dtype})"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _lora_defaults(self) -> JobSpec:
         if self.train.method == "lora" and self.lora is None:
             self.lora = LoraSection()

@@ -36,6 +36,7 @@ def _options(**fields: Any) -> EngineOptions:
             "num_microbatch_above_batch_size",
         ),
         ({"quantization": "nf4"}, "quantization", "nf4_needs_lora"),
+        ({"optim_memory": "compact"}, "optim_memory", "compact_needs_bfloat16"),
         ({"quantization": "int8", "lora": LORA}, "quantization", "invalid_option"),
         ({"recompute_grain": "block"}, "recompute_grain", "invalid_option"),
         ({"optim_grad_dtype": "int8"}, "optim_grad_dtype", "invalid_option"),
@@ -60,6 +61,7 @@ def test_each_rule_refuses_naming_the_dotted_option(
 def test_the_rules_accept_their_edges() -> None:
     assert _options(num_microbatch=4, batch_size=4).num_microbatch == 4
     assert _options(quantization="nf4", lora=LORA).quantization == "nf4"
+    assert _options(optim_memory="compact", model_dtype="bfloat16").optim_memory == "compact"
     assert _options(num_microbatch=9).num_microbatch == 9  # no batch size: nothing to check
 
 

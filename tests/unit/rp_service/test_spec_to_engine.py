@@ -56,6 +56,23 @@ def test_a_refusal_names_the_jobspec_field() -> None:
     assert "set train.method to 'lora'" in refused.value.message
 
 
+def test_compact_with_a_float32_model_is_a_422_naming_the_field(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from rp_service.app import create_app
+    from rp_service.settings import Settings
+
+    body = {**BODY, "engine": {**BODY["engine"], "optim_memory": "compact"}}
+    settings = Settings(data_dir=tmp_path / "data", gpus="none", auth="none")
+    with TestClient(create_app(settings), base_url="http://127.0.0.1:8321") as client:
+        r = client.post("/v1/jobs", json=body)
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == ("engine.optim_memory", "compact_needs_bfloat16")
+        assert "set model.dtype to bfloat16 (got float32)" in err["message"]
+        assert client.get("/v1/jobs").json()["data"] == []
+
+
 def test_the_worker_maps_once_and_hands_the_options_down(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
