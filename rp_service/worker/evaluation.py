@@ -33,6 +33,7 @@ def evaluate(rp: Any, valid: TokenBlocks, *, vocab_size: int, batch_size: int) -
 
     Call with the weights synchronized (`rp.synchronize()`): it reads the model copy.
     """
+    from engine import RoundPipeRunConfig
     from engine.models import causal_lm_loss
 
     count = min(len(valid), MAX_EVAL_BLOCKS)
@@ -44,7 +45,9 @@ def evaluate(rp: Any, valid: TokenBlocks, *, vocab_size: int, batch_size: int) -
         for start in range(0, count, rows):
             idx = torch.arange(start, min(start + rows, count))
             input_ids, labels, _ = valid.batch(idx)
-            logits = rp(input_ids)
+            # the last chunk may have fewer rows than the run's micro-batches
+            config = RoundPipeRunConfig(num_microbatch=min(rp.num_microbatch, len(idx)))
+            logits = rp(input_ids, roundpipe_run_config=config)
             total += float(causal_lm_loss(logits, labels, num_items_in_batch=1, shifted=True))
             tokens += int((labels != -100).sum())
     return total / max(tokens, 1)
