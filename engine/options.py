@@ -140,46 +140,50 @@ class EngineOptions:
             _positive(self, name, getattr(self, name), integer=True)
         _positive(self, "max_gpu_memory_gib", self.max_gpu_memory_gib)
         _positive(self, "adam.lr", self.adam.lr)
-        self._check_micro_batches()
-        self._check_quantization()
-        self._check_compact()
+        for rule in (self._micro_batches_fit, self._nf4_has_adapters, self._compact_is_bf16):
+            refusal = rule()
+            if refusal is not None:
+                option, code, message = refusal
+                raise OptionError(message, field=self._name(option), code=code)
 
     def _name(self, option: str) -> str:
         return self.names.get(option, option)
 
-    def _check_micro_batches(self) -> None:
+    # Each rule between fields: None, or (the option to change, the rule's code, message).
+
+    def _micro_batches_fit(self) -> tuple[str, str, str] | None:
         # A micro-batch holds at least one row.
         n, rows = self.num_microbatch, self.batch_size
         if n is None or rows is None or n <= rows:
-            return
+            return None
         nm, bs = self._name("num_microbatch"), self._name("batch_size")
-        raise OptionError(
+        return (
+            "num_microbatch",
+            "num_microbatch_above_batch_size",
             f"{nm}: {n} micro-batches cannot be cut from {bs} {rows}; set {nm} to at most "
             f"{rows} (or leave it unset for the default), or raise {bs} to at least {n}",
-            field=nm,
-            code="num_microbatch_above_batch_size",
         )
 
-    def _check_quantization(self) -> None:
+    def _nf4_has_adapters(self) -> tuple[str, str, str] | None:
         if self.quantization != "nf4" or self.lora is not None:
-            return
+            return None
         q = self._name("quantization")
-        raise OptionError(
+        return (
+            "quantization",
+            "nf4_needs_lora",
             f"{q}: nf4 freezes the base in 4 bits, which only adapters can train on; "
             f"{self.names.get('lora', 'give lora options')} or set {q} to 'none'",
-            field=q,
-            code="nf4_needs_lora",
         )
 
-    def _check_compact(self) -> None:
+    def _compact_is_bf16(self) -> tuple[str, str, str] | None:
         if self.optim_memory != "compact" or self.model_dtype == "bfloat16":
-            return
-        om, md = self._name("optim_memory"), self._name("model_dtype")
-        raise OptionError(
-            f"{om}: compact keeps the bfloat16 weights as the optimizer's masters; set {md} "
-            f"to bfloat16 (got {self.model_dtype})",
-            field=om,
-            code="compact_needs_bfloat16",
+            return None
+        return (
+            "optim_memory",
+            "compact_needs_bfloat16",
+            f"{self._name('optim_memory')}: compact keeps the bfloat16 weights as the "
+            f"optimizer's masters; set {self._name('model_dtype')} to bfloat16 "
+            f"(got {self.model_dtype})",
         )
 
     def num_microbatch_on(self, num_devices: int) -> int:
