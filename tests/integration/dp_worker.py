@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-GLOBAL_ROWS = 12  # the global batch: 6 rows a rank with 2 ranks
+GLOBAL_ROWS = 12  # the global batch: 6 rows a rank with 2 ranks, 3 with 4
 MICROBATCHES_PER_RANK = 2
 STEPS = 3
 LR = 1e-2
@@ -126,9 +126,11 @@ def train(
     world: int = 1,
 ) -> dict[str, Any]:
     """3 steps, then a forward_backward without a step; losses, `.grad` and weights."""
+    # A rank splits its share into its own micro-batches; the one process splits the
+    # global batch into as many as all ranks together.
     rp, opt = build(
         shard=shard,
-        microbatches=MICROBATCHES_PER_RANK * world,
+        microbatches=MICROBATCHES_PER_RANK * (world if process_group is None else 1),
         optimizer=optimizer,
         process_group=process_group,
     )
