@@ -13,26 +13,28 @@ import time
 from pathlib import Path
 
 from engine.catalog import FAMILIES
-from rp_service.api.deps import Services
-from rp_service.api.openai.mapping import (
+from rp_service.errors import BadRequest, Conflict, InvalidRequest, JobFailure
+from rp_service.jobs.files import RETRY_WINDOW_S
+from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
+from rp_service.jobs.orchestrator import Orchestrator
+from rp_service.jobs.outputs import JobOutputs
+from rp_service.jobs.resolve import config_max_positions, under_roots
+from rp_service.jobs.store import FileRecord, JobRecord, Store
+from rp_service.openai.mapping import (
     openai_checkpoint,
     openai_event,
     openai_job,
     parse_cursor,
     plan_job,
 )
-from rp_service.api.openai.schemas import (
+from rp_service.openai.schemas import (
     FineTuningJob,
     FineTuningJobCheckpoint,
     FineTuningJobCreate,
     FineTuningJobEvent,
 )
-from rp_service.errors import BadRequest, Conflict, InvalidRequest, JobFailure
-from rp_service.jobs.files import RETRY_WINDOW_S
-from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
-from rp_service.jobs.resolve import config_max_positions, under_roots
-from rp_service.jobs.store import FileRecord, JobRecord
 from rp_service.schemas import ModelSection
+from rp_service.settings import Settings
 
 __all__ = ["FineTuning"]
 
@@ -59,12 +61,14 @@ def _body_sha256(body: FineTuningJobCreate) -> str:
 class FineTuning:
     """OpenAI's fine_tuning.jobs over the native store and orchestrator."""
 
-    def __init__(self, services: Services) -> None:
-        self.settings = services.settings
-        self.store = services.store
-        self.orchestrator = services.orchestrator
-        self.outputs = services.outputs
-        self.openai = OpenAIStore(services.store)
+    def __init__(
+        self, settings: Settings, store: Store, orchestrator: Orchestrator, outputs: JobOutputs
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.orchestrator = orchestrator
+        self.outputs = outputs
+        self.openai = OpenAIStore(store)
 
     # ------------------------------------------------------------ create
 
