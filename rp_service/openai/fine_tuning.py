@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.catalog import FAMILIES
 from rp_service.errors import BadRequest, Conflict, InvalidRequest, JobFailure
 from rp_service.jobs.files import RETRY_WINDOW_S
+from rp_service.jobs.idempotency import body_sha256
 from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
 from rp_service.jobs.orchestrator import Orchestrator
 from rp_service.jobs.outputs import JobOutputs
@@ -53,11 +54,6 @@ _PARAMS = {
 _MODELS_NAMED = 20  # model folders listed in an unknown-model error
 
 
-def _body_sha256(body: FineTuningJobCreate) -> str:
-    data = body.model_dump(mode="json", exclude_unset=True)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
 class FineTuning:
     """OpenAI's fine_tuning.jobs over the native store and orchestrator."""
 
@@ -81,7 +77,7 @@ class FineTuning:
         request marked as a retry (`retried`) with the body of a job created in the last
         RETRY_WINDOW_S returns that job. An `Idempotency-Key` makes it exact (native rules).
         """
-        body_sha = _body_sha256(body)
+        body_sha = body_sha256(body)
         if idempotency_key is None and retried:
             since = int(time.time()) - RETRY_WINDOW_S
             earlier = await asyncio.to_thread(self.openai.find_retried_job, body_sha, since=since)
