@@ -24,7 +24,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rp_service import __version__
 from rp_service.api import ROUTERS, dashboard
 from rp_service.api import openai as openai_api
-from rp_service.api.deps import Services
 from rp_service.api.metrics import build_registry
 from rp_service.datadir import DataDir
 from rp_service.errors import (
@@ -34,14 +33,8 @@ from rp_service.errors import (
     ServiceError,
     body_is_not_an_object,
 )
-from rp_service.jobs.events import EventHub
-from rp_service.jobs.files import FileService
-from rp_service.jobs.orchestrator import Orchestrator
-from rp_service.jobs.outputs import JobOutputs
-from rp_service.jobs.store import Store
-from rp_service.jobs.store_io import StoreIO
+from rp_service.services import Services
 from rp_service.settings import Settings, is_loopback
-from rp_service.system import SystemProbe
 
 __all__ = ["create_app"]
 
@@ -373,27 +366,7 @@ def create_app(settings: Settings, *, data_dir: DataDir | None = None) -> FastAP
     `data_dir` comes already claimed (`python -m rp_service` claims it before uvicorn).
     """
     data = data_dir if data_dir is not None else DataDir(settings.data_dir)
-    store = Store(settings.db_path)
-    io = StoreIO(store)  # the store's own threads: event writes never queue behind uploads
-    hub = EventHub()
-    orchestrator = Orchestrator(settings, store, hub, io=io)
-    system = SystemProbe(
-        probe_cuda=settings.gpus != "none",
-        host_budget=lambda: orchestrator.resolver.host_budget_bytes,
-    )
-    services = Services(
-        settings=settings,
-        store=store,
-        orchestrator=orchestrator,
-        outputs=JobOutputs(settings, store, hub, io=io),
-        files=FileService(
-            store,
-            settings.files_dir,
-            max_upload_bytes=settings.max_upload_bytes,
-            max_line_bytes=settings.max_line_bytes,
-        ),
-        system=system,
-    )
+    services = Services.build(settings)
     auth = _AuthState(required=settings.auth == "token")
     if settings.token is not None:
         auth.token = settings.token.get_secret_value().encode()
@@ -407,21 +380,17 @@ def create_app(settings: Settings, *, data_dir: DataDir | None = None) -> FastAP
             if auth.required and auth.token is None:
                 auth.token = (await asyncio.to_thread(data.token)).encode()
                 log.info("bearer token: in %s (clients on this machine read it)", data.token_path)
-            await asyncio.to_thread(store.open)
-            gpu_count = await asyncio.to_thread(system.cuda_device_count)
-            await orchestrator.start(gpu_count=gpu_count)
+            await services.start()
             log.info(
                 "rp_service %s ready: data in %s, GPUs %s",
                 __version__,
                 settings.data_dir,
-                orchestrator.gpu_ids or "none",
+                services.orchestrator.gpu_ids or "none",
             )
             try:
                 yield
             finally:
-                await orchestrator.stop()
-                io.close()
-                store.close()
+                await services.close()
         finally:
             if claimed_here:
                 data.release()
@@ -433,7 +402,7 @@ def create_app(settings: Settings, *, data_dir: DataDir | None = None) -> FastAP
         lifespan=lifespan,
     )
     app.state.services = services
-    registry, latency = build_registry(orchestrator)
+    registry, latency = build_registry(services.orchestrator)
     app.state.metrics_registry = registry
     _install_error_handlers(app)
     for router in ROUTERS:

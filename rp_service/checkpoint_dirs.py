@@ -12,9 +12,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-__all__ = ["TMP_PREFIX", "remove_checkpoint_dir"]
+from rp_service.durable import TMP_PREFIX
 
-TMP_PREFIX = ".tmp-"
+__all__ = ["TMP_PREFIX", "remove_checkpoint_dir"]
 
 
 def remove_checkpoint_dir(path: Path) -> None:

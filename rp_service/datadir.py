@@ -16,6 +16,8 @@ import os
 import secrets
 from pathlib import Path
 
+from rp_service.durable import write_bytes
+
 __all__ = ["DataDir", "DataDirLocked", "read_token", "write_token"]
 
 log = logging.getLogger(__name__)
@@ -44,14 +46,7 @@ def read_token(path: Path) -> str | None:
 def write_token(path: Path) -> str:
     """A new random token written to `path` (0600, atomically: never half a token)."""
     token = secrets.token_urlsafe(_TOKEN_BYTES)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, f"{token}\n".encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_bytes(path, f"{token}\n".encode(), mode=0o600)
     return token
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path, Query, Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from rp_service.api.deps import OutputsDep
+from rp_service.api.deps import OutputsDep, SettingsDep
 from rp_service.errors import InvalidRequest
 from rp_service.schemas import MAX_INT64, ErrorEnvelope, Event, ListPage
 
@@ -26,6 +26,7 @@ async def job_events(
     request: Request,
     job_id: Annotated[str, Path(min_length=1, max_length=200)],
     outputs: OutputsDep,
+    settings: SettingsDep,
     after: Annotated[int, Query(ge=0, le=MAX_INT64)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     last_event_id: Annotated[str | None, Header(max_length=40)] = None,
@@ -42,10 +43,9 @@ async def job_events(
                 )
             start = max(start, int(value))
         stream = await outputs.event_stream(job_id, after=start)
-        ping_s = request.app.state.services.settings.sse_ping_s
         return EventSourceResponse(
             stream,
-            ping=ping_s,
+            ping=settings.sse_ping_s,
             ping_message_factory=lambda: ServerSentEvent(comment="ping"),
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from rp_service.api.deps import MetricsRegistryDep
 from rp_service.jobs.orchestrator import Orchestrator
 from rp_service.jobs.outputs import PREFERENCE_COLUMNS
 from rp_service.jobs.store import JobRecord
@@ -91,7 +92,7 @@ def build_registry(orchestrator: Orchestrator) -> tuple[CollectorRegistry, Histo
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
-async def metrics(request: Request) -> Response:
+async def metrics(registry: MetricsRegistryDep) -> Response:
     """Prometheus text format."""
-    body = await asyncio.to_thread(generate_latest, request.app.state.metrics_registry)
+    body = await asyncio.to_thread(generate_latest, registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import secrets
 import time
 from pathlib import Path
 from typing import IO
 
+from rp_service.durable import replacing
 from rp_service.errors import DiskFull, InvalidRequest, NotFound, RequestTooLarge
 from rp_service.jobs.openai_store import OpenAIStore
 from rp_service.jobs.store import FileRecord, Store
@@ -78,14 +78,6 @@ class _LineMeter:
             )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class FileService:
     """Saves uploads under `files_dir` and records them in the store."""
 
@@ -131,33 +123,29 @@ class FileService:
         meter = _LineMeter(self.max_line_bytes)
         size = 0
         try:
-            with partial.open("wb") as out:
-                while chunk := source.read(_CHUNK_BYTES):
-                    size += len(chunk)
-                    if size > self.max_upload_bytes:
-                        raise RequestTooLarge(
-                            f"the upload is over RP_MAX_UPLOAD_BYTES={self.max_upload_bytes} bytes",
-                            param="file",
-                        )
-                    meter.feed(chunk)
-                    digest.update(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())  # on disk before its row says it exists
-            records, detected = _check_lines(partial, fmt)
-            os.replace(partial, final)
-            _fsync_dir(self.files_dir)
+            # Durable before its row says it exists; a crash leaves at most the .partial
+            # name, which the next daemon removes (rp_service.datadir).
+            with replacing(final, tmp=partial) as tmp:
+                with tmp.open("wb") as out:
+                    while chunk := source.read(_CHUNK_BYTES):
+                        size += len(chunk)
+                        if size > self.max_upload_bytes:
+                            raise RequestTooLarge(
+                                "the upload is over "
+                                f"RP_MAX_UPLOAD_BYTES={self.max_upload_bytes} bytes",
+                                param="file",
+                            )
+                        meter.feed(chunk)
+                        digest.update(chunk)
+                        out.write(chunk)
+                records, detected = _check_lines(tmp, fmt)
         except OSError as exc:
-            partial.unlink(missing_ok=True)
             if exc.errno == errno.ENOSPC:
                 raise DiskFull(
                     "the daemon's disk is full: the upload was not stored; free space in "
                     "RP_DATA_DIR (delete finished jobs with DELETE /v1/jobs/{id})",
                     param="file",
                 ) from None
-            raise
-        except BaseException:
-            partial.unlink(missing_ok=True)
             raise
         if retry_since is not None:
             earlier = OpenAIStore(self.store).find_retried_file(

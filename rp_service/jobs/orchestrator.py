@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hashlib
-import json
 import logging
 import os
 import secrets
@@ -34,6 +32,7 @@ from typing import IO, Any
 from rp_service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.faults import MemoryWatch, classify_death
+from rp_service.jobs.idempotency import body_sha256
 from rp_service.jobs.journal import recover
 from rp_service.jobs.pipe import WorkerHandle, prepare_job_dir, proc_start_time
 from rp_service.jobs.resolve import SpecResolver
@@ -52,11 +51,6 @@ _LINE_LIMIT_BYTES = 1 << 20  # longest event line read from a worker
 # or memory for a moment) goes back to the queue and is tried again after a pause.
 _TRANSIENT_START_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
 _START_RETRY_S = 2.0
-
-
-def _spec_sha256(spec: JobSpec) -> str:
-    body = spec.model_dump(mode="json", exclude_unset=True)
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 class Orchestrator:
@@ -206,7 +200,7 @@ class Orchestrator:
             self.store.create_job,
             record,
             idempotency_key=idempotency_key,
-            body_sha256=_spec_sha256(spec),
+            body_sha256=body_sha256(spec),
         )
         if created:
             log.info("job %s queued (priority %d)", job.id, job.priority)

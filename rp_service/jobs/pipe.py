@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from rp_service.durable import write_bytes
 from rp_service.jobs.faults import MemoryWatch
 from rp_service.jobs.outputs import PREFERENCE_COLUMNS
 from rp_service.jobs.store import CheckpointRecord
@@ -84,9 +85,8 @@ def prepare_job_dir(
         "resolved": resolved,
         "event_journal": str(journal_path(job_dir, attempt)),
     }
-    tmp = job_dir / "spec.json.tmp"
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, job_dir / "spec.json")
+    # Durable: a daemon that dies right after the launch must not find half a spec on restart.
+    write_bytes(job_dir / "spec.json", json.dumps(payload, indent=2).encode())
     log_file = (job_dir / "worker.log").open("ab")
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     log_file.write(f"--- rp_service: attempt {attempt} starting at {stamp}\n".encode())

@@ -3,8 +3,10 @@
 models   model ids (`ft:<base>:<job-id>`, base names) -> what to load; `GET /v1/models`
 manager  the daemon side: one serving process per base, started on demand, stopped when
          idle, a GPU lent by the orchestrator (or the CPU)
-chat     OpenAI's chat.completion objects and server-sent chunks from the process's replies
 process  the process: `python -m rp_service.serving`, transformers' generate + peft adapters
+
+OpenAI's chat.completion objects and chunks are shaped from its replies in
+rp_service.openai.chat.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ switched per request (`set_adapter`); a request for the base runs with the adapt
 disabled. Stop sequences are cut here, as OpenAI cuts them: not part of the answer.
 
 On a GPU, decoding is compiled: with a static KV cache (`cache_implementation="static"`)
-`generate` compiles its one-token step (CUDA graphs). Eager decoding of a Qwen3-8B runs at
-~18 tokens/s on an H100 (Python and kernel launches per layer), compiled at ~70-89
-(bench/RESULTS.md). Compiling takes about a minute for 8B, so a model state (the base, or
-an adapter) is answered eagerly the first time, and the compile runs right after that
+`generate` compiles its one-token step (CUDA graphs): eager decoding pays Python and a
+kernel launch per layer for every token, several times the compiled step (the figures are
+in bench/RESULTS.md). Compiling takes a while for a large model, so a model state (the
+base, or an adapter) is answered eagerly the first time, and the compile runs right after that
 answer, before the next request is taken (`_warm_up`): a cold request's first token never
 waits for it; a request that arrives during it waits. The cache is sized in powers of two
 from 2,048 tokens (`static_cache_tokens`), so later requests reuse the compiled step; a

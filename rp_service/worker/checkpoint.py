@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -29,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rp_service.checkpoint_dirs import TMP_PREFIX, remove_checkpoint_dir
+from rp_service.durable import replacing
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -69,14 +69,6 @@ class CheckpointInfo:
 
 def _dir_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(checkpoint_dir: str | Path) -> list[CheckpointInfo]:
@@ -150,33 +142,15 @@ def write_checkpoint(
             str(root),
         )
     final = root / _dir_name(step)
-    tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    # Written whole under a .tmp- name, then renamed: a failure (a full disk, ENOSPC) gives
+    # the space back and never touches the committed checkpoints; the same step again (a
+    # resumed run re-saving it) replaces the old folder.
+    with replacing(final, directory=True) as tmp:
         for name, group in tensors.items():
             save_file({k: v.detach().contiguous() for k, v in group.items()}, str(tmp / name))
         for name, payload in (files or {}).items():
             (tmp / name).write_bytes(payload)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
-        for child in tmp.iterdir():
-            _fsync_path(child)
-        _fsync_path(tmp)
-    except BaseException:
-        # A full disk (ENOSPC) or any other failure: give the space back; the committed
-        # checkpoints were never touched.
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():
-        # The same step again (a resumed run re-saving it): swap, never leave it missing.
-        old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    _fsync_path(root)
     size_bytes = sum(p.stat().st_size for p in final.iterdir())
     rotate(root, keep)
     log.info("checkpoint step %d committed: %s (%d bytes)", step, final, size_bytes)

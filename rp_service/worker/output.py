@@ -1,19 +1,19 @@
 """A finished job's output folder: the model (HF format) or the LoRA adapter, and the tokenizer.
 
-Written into a temporary sibling and renamed into place, so the output folder is whole or
-absent.
+Written into a temporary sibling, flushed and renamed into place (rp_service.durable), so
+the output folder is whole or absent.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..data.tokenizer import JobTokenizer
+from ..durable import replacing
 
 __all__ = ["MERGED_DIR", "save_output"]
 
@@ -37,10 +37,9 @@ def save_output(
     adapter_model.safetensors), with the merged model in its ``merged/`` subdirectory when
     `merge`. `metrics` (the last step's) go to training_metrics.json.
     """
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    # Whole or absent: a failure (e.g. ENOSPC) frees what was written, a finished one is
+    # on disk before the job can be marked succeeded.
+    with replacing(out, directory=True) as tmp:
         if not adapters:
             hf_model.save_pretrained(str(tmp), safe_serialization=True)
         else:
@@ -50,9 +49,4 @@ def save_output(
                 tokenizer.save(merged)
         tokenizer.save(tmp)
         (tmp / "training_metrics.json").write_text(json.dumps(metrics, indent=1))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # e.g. ENOSPC: free what was written
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
     return out

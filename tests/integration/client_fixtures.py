@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
@@ -179,18 +178,9 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _require_server() -> None:
-    if importlib.util.find_spec("rp_service") is None:
-        pytest.skip("the server distribution (rp_service) is not importable")
-    for module in ("rp_service.__main__", "rp_service.app"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not written yet")
-
-
 @pytest.fixture(scope="module", name="daemon")
 def daemon_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One daemon (with a token and the fake worker) shared by a test module."""
-    _require_server()
     d = Daemon(tmp_path_factory.mktemp("rp-client") / "data")
     d.start()
     yield d
@@ -200,9 +190,6 @@ def daemon_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]
 @pytest.fixture(scope="module", name="real_daemon")
 def real_daemon_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon with the real worker (rp_service.worker: torch on CPU devices)."""
-    _require_server()
-    if importlib.util.find_spec("rp_service.worker") is None:
-        pytest.skip("the job worker (rp_service/worker.py) is not written yet")
     d = Daemon(tmp_path_factory.mktemp("rp-client-real") / "data", fake_worker=False)
     d.start()
     yield d
@@ -212,7 +199,6 @@ def real_daemon_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
 @pytest.fixture(name="fresh_daemon")
 def fresh_daemon_fixture(tmp_path: Path) -> Iterator[Daemon]:
     """A daemon of the test's own (for restarts), fake worker at 0.1 s a step."""
-    _require_server()
     d = Daemon(tmp_path / "data", FAKE_STEP_S="0.1")
     d.start()
     yield d

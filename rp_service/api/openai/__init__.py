@@ -1,4 +1,4 @@
-"""OpenAI's API over the native services (one store, one orchestrator).
+"""OpenAI's API over HTTP: routes that parse, call `rp_service.openai` and return its shapes.
 
 Its files API is the native `/v1/files` (rp_service/api/files.py serves both shapes);
 this package adds `/v1/fine_tuning/jobs` (jobs.py), `/v1/chat/completions` (chat.py) and

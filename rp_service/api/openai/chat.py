@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
+from rp_service.api.deps import ChatDep
 from rp_service.api.openai._route import OpenAIRoute
-from rp_service.api.openai.chat_schemas import ChatCompletion, ChatCompletionCreate
+from rp_service.openai.chat_schemas import ChatCompletion, ChatCompletionCreate
 from rp_service.schemas import ErrorEnvelope
-from rp_service.serving.chat import Chat
-from rp_service.serving.manager import ServingManager
 
-__all__ = ["chat_service", "router"]
+__all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 
@@ -22,20 +19,6 @@ _ERRORS = {
     404: {"model": ErrorEnvelope, "description": "no such model"},
     503: {"model": ErrorEnvelope, "description": "every GPU is in use (see Retry-After)"},
 }
-
-
-def chat_service(request: Request) -> Chat:
-    """One chat service (and serving manager) per app, made on first use."""
-    state = request.app.state
-    service = getattr(state, "openai_chat", None)
-    if service is None:
-        services = state.services
-        manager = ServingManager(services.settings, services.orchestrator)
-        service = state.openai_chat = Chat(services, manager)
-    return service
-
-
-ChatDep = Annotated[Chat, Depends(chat_service)]
 
 
 @router.post(

@@ -8,16 +8,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 
+from rp_service.api.deps import FineTuningDep
 from rp_service.api.openai._route import OpenAIRoute
-from rp_service.api.openai.schemas import (
+from rp_service.errors import BadRequest
+from rp_service.openai.schemas import (
     FineTuningJob,
     FineTuningJobCheckpoint,
     FineTuningJobCreate,
     FineTuningJobEvent,
     OpenAIList,
 )
-from rp_service.api.openai.service import FineTuning
-from rp_service.errors import BadRequest
 from rp_service.schemas import ErrorEnvelope
 
 __all__ = ["router"]
@@ -34,18 +34,6 @@ _ERRORS = {
     404: {"model": ErrorEnvelope, "description": "no such job"},
     409: {"model": ErrorEnvelope, "description": "illegal transition"},
 }
-
-
-def _fine_tuning(request: Request) -> FineTuning:
-    """One service per app, made on first use (the router adds nothing to `create_app`)."""
-    state = request.app.state
-    service = getattr(state, "openai_fine_tuning", None)
-    if service is None:
-        service = state.openai_fine_tuning = FineTuning(state.services)
-    return service
-
-
-FineTuningDep = Annotated[FineTuning, Depends(_fine_tuning)]
 
 
 def _only_query(*allowed: str, metadata: bool = False) -> Callable[[Request], None]:

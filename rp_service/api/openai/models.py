@@ -4,19 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Path
 
+from rp_service.api.deps import ChatDep
 from rp_service.api.openai._route import OpenAIRoute
-from rp_service.api.openai.chat import chat_service
-from rp_service.api.openai.chat_schemas import ModelObject, ModelsList
+from rp_service.openai.chat_schemas import ModelObject, ModelsList
 from rp_service.schemas import ErrorEnvelope
-from rp_service.serving.chat import Chat
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/models", tags=["openai"], route_class=OpenAIRoute)
-
-ChatDep = Annotated[Chat, Depends(chat_service)]
 
 
 @router.get("", response_model=ModelsList)

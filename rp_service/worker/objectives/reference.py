@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rp_service.durable import fsync_path
+
 __all__ = ["REFERENCE_FILE", "data_digest", "read_reference", "write_reference"]
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -32,14 +34,6 @@ def data_digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_reference(path: Path, tensors: dict[str, torch.Tensor], *, digest: str) -> None:
     """Write `tensors` to `path` atomically, with the data digest in the metadata."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,12 +45,12 @@ def write_reference(path: Path, tensors: dict[str, torch.Tensor], *, digest: str
             # one key: safetensors writes a metadata map in no fixed order
             metadata={"digest": digest},
         )
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync(path.parent)
+    fsync_path(path.parent)
 
 
 def read_reference(path: Path) -> tuple[dict[str, torch.Tensor], str] | None:

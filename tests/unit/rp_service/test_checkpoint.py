@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from rp_service import durable
 from rp_service.worker import checkpoint as ckpt
 
 
@@ -49,7 +50,7 @@ def test_partial_writes_are_invisible_and_removed(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     # A crash before the rename: the step-10 checkpoint must not appear.
-    monkeypatch.setattr(ckpt, "_fsync_path", crash)
+    monkeypatch.setattr(durable, "fsync_path", crash)
     with pytest.raises(OSError):
         _write(tmp_path, 10)
     monkeypatch.undo()

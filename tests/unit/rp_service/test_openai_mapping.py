@@ -13,7 +13,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from rp_service.api.openai._route import bad_request
-from rp_service.api.openai.mapping import (
+from rp_service.errors import BadRequest
+from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
+from rp_service.jobs.results import ResultFiles, is_result_file_id, result_file_id
+from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
+from rp_service.openai.mapping import (
     BASE_LEARNING_RATE,
     STATUSES,
     checkpoint_id,
@@ -24,11 +28,7 @@ from rp_service.api.openai.mapping import (
     parse_cursor,
     plan_job,
 )
-from rp_service.api.openai.schemas import FineTuningJobCreate
-from rp_service.errors import BadRequest
-from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
-from rp_service.jobs.results import ResultFiles, is_result_file_id, result_file_id
-from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
+from rp_service.openai.schemas import FineTuningJobCreate
 from rp_service.schemas import JobSpec, JobStatus, ModelSection
 
 FOLDER = ModelSection(path="/models/tiny")
@@ -345,7 +345,7 @@ def test_a_deleted_job_leaves_the_openai_listing(tmp_path: Path) -> None:
 
 
 def test_dpo_maps_onto_a_dpo_job_and_reads_back_as_dpo() -> None:
-    from rp_service.api.openai.mapping import DPO_LEARNING_RATE
+    from rp_service.openai.mapping import DPO_LEARNING_RATE
 
     method = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.25, "batch_size": 2}}}
     plan = _plan({"method": method})

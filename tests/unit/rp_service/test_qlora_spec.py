@@ -12,12 +12,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rp_service.api.openai._route import bad_request
-from rp_service.api.openai.mapping import plan_job
-from rp_service.api.openai.schemas import FineTuningJobCreate
 from rp_service.app import create_app
 from rp_service.errors import BadRequest
 from rp_service.jobs.hostmem import plan_for_spec
 from rp_service.jobs.pipe import WorkerHandle
+from rp_service.openai.mapping import plan_job
+from rp_service.openai.schemas import FineTuningJobCreate
 from rp_service.schemas import JobSpec, ModelSection
 from rp_service.settings import Settings
 from rp_service.spec_to_engine import spec_to_engine

@@ -11,9 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from rp_service.api.openai.chat_schemas import ChatCompletionCreate
 from rp_service.app import create_app
 from rp_service.jobs.store import JobRecord
+from rp_service.openai.chat_schemas import ChatCompletionCreate
 from rp_service.serving.manager import ServingBusy, ServingManager, ServingProcess
 from rp_service.serving.models import BaseModel, base_name, fine_tuned_id, job_id_of, preset_names
 from rp_service.serving.process import Server
@@ -169,7 +169,7 @@ def test_without_gpus_the_cpu_serves(tmp_path: Path) -> None:
 
 
 def test_the_503_carries_retry_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rp_service.serving.chat import Chat
+    from rp_service.openai.chat import Chat
 
     async def busy(self: Chat, body: Any) -> Any:
         raise ServingBusy("every GPU is in use (GPU 0: job job-a)", retry_after_s=7)

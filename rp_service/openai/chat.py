@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from rp_service.api.deps import Services
-from rp_service.api.openai.chat_schemas import (
+from rp_service.jobs.store import Store
+from rp_service.openai.chat_schemas import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionCreate,
@@ -31,6 +31,7 @@ from rp_service.api.openai.chat_schemas import (
 )
 from rp_service.serving.manager import GenerationError, ServingManager
 from rp_service.serving.models import ServedModel, list_models, resolve_model
+from rp_service.settings import Settings
 
 __all__ = ["Chat", "OpenedChat"]
 
@@ -59,9 +60,9 @@ class OpenedChat:
 class Chat:
     """OpenAI's chat completions and models over the serving manager."""
 
-    def __init__(self, services: Services, manager: ServingManager) -> None:
-        self.settings = services.settings
-        self.store = services.store
+    def __init__(self, settings: Settings, store: Store, manager: ServingManager) -> None:
+        self.settings = settings
+        self.store = store
         self.manager = manager
 
     # ------------------------------------------------------------ models

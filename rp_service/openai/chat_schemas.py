@@ -2,7 +2,7 @@
 
 Field names, types and ranges follow OpenAI's API reference; a parameter this daemon does
 not implement is refused with a 400 naming it (extra="forbid", as the fine-tuning shapes),
-never ignored. The streamed chunks are built in rp_service/serving/chat.py.
+never ignored. The streamed chunks are built in rp_service/openai/chat.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Translation between OpenAI's fine-tuning shapes and the native JobSpec, job, event and
-checkpoint. Pure functions: no store, no filesystem (service.py brings those).
+checkpoint. Pure functions: no store, no filesystem (fine_tuning.py brings those).
 
 docs/API.md ("OpenAI-compatible fine-tuning API") is this module's table; keep them equal.
 """
@@ -10,7 +10,11 @@ import math
 import time
 from typing import Any
 
-from rp_service.api.openai.schemas import (
+from rp_service.errors import BadRequest
+from rp_service.jobs.openai_store import OpenAIJobRecord
+from rp_service.jobs.results import result_file_id
+from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord
+from rp_service.openai.schemas import (
     CheckpointMetrics,
     DpoResolvedHyperparameters,
     FineTuningJob,
@@ -21,10 +25,6 @@ from rp_service.api.openai.schemas import (
     OpenAIStatus,
     ResolvedHyperparameters,
 )
-from rp_service.errors import BadRequest
-from rp_service.jobs.openai_store import OpenAIJobRecord
-from rp_service.jobs.results import result_file_id
-from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord
 from rp_service.schemas import (
     MAX_INT64,
     TERMINAL_STATUSES,

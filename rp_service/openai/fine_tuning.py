@@ -13,26 +13,29 @@ import time
 from pathlib import Path
 
 from engine.catalog import FAMILIES
-from rp_service.api.deps import Services
-from rp_service.api.openai.mapping import (
+from rp_service.errors import BadRequest, Conflict, InvalidRequest, JobFailure
+from rp_service.jobs.files import RETRY_WINDOW_S
+from rp_service.jobs.idempotency import body_sha256
+from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
+from rp_service.jobs.orchestrator import Orchestrator
+from rp_service.jobs.outputs import JobOutputs
+from rp_service.jobs.resolve import config_max_positions, under_roots
+from rp_service.jobs.store import FileRecord, JobRecord, Store
+from rp_service.openai.mapping import (
     openai_checkpoint,
     openai_event,
     openai_job,
     parse_cursor,
     plan_job,
 )
-from rp_service.api.openai.schemas import (
+from rp_service.openai.schemas import (
     FineTuningJob,
     FineTuningJobCheckpoint,
     FineTuningJobCreate,
     FineTuningJobEvent,
 )
-from rp_service.errors import BadRequest, Conflict, InvalidRequest, JobFailure
-from rp_service.jobs.files import RETRY_WINDOW_S
-from rp_service.jobs.openai_store import OpenAIJobRecord, OpenAIStore
-from rp_service.jobs.resolve import config_max_positions, under_roots
-from rp_service.jobs.store import FileRecord, JobRecord
 from rp_service.schemas import ModelSection
+from rp_service.settings import Settings
 
 __all__ = ["FineTuning"]
 
@@ -51,20 +54,17 @@ _PARAMS = {
 _MODELS_NAMED = 20  # model folders listed in an unknown-model error
 
 
-def _body_sha256(body: FineTuningJobCreate) -> str:
-    data = body.model_dump(mode="json", exclude_unset=True)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
 class FineTuning:
     """OpenAI's fine_tuning.jobs over the native store and orchestrator."""
 
-    def __init__(self, services: Services) -> None:
-        self.settings = services.settings
-        self.store = services.store
-        self.orchestrator = services.orchestrator
-        self.outputs = services.outputs
-        self.openai = OpenAIStore(services.store)
+    def __init__(
+        self, settings: Settings, store: Store, orchestrator: Orchestrator, outputs: JobOutputs
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.orchestrator = orchestrator
+        self.outputs = outputs
+        self.openai = OpenAIStore(store)
 
     # ------------------------------------------------------------ create
 
@@ -77,7 +77,7 @@ class FineTuning:
         request marked as a retry (`retried`) with the body of a job created in the last
         RETRY_WINDOW_S returns that job. An `Idempotency-Key` makes it exact (native rules).
         """
-        body_sha = _body_sha256(body)
+        body_sha = body_sha256(body)
         if idempotency_key is None and retried:
             since = int(time.time()) - RETRY_WINDOW_S
             earlier = await asyncio.to_thread(self.openai.find_retried_job, body_sha, since=since)
