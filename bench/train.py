@@ -262,6 +262,7 @@ def _last_plan(rp: Any) -> str | None:
 def host_plan(args: argparse.Namespace) -> Any:
     """engine.planning.memory_plan's prediction of this run's peak host memory (from shapes only);
     None for the MoE shapes, which the plan does not model (check_host_memory covers them)."""
+    from engine.device import get_num_devices
     from engine.planning.memory_plan import ModelShape, RunShape, plan_host_memory
 
     if "family" in SHAPES[args.model]:
@@ -282,6 +283,7 @@ def host_plan(args: argparse.Namespace) -> Any:
         trainable_params=shape.lora_params(args.lora_rank) if args.lora else None,
         double_buffer_weights=_double_buffer(args),
         layers_per_group=args.group_layers,
+        num_devices=get_num_devices(),
     )
     return plan_host_memory(shape, run)
 
