@@ -24,7 +24,7 @@ from .batch import (
 )
 from .errors import ConfigError
 from .run_config import FullRoundPipeRunConfig
-from .run_state import Act, RunState
+from .run_state import HostData, RunState
 
 if TYPE_CHECKING:
     from .roundpipe import RoundPipe
@@ -110,7 +110,7 @@ class _RoundPipeBackward(torch.autograd.Function):
         h = ctx.handle
         run: RunState = h["run"]
         per_mb_grads = h["to_micro_batches"](run.num_microbatch, grad_outputs)
-        run.grad_states = [Act(g, None, None) for g in per_mb_grads]
+        run.grad_states = [HostData(g, None, None) for g in per_mb_grads]
         h["model"]._run_backward(run)
         return (None, None, *h["input_grads"](run))
 

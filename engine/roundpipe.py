@@ -48,7 +48,7 @@ from .planning.simulate import publish_wait_ms_per_gb
 from .roundpipe_base import RoundPipeBase, publish_weights_take_grads
 from .run import backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
-from .run_state import Act, RunState
+from .run_state import HostData, RunState
 from .scheduler import ModelExecutePlan, RunType
 from .timer import ModelTimer
 from .transfer import (
@@ -449,10 +449,10 @@ class RoundPipe(RoundPipeBase):
 
     # ---- inputs ------------------------------------------------------------------------------
     @staticmethod
-    def _acts(batch: Batch) -> list[Act]:
+    def _host_data(batch: Batch) -> list[HostData]:
         """The micro-batches of the arguments as the jobs take them."""
         return [
-            Act(leaves, tree, None, is_args=True)
+            HostData(leaves, tree, None, is_args=True)
             for leaves, tree in zip(batch.flatten_states, batch.flatten_specs, strict=True)
         ]
 
@@ -494,7 +494,7 @@ class RoundPipe(RoundPipeBase):
             )
         run_type: RunType = "train" if wants_grad else "infer"
         plan = self._plan(run_type, cfg)
-        run = RunState(self, cfg, plan, run_type, self._acts(batch), flags)
+        run = RunState(self, cfg, plan, run_type, self._host_data(batch), flags)
         for g in range(len(plan.fwd_plan)):
             run.launch(get_next_device(), forward_job, g, name=f"fwd{g}")
         run.join()
@@ -566,7 +566,7 @@ class RoundPipe(RoundPipeBase):
             cfg,
             plan,
             "fused",
-            self._acts(batch),
+            self._host_data(batch),
             flags,
             labels=batch.label_list,
             loss_fn=loss_fn,
@@ -603,7 +603,7 @@ class RoundPipe(RoundPipeBase):
             # anyway; waiting here costs no overlap and surfaces a failed step_fn at this
             # call.
             synchronize_optim()
-        # A loss Act's tree says whether loss_fn returned a sequence.
+        # A loss HostData's tree says whether loss_fn returned a sequence.
         batch.loss_list = [
             list(a.leaves) if a.tree else a.leaves[0] for a in run.losses if a is not None
         ]

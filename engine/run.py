@@ -36,7 +36,7 @@ from .context import ForwardCtx, RecomputeCtx
 from .device import DeviceManager
 from .errors import ConfigError, RoundPipeError
 from .planning.one_device import ActivationMeter
-from .run_state import Act, RunState
+from .run_state import HostData, RunState
 from .timer import IterTimer, annotate
 from .transfer import UploadedGroup, async_d2h, async_h2d, download_buffers, release_group
 
@@ -100,7 +100,7 @@ def _make_save_fn(run: RunState, dev: DeviceManager, layer_id: int, mb: int) -> 
                     "save .detach()ed tensors"
                 )
         host, ev = async_d2h(dev, leaves, pieces=True)
-        run.recompute_data[key] = Act(host, tree, ev)
+        run.recompute_data[key] = HostData(host, tree, ev)
 
     return save
 
@@ -164,7 +164,7 @@ def _run_forward_layers(
         if needs_input(k) and k > 0:
             leaves, tree = _flatten(cur)
             host, ev = async_d2h(dev, leaves, pieces=True)
-            run.saved_inputs[(j, mb)] = Act(host, tree, ev, is_args=False)
+            run.saved_inputs[(j, mb)] = HostData(host, tree, ev, is_args=False)
         if needs_input(k) and run.cfg.preserve_rng_state:
             run.rng_states[(j, mb)] = dev.get_rng_state()
         if replayer is not None and not (is_args and k == 0) and not _state_too_large(run, cur):
@@ -233,7 +233,7 @@ def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
             out_leaves, tree = _flatten(out)
             # The last group's outputs go to the caller: real tensors, not HostPieces.
             host, ev = async_d2h(dev, out_leaves, pieces=not last)
-            run.states[mb] = Act(host, tree, ev)
+            run.states[mb] = HostData(host, tree, ev)
             if last:
                 run.outputs[mb] = run.states[mb]
                 run.add_end_event(ev)
@@ -305,14 +305,14 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
                             total = total.sum()
                         torch.autograd.backward(total)
             loss_host, ev = async_d2h(dev, [x.detach() for x in losses])
-            run.losses[mb] = Act(loss_host, isinstance(loss, (list, tuple)), ev)
+            run.losses[mb] = HostData(loss_host, isinstance(loss, (list, tuple)), ev)
             run.add_end_event(ev)
             if run.return_outputs:
                 out_leaves, tree = _flatten(out)
                 host, oev = async_d2h(
                     dev, [x.detach() if isinstance(x, torch.Tensor) else x for x in out_leaves]
                 )
-                run.outputs[mb] = Act(host, tree, oev)
+                run.outputs[mb] = HostData(host, tree, oev)
                 run.add_end_event(oev)
             grads = [t.grad if f else None for t, f in zip(leaves, flags, strict=True)]
             _hand_back_input_grads(run, dev, grads, mb, to_user=group_id == 0)
@@ -333,10 +333,10 @@ def _hand_back_input_grads(
     the first layer, for the caller's inputs."""
     host, ev = async_d2h(dev, grads, pieces=not to_user)
     if to_user:
-        run.input_grads[mb] = Act(host, None, ev)
+        run.input_grads[mb] = HostData(host, None, ev)
         run.add_end_event(ev)
     else:
-        run.grad_states[mb] = Act(host, None, ev)
+        run.grad_states[mb] = HostData(host, None, ev)
 
 
 def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
@@ -360,9 +360,9 @@ def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
                 run.wait(upstream_done)
             elif run.run_type == "fused":
                 run.wait(run.tail_done[mb])
-            gout = run.grad_states[mb]
-            assert gout is not None
-            cur_grads = async_h2d(dev, [gout.event], gout.leaves)
+            output_grad = run.grad_states[mb]
+            assert output_grad is not None
+            carry_grads = async_h2d(dev, [output_grad.event], output_grad.leaves)
             with (
                 dev.compute(),
                 torch.enable_grad(),
@@ -373,9 +373,11 @@ def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
                     steps = [layer_ids]
                 else:
                     steps = [range(j, j + 1) for j in reversed(layer_ids)]
-                for sub in steps:
-                    cur_grads = _recompute_backward(run, dev, group, layer_ids, sub, mb, cur_grads)
-            _hand_back_input_grads(run, dev, cur_grads, mb, to_user=first_group)
+                for span in steps:
+                    carry_grads = _recompute_backward(
+                        run, dev, group, layer_ids, span, mb, carry_grads
+                    )
+            _hand_back_input_grads(run, dev, carry_grads, mb, to_user=first_group)
             run.tracker.backward_notify(bwd_id)
         download_param_grads(dev, run, group, job_index=run.backward_job_index(bwd_id))
     finally:
@@ -388,25 +390,25 @@ def _recompute_backward(
     dev: DeviceManager,
     group: UploadedGroup,
     job_layers: range,
-    sub: range,
+    span: range,
     mb: int,
     grads_out: list[Any],
 ) -> list[Any]:
-    """Recompute layers `sub` of micro-batch `mb` from their saved input and backpropagate
+    """Recompute layers `span` of micro-batch `mb` from their saved input and backpropagate
     `grads_out` (the gradients of their output leaves); returns the input leaves' gradients.
 
-    Where the top of `sub` may replay (engine.accel.graphs), the layers below it recompute as
+    Where the top of `span` may replay (engine.accel.graphs), the layers below it recompute as
     before, the top recomputes and backpropagates in its graph, and autograd carries the
     graph's input gradient down through the layers below.
     """
-    inp = run.saved_inputs[(sub.start, mb)]
+    inp = run.saved_inputs[(span.start, mb)]
     leaves = async_h2d(dev, [inp.event], inp.leaves)
-    flags = _requires_grad_leaves(leaves, run.input_requires_grad if sub.start == 0 else None)
+    flags = _requires_grad_leaves(leaves, run.input_requires_grad if span.start == 0 else None)
     cur = inp.rebuild(leaves)
-    offset = sub.start - job_layers.start
-    modules = group.modules[offset : offset + len(sub)]
-    slots = group.slots[offset : offset + len(sub)]
-    data = _LazyRecomputeData(run, dev, sub, mb)
+    offset = span.start - job_layers.start
+    modules = group.modules[offset : offset + len(span)]
+    slots = group.slots[offset : offset + len(span)]
+    data = _LazyRecomputeData(run, dev, span, mb)
     replayer = _replay(dev, run, group)
     grad_state = grads_out[0] if grads_out and isinstance(grads_out[0], torch.Tensor) else None
     replayed = False
@@ -414,8 +416,8 @@ def _recompute_backward(
     # allocator holds after each layer's recompute beyond before it (its saved data too).
     meter = run.meter if mb == 0 else None
     held_from = ActivationMeter.allocated(dev.device) if meter is not None else 0
-    with dev.rng_restored(run.rng_states.get((sub.start, mb))):
-        for k, j in enumerate(sub):
+    with dev.rng_restored(run.rng_states.get((span.start, mb))):
+        for k, j in enumerate(span):
             if (
                 replayer is not None
                 and grad_state is not None
@@ -424,7 +426,7 @@ def _recompute_backward(
             ):
                 keys = replayer.backward_span(modules, slots, k, cur, data)
                 if keys:
-                    with annotate(f"{run.model.name}.re{j}-{sub.stop - 1}.mb{mb}.replay"):
+                    with annotate(f"{run.model.name}.re{j}-{span.stop - 1}.mb{mb}.replay"):
                         replayed = _replay_backward(
                             replayer, modules[k:], slots[k:], keys, cur, grad_state, data[k:]
                         )
@@ -451,7 +453,7 @@ def _recompute_backward(
 
 
 class _LazyRecomputeData(Sequence[tuple[Any, ...] | None]):
-    """The saved data of layers `sub` in micro-batch `mb`, each uploaded when first read.
+    """The saved data of layers `span` in micro-batch `mb`, each uploaded when first read.
 
     An upload makes the compute stream wait for it: reading a layer's data just before its
     recompute lets its upload run under the recompute of the layer before (at long
@@ -459,16 +461,16 @@ class _LazyRecomputeData(Sequence[tuple[Any, ...] | None]):
     time: bench/RESULTS.md). A replayed span reads its layers' data together, as its graph needs it.
     """
 
-    def __init__(self, run: RunState, dev: DeviceManager, sub: range, mb: int) -> None:
-        self._run, self._dev, self._sub, self._mb = run, dev, sub, mb
+    def __init__(self, run: RunState, dev: DeviceManager, span: range, mb: int) -> None:
+        self._run, self._dev, self._span, self._mb = run, dev, span, mb
         self._uploaded: dict[int, tuple[Any, ...] | None] = {}
 
     def __len__(self) -> int:
-        return len(self._sub)
+        return len(self._span)
 
     def _get(self, k: int) -> tuple[Any, ...] | None:
         if k not in self._uploaded:
-            self._uploaded[k] = _recompute_data(self._run, self._dev, self._sub[k], self._mb)
+            self._uploaded[k] = _recompute_data(self._run, self._dev, self._span[k], self._mb)
         return self._uploaded[k]
 
     @overload

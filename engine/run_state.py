@@ -1,7 +1,7 @@
 """RunState: what the jobs of one call share, and the waits between them.
 
 A call's jobs (engine.run) run on device threads; they meet here: the micro-batches' data
-on the host (`Act`), the tracker's semaphores, the gradient claims that order downloads of
+on the host (`HostData`), the tracker's semaphores, the gradient claims that order downloads of
 a parameter shared by several jobs, and, for overlapped calls, the uploads and gradients
 the optimizer thread waits on. Every wait gives up (`RunAborted`) once another job failed.
 """
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .roundpipe import RoundPipe
     from .run_config import FullRoundPipeRunConfig
 
-__all__ = ["Act", "RunAborted", "RunState"]
+__all__ = ["HostData", "RunAborted", "RunState"]
 
 _POLL_S = 0.05
 
@@ -39,7 +39,7 @@ class RunAborted(RoundPipeError):
 
 
 @dataclass
-class Act:
+class HostData:
     """A micro-batch's data on the host: flat leaves, their tree, the event that makes them valid."""
 
     leaves: list[Any]
@@ -69,7 +69,7 @@ class RunState:
         cfg: FullRoundPipeRunConfig,
         plan: ModelExecutePlan,
         run_type: RunType,
-        inputs: list[Act],
+        inputs: list[HostData],
         input_requires_grad: list[bool],
         *,
         labels: list[Any] | None = None,
@@ -90,20 +90,20 @@ class RunState:
         # of the fused tail is ready, and the tail has handed back its input gradient.
         self.tail_input_ready = [threading.Event() for _ in inputs]
         self.tail_done = [threading.Event() for _ in inputs]
-        self.states: list[Act] = list(inputs)
+        self.states: list[HostData] = list(inputs)
         self.inputs = list(inputs)
         self.input_requires_grad = input_requires_grad
         self.labels = labels or [None] * self.num_microbatch
         self.loss_fn = loss_fn
         self.return_outputs = return_outputs
-        self.saved_inputs: dict[tuple[int, int], Act] = {}
+        self.saved_inputs: dict[tuple[int, int], HostData] = {}
         self.rng_states: dict[tuple[int, int], torch.Tensor] = {}
-        self.recompute_data: dict[tuple[int, int], Act] = {}
+        self.recompute_data: dict[tuple[int, int], HostData] = {}
         self.saved_buffers: dict[int, torch.Tensor] = {}
-        self.grad_states: list[Act | None] = [None] * self.num_microbatch
-        self.losses: list[Act | None] = [None] * self.num_microbatch
-        self.outputs: list[Act | None] = [None] * self.num_microbatch
-        self.input_grads: list[Act | None] = [None] * self.num_microbatch
+        self.grad_states: list[HostData | None] = [None] * self.num_microbatch
+        self.losses: list[HostData | None] = [None] * self.num_microbatch
+        self.outputs: list[HostData | None] = [None] * self.num_microbatch
+        self.input_grads: list[HostData | None] = [None] * self.num_microbatch
         self.autocast = _autocast_state()
         self.abort = threading.Event()
         self.errors: list[BaseException] = []
@@ -246,12 +246,12 @@ class RunState:
                 act.event.synchronize()
 
     # ---- micro-batch inputs ------------------------------------------------------------------
-    def wait_forward_input(self, group: int, mb: int) -> Act:
+    def wait_forward_input(self, group: int, mb: int) -> HostData:
         if group > 0:
             self.wait(self.tracker.fwd_sem[group - 1])
         return self.states[mb]
 
-    def wait_tail_input(self, mb: int) -> Act:
+    def wait_tail_input(self, mb: int) -> HostData:
         if len(self.plan.fwd_plan) > 1:
             self.wait(self.tail_input_ready[mb])
         return self.states[mb]
