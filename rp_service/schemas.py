@@ -167,6 +167,13 @@ class TokenizerSection(_Section):
         description="Local tokenizer dir under RP_MODEL_ROOTS; null: the model dir, "
         "or the built-in byte-level tokenizer for presets.",
     )
+    chat_template: str | None = Field(
+        None,
+        max_length=4096,
+        description="'chatml', or a Jinja template file under RP_MODEL_ROOTS: replaces the "
+        "tokenizer's chat template and is saved with the trained model; null: the "
+        "folder's own (ChatML for presets). docs/CHAT.md.",
+    )
 
 
 class DataSection(_Section):

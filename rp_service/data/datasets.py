@@ -4,8 +4,9 @@ Three jsonl formats, one JSON object a line (blank lines are skipped, but counte
 numbers):
 
 - ``text``: ``{"text": str}``, trained on every token;
-- ``chat``: ``{"messages": [{"role": str, "content": str}, ...]}``, rendered as ChatML
-  and trained on the assistant turns only;
+- ``chat``: ``{"messages": [{"role": str, "content": str}, ...]}``, rendered with the
+  tokenizer's chat template (`chat_template`: the model folder's own, ChatML for presets)
+  and trained on the assistant replies only;
 - ``prompt_completion``: ``{"prompt": str, "completion": str}``, trained on the completion.
 
 Each record ends with the tokenizer's end-of-text token. With packing, all records form one
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .chat_template import TemplateError, chat_pieces
 from .formats import (
     FORMATS,
     DataFormat,
@@ -33,7 +35,6 @@ from .formats import (
     read_records,
     validate_jsonl,
 )
-from .tokenizer import IM_END, IM_START
 
 if TYPE_CHECKING:
     from .tokenizer import JobTokenizer
@@ -65,27 +66,22 @@ class _Piece:
     trained: bool
 
 
-def _pieces(record: dict[str, Any], fmt: DataFormat) -> list[_Piece]:
+def _pieces(record: dict[str, Any], fmt: DataFormat, hf: Any, number: int) -> list[_Piece]:
     if fmt == "text":
         return [_Piece(record["text"], True)]
     if fmt == "prompt_completion":
         return [_Piece(record["prompt"], False), _Piece(record["completion"], True)]
-    pieces: list[_Piece] = []
-    for message in record["messages"]:
-        assistant = message["role"] == "assistant"
-        # The model learns to write the reply and to close it; the header is given.
-        pieces.append(_Piece(f"{IM_START}{message['role']}\n", False))
-        pieces.append(_Piece(message["content"], assistant))
-        pieces.append(_Piece(IM_END, assistant))
-        pieces.append(_Piece("\n", False))
-    return pieces
+    try:
+        return [_Piece(text, trained) for text, trained in chat_pieces(hf, record["messages"])]
+    except TemplateError as exc:
+        raise DataFormatError(f"record {number}: {exc}", line=0) from None
 
 
 def tokenize_records(
     records: list[dict[str, Any]], fmt: DataFormat, tokenizer: JobTokenizer
 ) -> list[tuple[list[int], list[bool]]]:
     """Token ids and a trained-on flag per token, for each record (eos appended)."""
-    per_record = [_pieces(r, fmt) for r in records]
+    per_record = [_pieces(r, fmt, tokenizer.hf, n + 1) for n, r in enumerate(records)]
     flat = [p.text for pieces in per_record for p in pieces]
     encoded = iter(tokenizer.encode(flat))  # one batched call: the fast tokenizer is parallel
     out: list[tuple[list[int], list[bool]]] = []

@@ -13,9 +13,10 @@ detects it by its keys):
 A line whose chosen and rejected completions are identical is refused: the pair carries no
 preference and only adds 0 to the gradient.
 
-Tokenised, each pair is two rows of ``data.seq_len`` tokens: the prompt (no loss, rendered
-as ChatML for chat prompts like the ``chat`` format) followed by one completion (the
-scored tokens) and the end-of-text token, right-padded. Truncation: a row longer than
+Tokenised, each pair is two rows of ``data.seq_len`` tokens: the prompt (no loss) followed by one completion (the
+scored tokens) and the end-of-text token, right-padded. Chat pairs are rendered with the
+tokenizer's chat template (`chat_template`), the chosen and rejected replies as the
+trained turns of a ``chat`` record. Truncation: a row longer than
 ``data.seq_len`` keeps its start (the prompt and the beginning of its completion); a pair
 whose prompt leaves no completion token within ``data.seq_len`` is refused with its line
 number when the job starts (the tokenizer runs in the worker, not at upload).
@@ -125,20 +126,14 @@ def check_preference(record: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- tokenisation
 
 
-def _pieces(prompt: Any, completion: Any) -> list[tuple[str, bool]]:
-    """`(text, scored)` pieces of one row: the prompt, then the completion."""
-    from .tokenizer import IM_END, IM_START
+def _pieces(prompt: Any, completion: Any, hf: Any) -> list[tuple[str, bool]]:
+    """`(text, scored)` pieces of one row: the prompt, then the completion; a chat pair is
+    rendered with the tokenizer's chat template, as the ``chat`` format is."""
+    from .chat_template import chat_pieces
 
     if isinstance(prompt, str):
         return [(prompt, False), (completion, True)]
-    pieces: list[tuple[str, bool]] = []
-    for message in prompt:
-        pieces += [(f"{IM_START}{message['role']}\n{message['content']}{IM_END}\n", False)]
-    for message in completion:
-        # The header is given; the reply and its closing tag are what the pair scores.
-        pieces += [(f"{IM_START}assistant\n", False), (message["content"] + IM_END, True)]
-        pieces += [("\n", False)]
-    return pieces
+    return chat_pieces(hf, [*prompt, *completion], trained_from=len(prompt))
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +189,15 @@ def build_pairs(
 
     if not records:
         raise DataFormatError("the dataset has no records (every line is blank)", line=0)
+    from .chat_template import TemplateError
+
     rows: list[list[tuple[str, bool]]] = []
-    for _, record in records:
+    for line, record in records:
         prompt, chosen, rejected = _normalise(record)
-        rows += [_pieces(prompt, chosen), _pieces(prompt, rejected)]
+        try:
+            rows += [_pieces(prompt, chosen, tokenizer.hf), _pieces(prompt, rejected, tokenizer.hf)]
+        except TemplateError as exc:
+            raise DataFormatError(str(exc), line=line) from None
     encoded = iter(tokenizer.encode([text for row in rows for text, _ in row]))
     count = len(records)
     input_ids = torch.full((count, 2, seq_len), tokenizer.pad_id, dtype=torch.int32)

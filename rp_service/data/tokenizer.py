@@ -15,6 +15,8 @@ from typing import Any
 
 from rp_service.errors import JobFailure
 
+from .chat_template import CHATML
+
 __all__ = [
     "BYTE_VOCAB_SIZE",
     "CHAT_TEMPLATE",
@@ -36,14 +38,8 @@ _SPECIALS = (EOS, PAD, IM_START, IM_END)
 BYTE_VOCAB_SIZE = 256 + len(_SPECIALS)
 """Token ids used by the built-in tokenizer: 256 bytes, then the special tokens."""
 
-# ChatML, the layout data.py renders chat records in; saved with the tokenizer so
-# `apply_chat_template` on the trained model's tokenizer matches what it was trained on.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = CHATML
+"""The byte tokenizer's chat template (`chat_template.CHATML`)."""
 
 
 class TokenizerError(JobFailure, ValueError):
@@ -138,18 +134,23 @@ def _wrap(hf: Any, *, builtin: bool) -> JobTokenizer:
     )
 
 
-def load_tokenizer(path: str | Path | None) -> JobTokenizer:
+def load_tokenizer(path: str | Path | None, *, chat_template: str | None = None) -> JobTokenizer:
     """Load the tokenizer of a job.
 
     Args:
         path: a local tokenizer (or model) directory readable by `AutoTokenizer`; None
             selects the built-in byte-level tokenizer.
+        chat_template: the Jinja template the job chose (`tokenizer.chat_template`,
+            resolved); it replaces the folder's and is saved with the trained model.
 
     Raises:
         TokenizerError: `path` is not a directory or holds no loadable tokenizer.
     """
     if path is None:
-        return _wrap(build_byte_tokenizer(), builtin=True)
+        byte = build_byte_tokenizer()
+        if chat_template is not None:
+            byte.chat_template = chat_template
+        return _wrap(byte, builtin=True)
     directory = Path(path)
     if not directory.is_dir():
         raise TokenizerError(f"tokenizer directory {str(directory)!r} does not exist")
@@ -163,4 +164,6 @@ def load_tokenizer(path: str | Path | None) -> JobTokenizer:
             "tokenizer.json (or the files of a slow tokenizer) and tokenizer_config.json"
         ) from exc
     log.info("tokenizer %s: %d ids, eos %s", directory, len(hf), hf.eos_token_id)
+    if chat_template is not None:
+        hf.chat_template = chat_template
     return _wrap(hf, builtin=False)

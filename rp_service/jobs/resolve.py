@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.catalog import FAMILIES, max_lora_rank, projection_shapes
+from rp_service.data.chat_template import CHOOSE_HINT, folder_has_template
+from rp_service.data.formats import DataFormatError, iter_records
 from rp_service.errors import InvalidRequest
 from rp_service.jobs.hostmem import budget_bytes, check_spec
 from rp_service.jobs.store import Store
@@ -103,6 +105,20 @@ def check_lora_rank(lora: LoraSection, config: dict[str, Any]) -> None:
         )
 
 
+def _holds_messages(path: str, fmt: str) -> bool:
+    """Whether a dataset's first record is chat: messages, or a pair with a message prompt."""
+    if path == "synthetic":
+        return False
+    try:
+        for _, line_format, record in iter_records(path, fmt):
+            if line_format == "chat":
+                return True
+            return line_format == "preference" and not isinstance(record.get("prompt"), str)
+    except (DataFormatError, OSError):
+        return False  # the worker reports a bad file with its line; this check only adds
+    return False
+
+
 def config_max_positions(config: dict[str, Any] | None) -> int | None:
     """A config.json's `max_position_embeddings` when it is a positive integer, else None."""
     value = config.get("max_position_embeddings") if config is not None else None
@@ -135,7 +151,10 @@ class SpecResolver:
                 check_lora_rank(spec.lora, config)
         if spec.tokenizer.path is not None:
             self._model_dir(spec.tokenizer.path, param="tokenizer.path")
-        self._data("data.train", spec.data.train, spec.data.format, spec.train.objective)
+        train_path = self._data(
+            "data.train", spec.data.train, spec.data.format, spec.train.objective
+        )
+        self._check_template(spec, train_path)
         if spec.data.valid is not None:
             self._data("data.valid", spec.data.valid, spec.data.format, spec.train.objective)
         if gpu_count > 0 and spec.engine.gpus > gpu_count:
@@ -188,10 +207,41 @@ class SpecResolver:
             ),
             "model_path": model_path,
             "tokenizer_path": tokenizer_path,
+            "chat_template": self._template_choice(spec),
             "output_dir": str(job_dir / "output"),
             "checkpoint_dir": str(job_dir / "checkpoints"),
             "min_free_bytes": self.settings.min_free_bytes,
         }
+
+    def _template_choice(self, spec: JobSpec) -> str | None:
+        """`tokenizer.chat_template` as the worker reads it: 'chatml' or a checked path."""
+        choice = spec.tokenizer.chat_template
+        if choice is None or choice == "chatml":
+            return choice
+        param = "tokenizer.chat_template"
+        path = _under_roots(choice, self.settings.model_roots, param=param, env="RP_MODEL_ROOTS")
+        if not path.is_file():
+            raise InvalidRequest(
+                f"{param}: {choice!r} is not a file; give 'chatml' or a Jinja template file",
+                param=param,
+            )
+        return str(path)
+
+    def _check_template(self, spec: JobSpec, train_path: str) -> None:
+        """Refuse chat data for a model folder whose tokenizer has no chat template and
+        for which the spec chose none: nothing would say how to render the messages."""
+        if self._template_choice(spec) is not None or spec.model.path is None:
+            return
+        folder = self._model_dir(spec.tokenizer.path or spec.model.path, param="tokenizer.path")
+        if folder_has_template(folder) or not _holds_messages(train_path, spec.data.format):
+            return
+        raise InvalidRequest(
+            f"data.train holds chat messages, but the tokenizer in {str(folder)!r} has no "
+            f"chat template to render them with; {CHOOSE_HINT} (it is saved with the "
+            "trained model, so chat and serving render the same way)",
+            code="no_chat_template",
+            param="data.train",
+        )
 
     def _model_dir(self, raw: str, *, param: str) -> Path:
         path = _under_roots(raw, self.settings.model_roots, param=param, env="RP_MODEL_ROOTS")

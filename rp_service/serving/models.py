@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
+from rp_service.data.chat_template import folder_has_template
 from rp_service.errors import BadRequest, NotFound
 from rp_service.jobs.store import JobRecord, Store
 from rp_service.schemas import ModelSection
@@ -128,14 +129,7 @@ def job_id_of(model: str) -> str | None:
 
 def has_chat_template(folder: str | Path) -> bool:
     """Whether a tokenizer folder carries a chat template (in either of its saved forms)."""
-    path = Path(folder)
-    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
-        return True
-    try:
-        config = json.loads((path / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(isinstance(config, dict) and config.get("chat_template"))
+    return folder_has_template(folder)
 
 
 def _not_found(model: str, why: str) -> NotFound:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..data.chat_template import generation_prompt
 from ..data.tokenizer import IM_END, JobTokenizer
 
 __all__ = ["Sample", "greedy_completions", "prompt_ids", "sample_event", "stop_ids"]
@@ -47,12 +48,7 @@ def prompt_ids(tokenizer: JobTokenizer, prompts: Sequence[str], *, chat: bool) -
     assistant's turn opened) when `chat` and the tokenizer has a template, else the text."""
     hf = tokenizer.hf
     if chat and getattr(hf, "chat_template", None):
-        texts = [
-            hf.apply_chat_template(
-                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-            )
-            for p in prompts
-        ]
+        texts = [generation_prompt(hf, [{"role": "user", "content": p}]) for p in prompts]
         # The template writes its special tokens itself: add none.
         return tokenizer.encode(texts)
     return tokenizer.encode(list(prompts))

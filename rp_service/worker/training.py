@@ -40,6 +40,7 @@ import torch
 from engine.adapters.nf4 import host_base_bytes
 from engine.options import EngineOptions
 
+from ..data.chat_template import TemplateError, resolve_template
 from ..data.datasets import BatchOrder, DataFormatError, TokenBlocks, build_blocks, read_records
 from ..data.tokenizer import JobTokenizer, load_tokenizer
 from ..demo import SYNTHETIC, SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_VALID_RECORDS, synthetic_records
@@ -72,6 +73,8 @@ class JobPaths:
     model_path: str | None
     tokenizer_path: str | None
     output_dir: Path
+    # tokenizer.chat_template, checked: 'chatml' or a template file; None: the folder's own
+    chat_template: str | None = None
     checkpoint_dir: Path
     # Free bytes a checkpoint must leave on its disk (RP_MIN_FREE_BYTES; 0: no check).
     min_free_bytes: int = 0
@@ -83,6 +86,7 @@ class JobPaths:
             valid_path=resolved.get("valid_path"),
             model_path=resolved.get("model_path"),
             tokenizer_path=resolved.get("tokenizer_path"),
+            chat_template=resolved.get("chat_template"),
             output_dir=Path(resolved["output_dir"]),
             checkpoint_dir=Path(resolved["checkpoint_dir"]),
             min_free_bytes=int(resolved.get("min_free_bytes") or 0),
@@ -158,7 +162,16 @@ def _tokenizer_dir(spec: JobSpec, paths: JobPaths) -> str | None:
 
 
 def _load_tokenizer(spec: JobSpec, paths: JobPaths) -> JobTokenizer:
-    return load_tokenizer(_tokenizer_dir(spec, paths))  # TokenizerError: a JobFailure
+    template = None
+    if paths.chat_template is not None:
+        try:
+            template = resolve_template(paths.chat_template)
+        except TemplateError as exc:
+            raise JobFailure(
+                "invalid_tokenizer", str(exc), param="tokenizer.chat_template"
+            ) from None
+    # TokenizerError: a JobFailure
+    return load_tokenizer(_tokenizer_dir(spec, paths), chat_template=template)
 
 
 # ---------------------------------------------------------------- the job
@@ -370,7 +383,8 @@ class _Run:
 
     def sample(self, step: int) -> tuple[str, dict[str, Any]]:
         """The `sample` event of `step`: train.sample_prompts completed with the current
-        (synced) weights; a user turn in the chat template unless the data is plain text."""
+        (synced) weights; a user turn in the chat template unless the data is plain text
+        (``text``, ``prompt_completion``)."""
         from .sampling import sample_event
 
         train = self.spec.train
@@ -380,7 +394,8 @@ class _Run:
             step=step,
             prompts=train.sample_prompts,
             tokenizer=self.tokenizer,
-            chat=self.data_format != "text",
+            # rendered as the data was: chat and pairs in the template, plain text as is
+            chat=self.data_format in ("chat", "preference"),
             max_new_tokens=train.sample_max_tokens,
         )
 

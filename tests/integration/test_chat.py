@@ -19,6 +19,11 @@ from tests.integration.test_openai_api import MODEL, _chat, _jsonl, _tiny_model
 
 TOKEN = "chat-test-token"
 NO_TEMPLATE = "plain-qwen3"
+HASH_TEMPLATE = "hash-qwen3"
+HASH = (
+    "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:\n{% endif %}"
+)
 MESSAGES = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "What is 3 plus 3?"},
@@ -29,18 +34,20 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 
 @pytest.fixture(scope="module")
 def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-qwen3 (the byte tokenizer, its ChatML template) and a copy without a template."""
+    """tiny-qwen3 (the byte tokenizer, its ChatML template), a copy without a template and
+    one whose template is `### role:` lines."""
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("models")
     _tiny_model(root)
-    plain = root / NO_TEMPLATE
-    plain.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (plain / name).write_bytes((root / MODEL / name).read_bytes())
-    tokenizer = AutoTokenizer.from_pretrained(root / MODEL)
-    tokenizer.chat_template = None
-    tokenizer.save_pretrained(plain)
+    for name, template in ((NO_TEMPLATE, None), (HASH_TEMPLATE, HASH)):
+        copy = root / name
+        copy.mkdir()
+        for file in ("config.json", "model.safetensors"):
+            (copy / file).write_bytes((root / MODEL / file).read_bytes())
+        tokenizer = AutoTokenizer.from_pretrained(root / MODEL)
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(copy)
     return root
 
 
@@ -325,3 +332,38 @@ def test_the_rp_sdk_and_rp_chat_give_the_same_answer(demo_job: Any, daemon: Daem
     import asyncio
 
     assert asyncio.run(ask_async()) == expected
+
+
+def test_a_folders_own_template_trains_and_serves_the_same(
+    daemon: Daemon, model_root: Path
+) -> None:
+    """A `### role:` template: trained on its rendering, the model answers its own
+    template's prompt with the reply it learned (ChatML training would not have taught it)."""
+    question = [{"role": "user", "content": "3 plus 4?"}]
+    record = {"messages": [*question, {"role": "assistant", "content": "7 it is."}]}
+    with daemon.client() as c:
+        upload = c.post("/v1/files", files={"file": ("hash.jsonl", _jsonl([record] * 4))})
+        spec = {
+            "model": {"path": str(model_root / HASH_TEMPLATE)},
+            "data": {"train": upload.json()["id"], "seq_len": 48, "packing": False},
+            "engine": {"async_step": False},
+            "train": {"steps": 60, "batch_size": 2, "lr": 1e-2, "warmup_steps": 0,
+                      "schedule": "constant", "grad_clip": None,
+                      "eval_interval": 0, "checkpoint_interval": 0},
+        }  # fmt: skip
+        job_id = c.post("/v1/jobs", json=spec).json()["id"]
+        # The same data for the folder without a template: refused at submission.
+        spec["model"]["path"] = str(model_root / NO_TEMPLATE)  # type: ignore[index]
+        refused = c.post("/v1/jobs", json=spec)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["param"] == "data.train"
+        assert "tokenizer.chat_template" in refused.json()["error"]["message"]
+    job = _wait(_sdk(daemon), job_id)
+    assert job.status == "succeeded", daemon.log_path.read_text()[-3000:]
+    output = _output(daemon, job_id)
+    assert (output / "chat_template.jinja").read_text() == HASH
+    got = _sdk(daemon).chat.completions.create(
+        model=job_id, messages=question, temperature=0, max_tokens=MAX_TOKENS
+    )
+    assert got.choices[0].message.content == "7 it is.\n"  # its turns end with a newline
+    assert got.choices[0].finish_reason == "stop"
