@@ -512,6 +512,27 @@ class Checkpoint(BaseModel):
     metrics: dict[str, Any]
 
 
+class ExportRequest(_Section):
+    """`POST /v1/jobs/{id}/export`: the trained model in another runtime's format."""
+
+    format: Literal["gguf"] = Field("gguf", description="gguf: llama.cpp and Ollama.")
+    type: Literal["f32", "f16", "q8_0"] = Field(
+        "f16", description="Tensor type of the matrices (norms stay f32)."
+    )
+
+
+class Export(BaseModel):
+    """A finished export: the file, the Ollama Modelfile beside it, and its size."""
+
+    object: Literal["export"] = "export"
+    job_id: str
+    format: Literal["gguf"]
+    type: Literal["f32", "f16", "q8_0"]
+    path: str
+    modelfile: str
+    size_bytes: int
+
+
 T = TypeVar("T")
 
 

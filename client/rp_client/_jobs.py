@@ -13,7 +13,7 @@ from httpx_sse import EventSource
 
 from . import errors
 from ._base import DEFAULT_RECONNECT_DELAY_S, SpecLike, _params, _q
-from .models import Event, Job, JobDeleted, JobMetrics, LogChunk, Page
+from .models import Event, Export, Job, JobDeleted, JobMetrics, LogChunk, Page
 
 if TYPE_CHECKING:
     from ._client import AsyncClient, Client
@@ -27,6 +27,14 @@ def _event_stream_timeout(timeout_s: float) -> httpx.Timeout:
     # The daemon sends `: ping` every 15 s: a minute of silence means a dead connection
     # (a dropped network path never closes the socket), so read again from a new one.
     return httpx.Timeout(timeout_s, read=60.0)
+
+
+# An export loads and writes a whole model: minutes for a large one, so no read timeout.
+_EXPORT_TIMEOUT = httpx.Timeout(30.0, read=None)
+
+
+def _export_body(format: str, type: str) -> dict[str, str]:
+    return {"format": format, "type": type}
 
 
 def _sse_event(data: str) -> Event | None:
@@ -93,6 +101,18 @@ class Jobs:
     def _action(self, job_id: str, action: str) -> Job:
         response = self._client._send("POST", f"/v1/jobs/{_q(job_id)}/{action}")
         return self._client._parse(Job, response)
+
+    def export(self, job_id: str, *, format: str = "gguf", type: str = "f16") -> Export:
+        """Writes a succeeded job's model as GGUF (`type` f32, f16 or q8_0) with an Ollama
+        Modelfile, on the daemon's disk; `ValidationError` (422) for a model llama.cpp
+        cannot load, `Conflict` before the job succeeded."""
+        response = self._client._send(
+            "POST",
+            f"/v1/jobs/{_q(job_id)}/export",
+            json=_export_body(format, type),
+            timeout=_EXPORT_TIMEOUT,
+        )
+        return self._client._parse(Export, response)
 
     def delete(self, job_id: str) -> JobDeleted:
         """Deletes a finished job with its checkpoints, outputs and log (`Conflict` if it
@@ -257,6 +277,15 @@ class AsyncJobs:
     async def _action(self, job_id: str, action: str) -> Job:
         response = await self._client._send("POST", f"/v1/jobs/{_q(job_id)}/{action}")
         return self._client._parse(Job, response)
+
+    async def export(self, job_id: str, *, format: str = "gguf", type: str = "f16") -> Export:
+        response = await self._client._send(
+            "POST",
+            f"/v1/jobs/{_q(job_id)}/export",
+            json=_export_body(format, type),
+            timeout=_EXPORT_TIMEOUT,
+        )
+        return self._client._parse(Export, response)
 
     async def delete(self, job_id: str) -> JobDeleted:
         """Deletes a finished job with its checkpoints, outputs and log (`Conflict` if it

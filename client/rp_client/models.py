@@ -17,6 +17,7 @@ __all__ = [
     "DpoSection",
     "EngineSection",
     "Event",
+    "Export",
     "File",
     "FileDeleted",
     "Job",
@@ -143,6 +144,18 @@ class Checkpoint(_Model):
     metrics: dict[str, Any] = {}
 
 
+class Export(_Model):
+    """A job's model written in another format on the daemon's disk (`jobs.export`)."""
+
+    object: str = "export"
+    job_id: str
+    format: str
+    type: str
+    path: str
+    modelfile: str  # the Ollama Modelfile beside a GGUF
+    size_bytes: int
+
+
 class Page(_Model, Generic[T]):
     """One page of a list: `data` plus the cursor to the next page."""
 
@@ -192,6 +205,7 @@ class ModelSection(_Model):
 
 class TokenizerSection(_Model):
     path: str | None = None
+    chat_template: str | None = None  # 'chatml' or a Jinja file on the daemon's disk
 
 
 class DataSection(_Model):

@@ -1,4 +1,4 @@
-"""Jobs: submit, list, read, cancel/pause/resume, metric series, logs, checkpoints."""
+"""Jobs: submit, list, read, cancel/pause/resume, metric series, logs, checkpoints, export."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from rp_service.schemas import (
     MAX_INT64,
     Checkpoint,
     ErrorEnvelope,
+    Export,
+    ExportRequest,
     Job,
     JobDeleted,
     JobMetrics,
@@ -159,3 +161,16 @@ async def checkpoint_content(
         media_type="application/x-tar",
         headers={"content-disposition": f'attachment; filename="{job_id}-step{step}.tar"'},
     )
+
+
+@router.post(
+    "/{job_id}/export",
+    response_model=Export,
+    responses={
+        **_ERRORS,
+        422: {"model": ErrorEnvelope, "description": "llama.cpp cannot load this model"},
+    },
+)
+async def export_model(job_id: JobId, request: ExportRequest, outputs: OutputsDep) -> Export:
+    """Write a succeeded job's model as GGUF (with an Ollama Modelfile) on the daemon's disk."""
+    return await outputs.export(job_id, request)

@@ -1,4 +1,5 @@
-"""What a job leaves behind, read back: event pages, metric series, logs, checkpoints."""
+"""What a job leaves behind, read back: event pages, metric series, logs, checkpoints, and
+its model exported (jobs/export.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 from rp_service.data.preference import PREFERENCE_METRICS
 from rp_service.errors import NotFound
 from rp_service.jobs.events import EventHub, sse_stream
+from rp_service.jobs.export import export_job
 from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
 from rp_service.jobs.store_io import StoreIO
-from rp_service.schemas import TERMINAL_STATUSES
+from rp_service.schemas import TERMINAL_STATUSES, Export, ExportRequest
 from rp_service.settings import Settings
 
 __all__ = ["PREFERENCE_COLUMNS", "SERIES_COLUMNS", "JobOutputs"]
@@ -48,6 +50,10 @@ class JobOutputs:
         if job is None:
             raise NotFound(f"no job with id {job_id!r}", code="job_not_found", param="job_id")
         return job
+
+    async def export(self, job_id: str, request: ExportRequest) -> Export:
+        """The job's model exported as `request` asks (docs/EXPORT.md); runs a child process."""
+        return await export_job(self.settings, await self._job(job_id), request)
 
     async def events_page(
         self, job_id: str, *, after: int, limit: int

@@ -367,3 +367,26 @@ def test_a_folders_own_template_trains_and_serves_the_same(
     )
     assert got.choices[0].message.content == "7 it is.\n"  # its turns end with a newline
     assert got.choices[0].finish_reason == "stop"
+
+
+def test_a_lora_job_exports_to_gguf_through_the_sdk(lora_job: Any, daemon: Daemon) -> None:
+    """`jobs.export`: the adapter merged into its base, written as GGUF with a Modelfile,
+    through the daemon's export process (the GGUF itself is checked in depth by
+    tests/unit/rp_service/test_gguf_export.py and the slow llama.cpp test)."""
+    import gguf
+    from rp_client import Client
+    from rp_client.errors import Conflict
+
+    with Client(base_url=daemon.base_url, token=TOKEN) as client:
+        done = client.jobs.export(lora_job.id, type="f32")
+        assert done.path.endswith(f"{lora_job.id}-f32.gguf") and done.size_bytes > 0
+        assert Path(done.modelfile).read_text().startswith(f"FROM ./{lora_job.id}-f32.gguf")
+        reader = gguf.GGUFReader(done.path)
+        assert reader.fields["general.architecture"].contents() == "qwen3"
+        assert "<|im_start|>" in reader.fields["tokenizer.chat_template"].contents()
+        with daemon.client() as c:
+            spec = c.get("/v1/demo").json()
+        running = client.jobs.create(spec)
+        with pytest.raises(Conflict):
+            client.jobs.export(running.id)
+        client.jobs.cancel(running.id)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ._app import app
-from . import jobs, metrics, files, checkpoints, chat, system, serve, demo  # noqa: F401  (they register commands)
+from . import jobs, metrics, files, checkpoints, export, chat, system, serve, demo  # noqa: F401  (they register commands)
 
 __all__ = ["app", "main"]
 
