@@ -373,3 +373,33 @@ def test_status_names_the_error_code_and_restarts(rp):
     result = rp(lambda r: httpx.Response(200, json=job), "status", "job-1")
     assert "[out_of_host_memory] out of host memory" in result.stdout
     assert any(line.split() == ["restarts", "2"] for line in result.stdout.splitlines())
+
+
+def _export_handler(request):
+    body = json.loads(request.content)
+    name = f"job-1-{body['type']}.gguf"
+    return httpx.Response(
+        200,
+        json={
+            "object": "export", "job_id": "job-1", "format": body["format"],
+            "type": body["type"], "path": f"/srv/rp/jobs/job-1/export/{name}",
+            "modelfile": "/srv/rp/jobs/job-1/export/Modelfile", "size_bytes": 1234,
+        },
+    )  # fmt: skip
+
+
+def test_export_prints_the_gguf_and_the_ollama_step(rp):
+    result = rp(_export_handler, "export", "job-1", "--type", "q8_0")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "/srv/rp/jobs/job-1/export/job-1-q8_0.gguf\n"
+    assert "ollama create job-1 -f Modelfile" in result.stderr
+    [request] = result.requests
+    assert request.method == "POST" and request.url.path == "/v1/jobs/job-1/export"
+    assert json.loads(request.content) == {"format": "gguf", "type": "q8_0"}
+    refused = rp(
+        lambda r: error_response(
+            422, "invalid_request_error", "llama.cpp has no architecture", code="not_exportable"
+        ),
+        "export", "job-1",
+    )  # fmt: skip
+    assert refused.exit_code != 0 and "llama.cpp has no architecture" in refused.stderr

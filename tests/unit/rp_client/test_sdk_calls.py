@@ -384,3 +384,30 @@ def test_async_client_covers_every_call(make_async_client, tmp_path):
     assert out["follow_logs"] == "log"
     assert (out["pause"], out["resume"]) == ("paused", "resumed")
     assert out["get"] == "job-1" and out["health"] == out["ready"] == out["demo"]
+
+
+def test_export_sync_and_async_without_a_read_timeout(make_client, make_async_client):
+    def handler(request):
+        assert request.extensions["timeout"]["read"] is None  # a big model takes minutes
+        body = json.loads(request.content)
+        return httpx.Response(
+            200,
+            json={
+                "object": "export", "job_id": "job-1", "format": "gguf", "type": body["type"],
+                "path": "/d/job-1-f16.gguf", "modelfile": "/d/Modelfile", "size_bytes": 9,
+            },
+        )  # fmt: skip
+
+    client, rec = make_client(handler)
+    done = client.jobs.export("job-1")
+    assert (done.path, done.modelfile, done.size_bytes, done.type) == (
+        "/d/job-1-f16.gguf", "/d/Modelfile", 9, "f16",
+    )  # fmt: skip
+    assert rec.requests[0].url.path == "/v1/jobs/job-1/export"
+
+    async def main():
+        client, _ = make_async_client(handler)
+        async with client:
+            return await client.jobs.export("job-1", type="q8_0")
+
+    assert asyncio.run(main()).type == "q8_0"

@@ -182,3 +182,38 @@ def test_the_modelfile_spells_chatml_for_ollama() -> None:
     assert text.startswith("FROM ./job-1-f16.gguf\n")
     assert "{{ .Role }}" in text and 'PARAMETER stop "<|im_end|>"' in text
     assert 'PARAMETER stop "<|endoftext|>"' in text
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_a_lora_job_is_merged_onto_its_base_first(tmp_path: Path, quantization: str) -> None:
+    """`export_job` on an adapter folder: the GGUF computes peft's model, whose base is,
+    for a QLoRA job, the base rounded through NF4 as the engine held it."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from engine.adapters.nf4 import quantize_nf4
+    from rp_service.export.job import export_job
+
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    model = _model("qwen3")
+    model.save_pretrained(base_dir)
+    build_byte_tokenizer().save_pretrained(base_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "down_proj"]))
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1, generator=torch.Generator().manual_seed(2))
+    peft_model.save_pretrained(adapter_dir)
+    build_byte_tokenizer().save_pretrained(adapter_dir)
+    spec = {"model": {"path": str(base_dir), "quantization": quantization}}
+    result = export_job(adapter_dir, spec, kind="f32", dest=tmp_path / "out", name="j")
+
+    oracle = type(model).from_pretrained(base_dir).eval()
+    if quantization == "nf4":
+        with torch.no_grad():
+            for name, module in oracle.named_modules():
+                if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                    module.weight.copy_(quantize_nf4(module.weight).dequantize())
+    oracle = PeftModel.from_pretrained(oracle, adapter_dir).eval()
+    with torch.no_grad():
+        expected = oracle(input_ids=torch.tensor([IDS])).logits[0]
+    got = _gguf_logits(gguf.GGUFReader(result["path"]), IDS)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
