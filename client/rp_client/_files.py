@@ -30,10 +30,14 @@ def _file_part(file: FileInput) -> tuple[str, Any, IO[bytes] | None]:
 
 
 def _download_target(job_id: str, step: int, dest: str | os.PathLike[str] | None) -> Path:
+    """Where a checkpoint tar goes: `dest` itself, or `<job>-step<N>.tar` inside it when it
+    is a folder, or names one by a trailing slash (created then; `Path` drops the slash)."""
     name = f"{job_id}-step{step}.tar"
     if dest is None:
         return Path(name)
     path = Path(dest)
+    if os.fspath(dest).endswith(tuple({"/", os.sep})):
+        path.mkdir(parents=True, exist_ok=True)
     return path / name if path.is_dir() else path
 
 

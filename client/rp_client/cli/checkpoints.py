@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import typer
 from rich.table import Table
@@ -44,7 +43,10 @@ def download(
     ctx: typer.Context,
     job_id: str = typer.Argument(..., metavar="JOB"),
     step: int = typer.Option(None, "--step", help="Checkpoint step (default: the latest)."),
-    output: Path = typer.Option(None, "--output", "-o", help="File or directory to write to."),
+    # a str, not a Path: Path drops the trailing slash that names a folder to create
+    output: str = typer.Option(
+        None, "--output", "-o", help="File, or folder (an existing one, or one ending in /)."
+    ),
     model_path: bool = typer.Option(
         False, "--model-path", help="Print where the trained model is instead of downloading."
     ),

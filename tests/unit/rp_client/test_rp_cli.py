@@ -403,3 +403,21 @@ def test_export_prints_the_gguf_and_the_ollama_step(rp):
         "export", "job-1",
     )  # fmt: skip
     assert refused.exit_code != 0 and "llama.cpp has no architecture" in refused.stderr
+
+
+@pytest.mark.parametrize("dest", ["ckpts/", "a/b/"])
+def test_download_into_a_folder_not_made_yet(rp, tmp_path, monkeypatch, dest):
+    """A trailing slash names a folder: it is created and the tar lands inside it (it was
+    written as a file named after the folder)."""
+    monkeypatch.chdir(tmp_path)
+    ckpts = [{"object": "checkpoint", "job_id": "job-1", "step": 100}]
+
+    def handler(request):
+        if request.url.path.endswith("/content"):
+            return httpx.Response(200, content=b"tar-bytes")
+        return httpx.Response(200, json=page(ckpts))
+
+    result = rp(handler, "download", "job-1", "-o", dest)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / dest / "job-1-step100.tar").read_bytes() == b"tar-bytes"
+    assert result.stdout == f"{dest}job-1-step100.tar\n"
