@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import tempfile
 
@@ -52,6 +53,25 @@ def _parse_args(argv: list[str] | None) -> None:
     parser.parse_args(argv)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port another program listens on, before the app starts: uvicorn runs the
+    lifespan (which logs "ready") before it binds, then exits 3 on the bind."""
+    if port == 0:
+        return  # any free port: nothing to collide with
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # as uvicorn binds: SO_REUSEADDR, so a socket of a daemon that just stopped
+        # (TIME_WAIT) does not count as taken
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise _refuse(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}): another daemon or "
+                "program holds it; stop it or choose another port (RP_PORT, rp serve --port)"
+            ) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     _parse_args(argv)
     settings = _settings()
@@ -72,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         Store(settings.db_path).check_existing()
     except StoreUnusable as exc:
         raise _refuse(str(exc)) from None
+    _check_port(settings.host, settings.port)
     settings.spool_dir.mkdir(mode=0o700, exist_ok=True)
     tempfile.tempdir = str(settings.spool_dir)  # multipart uploads spool here, not in /tmp
     soft, _ = raise_open_file_limit()

@@ -504,3 +504,20 @@ def test_a_cancel_during_the_settling_of_a_death_still_ends_the_job(tmp_path: Pa
     job = store.get_job("job-c")
     assert job is not None and job.status == "cancelled"
     store.close()
+
+
+def test_the_daemon_refuses_a_port_in_use_before_it_says_ready(tmp_path: Path) -> None:
+    """It used to log "ready" (the lifespan runs first) and then exit 3 on the bind."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "RP_DATA_DIR": str(tmp_path), "RP_PORT": str(port), "RP_GPUS": "none"}
+        done = subprocess.run(
+            [sys.executable, "-m", "rp_service"], env=env, capture_output=True, timeout=60
+        )
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}".encode() in done.stderr
+    assert b" ready:" not in done.stderr  # the lifespan did not run
