@@ -182,6 +182,14 @@ class _Guard:
     def _limit(self, scope: Scope) -> int:
         return self.max_upload_bytes if self._is_upload(scope) else self.max_request_bytes
 
+    def _over(self, scope: Scope) -> str:
+        """What a too-large body is over, quoting the setting's own value (an upload's limit
+        here includes the multipart framing, which the setting does not)."""
+        if self._is_upload(scope):
+            setting = self.max_upload_bytes - _UPLOAD_OVERHEAD_BYTES
+            return f"the upload is over RP_MAX_UPLOAD_BYTES={setting} bytes"
+        return f"the request body is over RP_MAX_REQUEST_BYTES={self.max_request_bytes} bytes"
+
     def _host_allowed(self, host: bytes | None) -> bool:
         if host is None or self.any_host:  # no Host: not a browser, so no DNS rebinding
             return True
@@ -233,7 +241,7 @@ class _Guard:
         length = headers.get(b"content-length")
         limit = self._limit(scope)
         if length is not None and length.isdigit() and int(length) > limit:
-            return _too_large(limit)
+            return _too_large(self._over(scope))
         return None
 
     def _counted(self, scope: Scope, receive: Receive) -> Receive:
@@ -246,20 +254,14 @@ class _Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise _BodyTooLarge(413, f"the request body is over its limit of {limit} bytes")
+                    raise _BodyTooLarge(413, self._over(scope))
             return message
 
         return counted
 
 
-def _too_large(limit: int) -> JSONResponse:
-    return _envelope(
-        413,
-        "request_too_large",
-        "request_too_large",
-        f"the request body is over its limit of {limit} bytes "
-        "(RP_MAX_REQUEST_BYTES for JSON, RP_MAX_UPLOAD_BYTES for uploads)",
-    )
+def _too_large(message: str) -> JSONResponse:
+    return _envelope(413, "request_too_large", "request_too_large", message)
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:

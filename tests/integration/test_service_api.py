@@ -203,12 +203,18 @@ def test_size_limits_are_413(make_daemon) -> None:
     with daemon.client() as c:
         err = _error(c.post("/v1/jobs", json={**spec(), "name": "x" * 3000}), 413)
         assert err["type"] == "request_too_large"
+        assert "RP_MAX_REQUEST_BYTES=2000 bytes" in err["message"]
         # Chunked (no Content-Length): counted while streaming.
         chunks = iter([b'{"name": "', b"y" * 3000, b'"}'])
         r = c.post("/v1/jobs", content=chunks, headers={"content-type": "application/json"})
         assert _error(r, 413)["type"] == "request_too_large"
         big = b'{"text": "' + b"z" * 2000 + b'"}\n'
         assert _error(c.post("/v1/files", files={"file": ("d.jsonl", big)}), 413)
+        # Over the limit by its Content-Length: the setting's value is quoted, not the
+        # limit with the multipart framing added (it said 66536).
+        huge = b'{"text": "' + b"z" * 70_000 + b'"}\n'
+        err = _error(c.post("/v1/files", files={"file": ("d.jsonl", huge)}), 413)
+        assert "RP_MAX_UPLOAD_BYTES=1000 bytes" in err["message"], err
         small = b'{"text": "ok"}\n'
         assert c.post("/v1/files", files={"file": ("d.jsonl", small)}).status_code == 201
 
