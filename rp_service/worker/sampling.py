@@ -30,7 +30,14 @@ from torch import Tensor
 from ..data.chat_template import generation_prompt
 from ..data.tokenizer import IM_END, JobTokenizer
 
-__all__ = ["Sample", "greedy_completions", "prompt_ids", "sample_event", "stop_ids"]
+__all__ = [
+    "Sample",
+    "greedy_completions",
+    "prompt_ids",
+    "sample_event",
+    "sample_message",
+    "stop_ids",
+]
 
 log = logging.getLogger(__name__)
 
@@ -183,5 +190,15 @@ def sample_event(
         "tokens": tokens,
         "seconds": round(seconds, 3),
     }
-    log.info("step %d: %d samples, %d tokens in %.1f s", step, len(samples), tokens, seconds)
-    return f"step {step}: {len(samples)} samples, {tokens} tokens", data
+    message = sample_message(step, len(samples), tokens)
+    log.info("%s in %.1f s", message, seconds)
+    return message, data
+
+
+def sample_message(step: int, samples: int, tokens: int) -> str:
+    """The event's line: ``step 5: 1 sample, 1 token`` (singular where one)."""
+
+    def count(n: int, noun: str) -> str:
+        return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+    return f"step {step}: {count(samples, 'sample')}, {count(tokens, 'token')}"

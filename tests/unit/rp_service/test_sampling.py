@@ -19,7 +19,13 @@ from torch import nn
 from engine import wrap_model_to_roundpipe
 from engine.adapters.lora import LoraConfig, apply_lora, lora_modules
 from rp_service.data.tokenizer import CHAT_TEMPLATE, load_tokenizer
-from rp_service.worker.sampling import greedy_completions, prompt_ids, sample_event, stop_ids
+from rp_service.worker.sampling import (
+    greedy_completions,
+    prompt_ids,
+    sample_event,
+    sample_message,
+    stop_ids,
+)
 from tests import tiny_models
 from tests.unit.engine.conftest import use_devices
 
@@ -203,3 +209,9 @@ def test_evaluations_run_without_the_adapters_dropout() -> None:
         again = rp(ids).logits
     torch.testing.assert_close(clean[0], clean[1], rtol=0, atol=0)
     assert not torch.equal(again, clean[0])
+
+
+def test_the_event_line_counts_in_the_singular_where_one() -> None:
+    assert sample_message(5, 1, 1) == "step 5: 1 sample, 1 token"
+    assert sample_message(50, 2, 97) == "step 50: 2 samples, 97 tokens"
+    assert sample_message(7, 1, 0) == "step 7: 1 sample, 0 tokens"
