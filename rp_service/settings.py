@@ -101,6 +101,14 @@ class Settings(BaseSettings):
     serve_load_timeout_s: float = Field(600.0, gt=0)
     serving_module: str = "rp_service.serving"
 
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute_data_dir(cls, value: Path) -> Path:
+        # Absolute once, at load: every path derived from it (job outputs, checkpoints,
+        # `output_model_path`, `fine_tuned_model_checkpoint`) then names its file from any
+        # working directory, not `rp-data/jobs/...` relative to where the daemon started.
+        return value.expanduser().absolute()
+
     @field_validator("model_roots", "dataset_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:

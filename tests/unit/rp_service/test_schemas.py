@@ -77,3 +77,13 @@ def test_settings_parse_roots_as_json_or_comma_lists(monkeypatch: pytest.MonkeyP
 def test_settings_gpu_selection() -> None:
     assert Settings(gpus="all").gpu_ids(visible=3) == [0, 1, 2]
     assert Settings(gpus="none").gpu_ids(visible=3) == []
+
+
+def test_the_data_dir_is_absolute_from_the_start(tmp_path, monkeypatch) -> None:
+    """Job output paths derive from it: relative, they read `rp-data/jobs/...`."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RP_DATA_DIR", raising=False)
+    assert Settings().data_dir == tmp_path / "rp-data"
+    assert Settings(data_dir="d").jobs_dir == tmp_path / "d" / "jobs"
+    monkeypatch.setenv("RP_DATA_DIR", "x/y")
+    assert Settings().data_dir == tmp_path / "x" / "y"
