@@ -154,8 +154,11 @@ def test_dashboard_drives_jobs_with_a_token(
     wait_until("more loss points", lambda: points(page) >= first + 5)
     page.wait_for_selector("#stream-state[data-state=live]")
 
-    # A refused transition is shown as the API's message.
-    page.click("#resume-button")
+    # Each control is enabled only where the API allows it: a running job resumes nothing.
+    assert page.is_disabled("#resume-button") and page.is_enabled("#pause-button")
+    # A refused transition (a page behind the job's state) is shown as the API's message.
+    # (enabled and clicked in one step: the next redraw would disable it again)
+    page.eval_on_selector("#resume-button", "b => { b.disabled = false; b.click(); }")
     page.wait_for_selector("#action-message.error:has-text('409')")
     assert "Resume refused (409 job_not_resumable)" in page.inner_text("#action-message")
 

@@ -20,6 +20,13 @@ import { chatPanel } from "./chat.js";
 import { preferenceCharts, preferenceSummary } from "./preference.js";
 import { samplesPanel } from "./samples.js";
 
+// The statuses each control applies to (the orchestrator's transitions).
+const ALLOWED = {
+  pause: (status) => status === "queued" || status === "running",
+  resume: (status) => status === "paused",
+  cancel: (status) => !TERMINAL.has(status) && status !== "cancelling",
+};
+
 const POLL_MS = 2000;
 export const DRAFT_KEY = "rp.draft";
 const MAX_EVENT_ROWS = 300;
@@ -46,7 +53,12 @@ export function renderJob(view, jobId) {
   const buttons = ["pause", "resume", "cancel"].map((action) =>
     el(
       "button",
-      { type: "button", id: `${action}-button`, onclick: () => act(action) },
+      {
+        type: "button",
+        id: `${action}-button`,
+        dataset: { action },
+        onclick: () => act(action),
+      },
       action[0].toUpperCase() + action.slice(1),
     ),
   );
@@ -148,8 +160,8 @@ export function renderJob(view, jobId) {
     job = next;
     title.textContent = job.name ? `${job.name}` : job.id;
     badge.replaceChildren(statusBadge(job.status));
-    // a finished job takes no more controls (the API would refuse each with a 409)
-    for (const button of buttons) button.disabled = TERMINAL.has(job.status);
+    // each control only where the API allows it (it would refuse the others with a 409)
+    for (const button of buttons) button.disabled = !ALLOWED[button.dataset.action](job.status);
     const m = job.metrics || {};
     const p = job.progress || {};
     const rows = [
