@@ -163,7 +163,7 @@ export class LineChart {
     ctx.font = "12px system-ui, sans-serif";
     ctx.fillStyle = ink;
     ctx.textBaseline = "alphabetic";
-    ctx.fillText(this.title, PAD.left, 16);
+    const titleWidth = ctx.measureText(this.title).width;
 
     const plotW = width - PAD.left - PAD.right;
     const plotH = height - PAD.top - PAD.bottom;
@@ -181,7 +181,13 @@ export class LineChart {
         kept.push([s, idx]);
       }
     }
-    this.drawLegend(ctx, width);
+    // The legend and the title share the top row: the legend drops its latest values when
+    // they would run into the title, and the title is squeezed into what is left (they
+    // overlapped on narrow charts with several series, the DPO rewards chart at any width).
+    const legendLeft = this.drawLegend(ctx, width, PAD.left + titleWidth + 12);
+    ctx.fillStyle = ink;
+    ctx.textAlign = "left";
+    ctx.fillText(this.title, PAD.left, 16, Math.max(24, legendLeft - 12 - PAD.left));
     if (!Number.isFinite(lo)) {
       ctx.fillStyle = muted;
       ctx.textAlign = "center";
@@ -296,19 +302,29 @@ export class LineChart {
     });
   }
 
-  drawLegend(ctx, width) {
+  // Draws the legend right-aligned on the top row; returns where it starts. `limit`: the
+  // x it should not pass (the title's end): past it, the labels go without their values.
+  drawLegend(ctx, width, limit) {
+    const entries = [...this.series.values()].reverse().map((s) => {
+      let last = NaN;
+      for (let i = s.n - 1; i >= 0 && !Number.isFinite(last); i--) last = s.ys[i];
+      const full = Number.isFinite(last) ? `${s.label} ${this.format(last)}` : s.label;
+      return { s, full, short: s.label };
+    });
+    const span = (key) =>
+      entries.reduce((sum, e) => sum + ctx.measureText(e[key]).width + 24, 0);
+    const key = width - PAD.right - span("full") >= limit ? "full" : "short";
+    this.canvas.dataset.legend = key; // for the tests: which form fit
     ctx.textAlign = "right";
     ctx.textBaseline = "alphabetic";
     let right = width - PAD.right;
-    for (const s of [...this.series.values()].reverse()) {
-      let last = NaN;
-      for (let i = s.n - 1; i >= 0 && !Number.isFinite(last); i--) last = s.ys[i];
-      const label = Number.isFinite(last) ? `${s.label} ${this.format(last)}` : s.label;
-      ctx.fillStyle = s.color;
-      ctx.fillText(label, right, 16);
-      right -= ctx.measureText(label).width + 10;
+    for (const e of entries) {
+      ctx.fillStyle = e.s.color;
+      ctx.fillText(e[key], right, 16);
+      right -= ctx.measureText(e[key]).width + 10;
       ctx.fillRect(right, 10, 8, 3);
       right -= 14;
     }
+    return right;
   }
 }

@@ -455,6 +455,29 @@ def test_decimation_matches_its_oracle_and_bounds_what_is_drawn(
     assert drawn["points"] == n
     assert 0 < drawn["drawn"] <= 4 * 800
     print(json.dumps({"chart_draw_100k_ms": round(drawn["ms"], 1)}))
+    # Title and legend share the top row: on a narrow chart the legend drops its values
+    # rather than run into the title (the DPO rewards chart overlapped at every width).
+    legends = page.evaluate(
+        """async () => {
+          const { LineChart, Series } = await import("/ui/chart.js");
+          return [360, 1400].map((width) => {
+            const canvas = document.createElement("canvas");
+            canvas.style.width = `${width}px`;
+            canvas.style.height = "200px";
+            document.body.append(canvas);
+            const names = ["chosen", "rejected", "margins", "accuracies"];
+            const chart = new LineChart(canvas, {
+              title: "rewards (implicit, beta-scaled)",
+              format: (v) => v.toFixed(3),
+              series: names.map((n) => new Series(n, n, "#000")),
+            });
+            for (const n of names) chart.series.get(n).push(1, 0.123456);
+            chart.draw();
+            return canvas.dataset.legend;
+          });
+        }"""
+    )
+    assert legends == ["short", "full"]
     assert console.unexpected() == []
     page.close()
 
