@@ -230,9 +230,10 @@ class SpecResolver:
     def _check_template(self, spec: JobSpec, train_path: str) -> None:
         """Refuse chat data for a model folder whose tokenizer has no chat template and
         for which the spec chose none: nothing would say how to render the messages."""
-        if self._template_choice(spec) is not None or spec.model.path is None:
-            return
-        folder = self._model_dir(spec.tokenizer.path or spec.model.path, param="tokenizer.path")
+        source = spec.tokenizer.path or spec.model.path
+        if self._template_choice(spec) is not None or source is None:
+            return  # chosen, or the built-in byte tokenizer's ChatML
+        folder = self._model_dir(source, param="tokenizer.path")
         if folder_has_template(folder) or not _holds_messages(train_path, spec.data.format):
             return
         raise InvalidRequest(

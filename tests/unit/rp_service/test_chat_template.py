@@ -157,3 +157,15 @@ def test_a_chosen_template_lets_it_through_and_reaches_the_worker(tmp_path: Path
 def test_a_folder_with_a_template_needs_no_choice(tmp_path: Path) -> None:
     resolver, spec = _resolver_and_spec(tmp_path, _folder(tmp_path, template=HASH))
     resolver.check(spec, gpu_count=0)
+
+
+def test_a_preset_with_a_tokenizer_folder_without_a_template_is_refused(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, template=None)
+    resolver, spec = _resolver_and_spec(tmp_path, folder)
+    preset = spec.model_copy(
+        update={"model": spec.model.model_copy(update={"path": None, "preset": "qwen3"})}
+    )
+    preset.tokenizer.path = str(folder)
+    with pytest.raises(InvalidRequest) as refused:
+        resolver.check(preset, gpu_count=0)
+    assert refused.value.param == "data.train"
