@@ -9,16 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf  # the export extra, in the dev extra too (.ci/run installs it)
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")  # the [export] extra; .ci/run installs it
-
-from rp_service.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer  # noqa: E402
-from rp_service.export.gguf_file import ExportError, write_gguf  # noqa: E402
-from rp_service.export.job import modelfile_text  # noqa: E402
-from tests.tiny_models import tiny_model  # noqa: E402
+from rp_service.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+from rp_service.export.gguf_file import ExportError, write_gguf
+from rp_service.export.job import modelfile_text
+from tests.tiny_models import tiny_model
 
 IDS = [60, 124, 7, 200, 33, 255, 1, 90, 17, 3, 141]  # 11 positions: odd, past one rope period
 
