@@ -1,5 +1,6 @@
-"""The exported GGUF in llama.cpp answers as the model it came from (slow: needs
-llama-cpp-python, which builds llama.cpp from source, about 12 minutes on 2 cores).
+"""The exported GGUF in llama.cpp answers as the model it came from. Needs
+llama-cpp-python, which builds llama.cpp from source (about 12 minutes on 2 cores, over
+CI's budget, so CI does not install it and this file skips there); then it runs in 7 s.
 
 A LoRA adapter (random, non-zero) on a tiny Qwen3 and a tiny Llama: peft's model (the
 adapter on its base), the merged Hugging Face model, and the GGUF `export_job` writes from
@@ -17,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from rp_service.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer  # noqa: E402
