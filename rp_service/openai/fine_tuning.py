@@ -151,8 +151,8 @@ class FineTuning:
         listed = ", ".join(found[:_MODELS_NAMED]) or "none"
         raise BadRequest(
             f"model {name!r} does not exist or is not available for fine-tuning here: give a "
-            "preset (qwen3, llama: random initialisation) or the name of a Hugging Face model "
-            f"folder under RP_MODEL_ROOTS (found: {listed})",
+            f"preset ({', '.join(FAMILIES)}: random initialisation) or the name of a Hugging "
+            f"Face model folder under RP_MODEL_ROOTS (found: {listed})",
             code="model_not_found",
             param="model",
         )

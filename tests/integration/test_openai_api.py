@@ -259,6 +259,7 @@ def test_refusals_come_as_the_sdks_exceptions(real_daemon: Daemon) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.fine_tuning.jobs.create(model="gpt-4o-mini", training_file=good.id)
     assert info.value.param == "model" and MODEL in info.value.message
+    assert "qwen3, llama, qwen2, mistral, qwen3_moe, gpt_oss" in info.value.message  # every preset
     with pytest.raises(openai.BadRequestError) as info:
         client.fine_tuning.jobs.create(model=MODEL, training_file="file-missing")
     assert info.value.param == "training_file"
