@@ -335,9 +335,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
         message = str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
-            message = f"no route {request.method} {request.url.path}; see /docs"
+            message = f"no route {request.method} {request.url.path}; see /docs (the API reference)"
         elif exc.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}; see /docs"
+            message = f"{request.method} is not allowed on {request.url.path}; see /docs (the API reference)"
         return _envelope(exc.status_code, type_, code, message, headers=exc.headers)
 
     @app.exception_handler(Exception)
@@ -402,6 +402,9 @@ def create_app(settings: Settings, *, data_dir: DataDir | None = None) -> FastAP
         version=__version__,
         description="Train LLMs far beyond GPU memory on one box; see docs/API.md.",
         lifespan=lifespan,
+        # /docs is the dashboard's API view (api/dashboard.py): no CDN, the page's token
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.services = services
     registry, latency = build_registry(services.orchestrator)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, RedirectResponse
 
 from rp_service.errors import NotFound
 
@@ -53,8 +53,9 @@ _ASSETS = _asset_index(WEB_DIR)
 
 
 def is_public_path(path: str) -> bool:
-    """Routes the bearer-token guard lets through: liveness, the page and its assets."""
-    return path in ("/healthz", "/") or path.startswith(ASSET_PREFIX)
+    """Routes the bearer-token guard lets through: liveness, the page and its assets, and
+    /docs (a redirect to the page's API view, which reads the schema with the token)."""
+    return path in ("/healthz", "/", "/docs") or path.startswith(ASSET_PREFIX)
 
 
 router = APIRouter(include_in_schema=False)
@@ -68,6 +69,14 @@ def _file(path: Path) -> FileResponse:
 async def index() -> FileResponse:
     """The dashboard's single page; the hash (#/jobs, #/jobs/ID, ...) picks the view."""
     return _file(_ASSETS["index.html"])
+
+
+@router.get("/docs")
+async def api_reference() -> RedirectResponse:
+    """The API reference: the dashboard's view of /openapi.json (served from here, so it
+    works offline, and asking for the token like every page; Swagger UI came from a CDN
+    and answered a browser with a 401)."""
+    return RedirectResponse("/#/api", status_code=307)
 
 
 @router.get(ASSET_PREFIX + "{name:path}")

@@ -2,6 +2,7 @@
 
 import { api, setTokenPrompt, token, tokenAccepted } from "./api.js";
 import { el } from "./format.js";
+import { renderApi } from "./pages/api.js";
 import { renderJob } from "./pages/job.js";
 import { renderJobs } from "./pages/jobs.js";
 import { renderNewJob } from "./pages/new.js";
@@ -11,6 +12,7 @@ const ROUTES = [
   [/^#\/jobs\/([^/]+)$/, "jobs", (view, m) => renderJob(view, decodeURIComponent(m[1]))],
   [/^#\/new$/, "new", (view) => renderNewJob(view)],
   [/^#\/system$/, "system", (view) => renderSystem(view)],
+  [/^#\/api$/, "api", (view) => renderApi(view)],
   [/^(#\/jobs)?$/, "jobs", (view) => renderJobs(view)],
 ];
 

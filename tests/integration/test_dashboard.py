@@ -482,6 +482,24 @@ def test_decimation_matches_its_oracle_and_bounds_what_is_drawn(
     page.close()
 
 
+def test_docs_is_the_pages_api_view_with_every_route(
+    make_daemon: Callable[..., Daemon], browser: Any
+) -> None:
+    """/docs (Swagger UI from a CDN: a 401 to a browser, blank offline) is now the
+    dashboard's API view, served by the daemon and reading /openapi.json with the token."""
+    daemon = make_daemon(RP_AUTH="none")  # no token dialog in the way
+    page = browser.new_page()
+    page.set_default_timeout(WAIT_S * 1000)
+    console = Console(page)
+    page.goto(f"{daemon.base_url}/docs")
+    page.wait_for_selector("#api-routes tbody tr")
+    assert page.url.endswith("/#/api")
+    text = page.inner_text("#api-routes")
+    assert "/v1/jobs/{job_id}/export" in text and "/v1/chat/completions" in text
+    assert console.unexpected() == []
+    page.close()
+
+
 _SSE_PARSE = """async ({ chunks }) => {
   const { SseParser } = await import("/ui/api.js");
   const events = [];

@@ -86,7 +86,10 @@ def test_openapi_declares_bearer_auth_and_docs_are_served(client: TestClient) ->
     schema = client.get("/openapi.json").json()
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert "/v1/jobs/{job_id}/events" in schema["paths"]
-    assert client.get("/docs").status_code == 200
+    # /docs is the dashboard's API view (no Swagger UI from a CDN)
+    r = client.get("/docs", follow_redirects=False)
+    assert (r.status_code, r.headers["location"]) == (307, "/#/api")
+    assert client.get("/docs").status_code == 200  # the page
 
 
 def test_a_job_in_steps_shows_its_total_from_submission(client: TestClient) -> None:
