@@ -1,6 +1,7 @@
 """The exported GGUF in llama.cpp answers as the model it came from. Needs
 llama-cpp-python, which builds llama.cpp from source (about 12 minutes on 2 cores, over
-CI's budget, so CI does not install it and this file skips there); then it runs in 7 s.
+CI's budget): marked `llama_cpp`, deselected by default (`pip install llama-cpp-python`, then
+`python -m pytest -m llama_cpp tests/integration/test_gguf_llama_cpp.py`); it runs in 7 s.
 
 A LoRA adapter (random, non-zero) on a tiny Qwen3 and a tiny Llama: peft's model (the
 adapter on its base), the merged Hugging Face model, and the GGUF `export_job` writes from
@@ -18,11 +19,20 @@ from typing import Any
 import pytest
 import torch
 
-llama_cpp = pytest.importorskip("llama_cpp")
+from rp_service.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+from rp_service.export.job import export_job
+from tests.tiny_models import tiny_model
 
-from rp_service.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer  # noqa: E402
-from rp_service.export.job import export_job  # noqa: E402
-from tests.tiny_models import tiny_model  # noqa: E402
+pytestmark = pytest.mark.llama_cpp
+
+
+@pytest.fixture(scope="module")
+def llama_cpp() -> Any:
+    """The binding, imported when a selected test runs (the default run deselects this
+    file, and collects it where llama-cpp-python is not installed)."""
+    import llama_cpp as binding
+
+    return binding
 
 PROMPTS = [
     [{"role": "user", "content": "What is 3 plus 4?"}],
@@ -86,7 +96,7 @@ def _llama_cpp_greedy(llm: Any, ids: list[int]) -> list[int]:
 @pytest.mark.parametrize("kind", ["f32", "f16"])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_peft_merged_and_gguf_in_llama_cpp_answer_alike(
-    tmp_path: Path, family: str, kind: str
+    tmp_path: Path, family: str, kind: str, llama_cpp: Any
 ) -> None:
     base, adapter, peft_model = _adapter(tmp_path, family)
     spec = {"model": {"path": str(base)}}
