@@ -10,17 +10,8 @@ set -u
 OUT=${OUT:-/tmp/dp_scaling}
 mkdir -p "$OUT"
 ARGS=(--steps "${STEPS:-3}" --warmup "${WARMUP:-3}")
-run() {
-    local name=$1 limit=$2
-    shift 2
-    if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi
-    echo "### $name: $*"
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    grep '^{' "$OUT/$name.log" || tail -n 25 "$OUT/$name.log"
-    echo "### $name rc=$rc wall=$((SECONDS - t0))s"
-}
+# shellcheck source=bench/run_logged.sh
+source "$(dirname "$0")/run_logged.sh"
 TORCHRUN=(python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29512)
 run dp2_sharded "${T_DP:-110}" "${TORCHRUN[@]}" bench/train.py "${ARGS[@]}"
 run one_gpu "${T_ONE:-120}" env RP_DEVICES=cuda:0 python3 bench/train.py "${ARGS[@]}"

@@ -10,17 +10,9 @@ mkdir -p "$OUT"
 SEQS=${SEQS:-128}
 NMB=${NMB:-8}
 ARGS=(--seqs-per-step "$SEQS" --num-microbatch "$NMB" --steps "${STEPS:-4}" --warmup "${WARMUP:-3}")
-run() {
-    local name=$1 limit=$2
-    shift 2
-    if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi
-    echo "### $name: $*"
-    local t0=$SECONDS
-    timeout "$limit" "$@" >"$OUT/scaling-$name.log" 2>&1
-    local rc=$?
-    grep '^{' "$OUT/scaling-$name.log" || tail -n 25 "$OUT/scaling-$name.log"
-    echo "### $name rc=$rc wall=$((SECONDS - t0))s"
-}
+PREFIX=scaling-
+# shellcheck source=bench/run_logged.sh
+source "$(dirname "$0")/run_logged.sh"
 run one "${T_ONE:-200}" env RP_DEVICES=cuda:0 python3 bench/train.py "${ARGS[@]}"
 run two "${T_TWO:-150}" env RP_DEVICES=cuda:0,1 python3 bench/train.py "${ARGS[@]}"
 run four "${T_FOUR:-150}" env RP_DEVICES=cuda python3 bench/train.py "${ARGS[@]}"

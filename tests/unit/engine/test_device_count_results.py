@@ -10,10 +10,8 @@ plan split the tail in one run and not in its twin: 4 GPU tests failed by a last
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 
 from engine import RoundPipe, RoundPipeRunConfig
@@ -58,11 +56,6 @@ def _train(skew_times: bool = False) -> tuple[list[torch.Tensor], list[torch.Ten
     rp.synchronize()
     plans = [p for key, p in rp._plans.items() if key[0] == "fused"]
     return losses, [p.detach().clone() for p in rp.model.parameters()], plans
-
-
-@pytest.fixture
-def cpu4() -> Iterator[int]:
-    yield from use_devices("cpu:4", 4)
 
 
 def test_the_skewed_times_alone_would_split_the_tail() -> None:

@@ -127,9 +127,8 @@ def test_the_plan_counts_the_inputs_the_automatic_plan_keeps_on_many_devices(
     """From 3 devices the automatic plan may cut every decoder layer into a backward group
     of its own (engine.planning.search's uniform candidates): the plan counts each one's
     input then. The 4-GPU bound is what the plan held against a measured 4-GPU run."""
-    from engine.planning.search import plan_groups
-
     from bench.shapes import SHAPES
+    from engine.planning.search import plan_groups
 
     shape = ModelShape.from_config({**SHAPES["qwen3-1.7b"], "model_type": "qwen3"})
     counted = shape.backward_groups("stage", None, devices)

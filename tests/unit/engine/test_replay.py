@@ -11,7 +11,6 @@ same operations run in the same order. The real CUDA graphs: tests/gpu/test_repl
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from engine import roundpipe as roundpipe_module
 from engine.accel import graphs
 from engine.context import (
     doing_recompute,
@@ -104,25 +102,6 @@ def batch(rows: int = 10, seq: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mse(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return ((out - label) ** 2).mean()
-
-
-@pytest.fixture
-def replay_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Replay on the virtual CPU devices; off again (and no slots left) afterwards.
-
-    The automatic plan stays the one searched before any timing: RoundPipe re-plans from
-    measured times after the 1st and 3rd call, and on a loaded machine two runs can time
-    differently and group the layers differently, which sums the gradients in another
-    order (a last-bit difference that has nothing to do with replay).
-    """
-    monkeypatch.setattr(roundpipe_module, "_REPLAN_AFTER_UPDATES", ())
-    saved = graphs.REPLAY_ON_CPU, graphs.REPLAY_MAX_TOKENS, graphs.ENABLED
-    graphs.REPLAY_ON_CPU, graphs.ENABLED = True, True
-    try:
-        yield
-    finally:
-        graphs.REPLAY_ON_CPU, graphs.REPLAY_MAX_TOKENS, graphs.ENABLED = saved
-        graphs.drop_all_slots()
 
 
 def train(

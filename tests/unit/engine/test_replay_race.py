@@ -11,7 +11,6 @@ devices where the drop comes from whichever job sees the limit first.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,22 +21,6 @@ from engine.accel import graphs
 from engine.device import get_devices
 from tests.unit.engine.conftest import use_devices
 from tests.unit.engine.test_replay import batch, make_model, mse
-
-
-@pytest.fixture
-def replay_on_cpu() -> Iterator[None]:
-    saved = graphs.REPLAY_ON_CPU, graphs.REPLAY_MAX_TOKENS, graphs.ENABLED
-    graphs.REPLAY_ON_CPU, graphs.ENABLED = True, True
-    try:
-        yield
-    finally:
-        graphs.REPLAY_ON_CPU, graphs.REPLAY_MAX_TOKENS, graphs.ENABLED = saved
-        graphs.drop_all_slots()
-
-
-@pytest.fixture
-def cpu4() -> Iterator[int]:
-    yield from use_devices("cpu:4", 4)
 
 
 def _replicas(rp: RoundPipe, layer_ids: range) -> list[Any]:
