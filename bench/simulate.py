@@ -28,9 +28,19 @@ asynchronous step hides it behind the next call only while the call is longer.
 
 Checks: every multi-GPU run in the input (with the plan it ran, from its `plan` field) is
 simulated with the one-GPU times of its own file and micro-batch count; the result lines
-say how far the prediction is from the measurement.
+say how far the prediction is from the measurement (against the steps that compiled
+nothing, `tokens_per_s_steps_without_compile`, where the run reports it).
+
+`--fit-handoff` recalibrates the model on those multi-GPU runs: one constant, the handoff
+between two jobs (per micro-batch, also charged once per job: `simulate_plan`'s `handoff`),
+is chosen to fit the runs with the plans they ran (least squares on the log of the step),
+every prediction on several GPUs then uses it (`handoff_ms`
+in the rows, one `kind: calibration` row per input). The engine still plans with its own
+default handoff (`engine.planning.simulate.default_handoff`): the fit prices the engine's
+plans, it does not change them.
 
     python bench/simulate.py bench/sim_inputs/h100-2026-11-23.jsonl
+    python bench/simulate.py bench/sim_inputs/h200x4-2026-11-28.jsonl --fit-handoff --uniform-plans
     python bench/simulate.py RUNS.jsonl --devices 1 2 4 8 --dispatch DISPATCH.jsonl
 
 Prints one JSON line per prediction (`kind: prediction`), per check (`kind: check`) and a
@@ -53,10 +63,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import re
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +97,11 @@ class Measured:
     # time per GB of weights plus their upload (ms), where the run reported them.
     optimizer_s: float | None = None
     publish: list[float] | None = None  # per layer, ms (simulate_plan's `publish`)
+    # The handoff between jobs on different devices (ms a micro-batch; None:
+    # simulate_plan's default), as `fit_handoff` fitted it. One device's layer times add
+    # up to its step (they run back to back, the next job's inputs prefetched), so its
+    # prediction keeps the default.
+    handoff_ms: float | None = None
 
     @classmethod
     def of(cls, run: dict[str, Any], fwd: list[float], bwd: list[float]) -> Measured:
@@ -115,6 +131,11 @@ class Measured:
         mem = [0.0] * len(self.fwd)
         one = plan_from_times("fused", self.fwd, self.bwd, mem, num_devices=1, num_microbatch=m)
         return simulate_plan(one, self.fwd, self.bwd, 1, m) / 1000
+
+    def handoff_on(self, devices: int) -> float | None:
+        """The handoff (ms a micro-batch) to simulate `devices` GPUs with (None: the
+        default)."""
+        return self.handoff_ms if devices > 1 else None
 
     def calibrate(self) -> None:
         """Where the simulated one-GPU call is longer than the measured step, scale the
@@ -207,14 +228,17 @@ def busy_bound_s(
     bwd: list[float],
     devices: int,
     m: int,
+    handoff: float | None = None,
 ) -> float:
     """The busiest device's work per call (s) over a whole rotation of calls: its jobs'
-    micro-batches plus one handoff per job, as `simulate_plan` costs them, with no waiting.
+    micro-batches plus one handoff per job (ms; `simulate_plan`'s default without), as
+    `simulate_plan` costs them, with no waiting.
     The device rotation runs on from call to call as the engine's does, so a call's jobs
     land on other devices the next time. No overlap of calls can make a call's share
     shorter."""
     calls = rotation_calls(plan, devices, m)
-    handoff = default_handoff(fwd, m)
+    if handoff is None:
+        handoff = default_handoff(fwd, m)
     jobs = plan_job_costs(plan, fwd, bwd)
     tail = len(plan.fwd_plan) - 1
     busy = [0.0] * devices
@@ -226,6 +250,25 @@ def busy_bound_s(
                 busy[device] += handoff + cost / m * len(range(part, m, parts))
                 device = (device + 1) % devices
     return max(busy) / calls / 1000
+
+
+def uniform_plans(n_layers: int, devices: int) -> list[ModelExecutePlan]:
+    """Plans of evenly sized groups: the first layer alone, forward groups of g decoder
+    layers, the last layer as the fused tail split over up to `devices` jobs, backward
+    groups of b layers (g, b from 1 to 14): the family `--uniform-plans` searches, to see
+    what a plan made for the fitted handoff could reach (the engine plans with its default)."""
+    last = n_layers - 1
+    plans = []
+    for g in (1, 2, 3, 4, 5, 7, 10, 14, last - 1):
+        fwd = [range(0, 1), *(range(i, min(i + g, last)) for i in range(1, last, g))]
+        for b in (1, 2, 3, 4, 5, 7, 10, 14):
+            bwd = [range(max(i - b, 0), i) for i in range(last, 0, -b)]
+            for split in (1, 2, 4, 8):
+                if split <= devices:
+                    plans.append(
+                        ModelExecutePlan.from_ranges([*fwd, range(last, n_layers)], bwd, split)
+                    )
+    return plans
 
 
 def _bounded(
@@ -248,10 +291,13 @@ def predict(
     *,
     overlap: bool = False,
     optimizer_floor: bool = True,
+    uniform: bool = False,
 ) -> dict[str, Any]:
     """The predicted step on `devices` GPUs from one GPU's measurement; with `overlap`,
     also the step with RoundPipe(overlap_calls=True): the plan made for overlapped calls,
-    their steady period, an overlapped call's first job waiting for its layers' publish."""
+    their steady period, an overlapped call's first job waiting for its layers' publish;
+    with `uniform`, also the fastest of `uniform_plans` (its step without the optimizer
+    floor)."""
     m = meas.num_microbatch
     mem = [0.0] * len(meas.fwd)  # parameter memory does not bind for these shapes
     overhead = meas.overhead_s
@@ -260,7 +306,8 @@ def predict(
         plan = plan_from_times(
             "fused", meas.fwd, meas.bwd, mem, num_devices=devices, num_microbatch=m
         )
-    call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m) / 1000
+    h = meas.handoff_on(devices)
+    call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m, h) / 1000
     step, bound = _bounded(call_s, overhead, floor, opt)
     row = {
         "devices": devices,
@@ -272,8 +319,19 @@ def predict(
         "dispatch_floor_s": floor,
         "optimizer_floor_s": None if opt is None else round(opt, 4),
         "bound": bound,
+        "handoff_ms": round(default_handoff(meas.fwd, m) if h is None else h, 3),
         "plan": repr(plan),
     }
+    if uniform:
+        u_step, u_plan = min(
+            (_step_s(meas, devices, u, floor), repr(u))
+            for u in uniform_plans(len(meas.fwd), devices)
+        )
+        row.update(
+            uniform_plan=u_plan,
+            uniform_step_s=round(u_step, 4),
+            uniform_tokens_per_s=round(meas.tokens_per_step / u_step, 1),
+        )
     if overlap:
         o_plan = plan_from_times(
             "fused",
@@ -287,12 +345,12 @@ def predict(
         )
         period = (
             simulate_plan(
-                o_plan, meas.fwd, meas.bwd, devices, m, overlapped=True, publish=meas.publish
+                o_plan, meas.fwd, meas.bwd, devices, m, h, overlapped=True, publish=meas.publish
             )
             / 1000
         )
         step, bound = _bounded(period, overhead, floor, opt)
-        busy = busy_bound_s(o_plan, meas.fwd, meas.bwd, devices, m)
+        busy = busy_bound_s(o_plan, meas.fwd, meas.bwd, devices, m, h)
         busy_step, busy_limit = _bounded(busy, overhead, floor, opt)
         row.update(
             overlap_plan=repr(o_plan),
@@ -305,6 +363,67 @@ def predict(
             busy_bound=busy_limit,
         )
     return row
+
+
+def steady_tokens_per_s(run: dict[str, Any]) -> float:
+    """A run's tokens/s over its measured steps in which torch.compile built nothing
+    (bench/train.py's `tokens_per_s_steps_without_compile`), else over all of them."""
+    return float(run.get("tokens_per_s_steps_without_compile") or run["tokens_per_s"])
+
+
+def _step_s(meas: Measured, devices: int, plan: ModelExecutePlan, floor: float | None) -> float:
+    """`predict`'s step (s) of a given plan, unrounded (the optimizer floor left out: the
+    fit is about the pipeline)."""
+    m = meas.num_microbatch
+    call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m, meas.handoff_on(devices))
+    return _bounded(call_s / 1000, meas.overhead_s, floor)[0]
+
+
+def fit_handoff(
+    meas: Measured, runs: list[dict[str, Any]], floor: float | None
+) -> tuple[Measured, float]:
+    """`meas` with the handoff between devices that best fits the multi-GPU `runs` (the
+    plans they ran, their steady steps; least squares on the log of the step), and that
+    fit's root mean square relative error. Searched from a quarter to 16 times the
+    default handoff, on a grid, then by golden section between the best point's
+    neighbours (the step grows with the handoff)."""
+    targets = [
+        (
+            parse_plan(r["plan"]),
+            int(r["num_devices"]),
+            r["tokens_per_step"] / steady_tokens_per_s(r),
+        )
+        for r in runs
+    ]
+
+    def cost(h: float) -> float:
+        cand = replace(meas, handoff_ms=h)
+        return sum(math.log(_step_s(cand, d, plan, floor) / step) ** 2 for plan, d, step in targets)
+
+    base = default_handoff(meas.fwd, meas.num_microbatch)
+    grid = [base * 2 ** (i / 8) for i in range(-16, 33)]
+    costs = [cost(h) for h in grid]
+    k = costs.index(min(costs))
+    lo, hi = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(30):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if cost(a) <= cost(b):
+            hi = b
+        else:
+            lo = a
+    best = (lo + hi) / 2
+    return replace(meas, handoff_ms=best), math.expm1(math.sqrt(cost(best) / len(targets)))
+
+
+def _key(run: dict[str, Any]) -> tuple[str, int]:
+    """The (file, micro-batches) of a run: which one-GPU measurement it compares with."""
+    return run["_file"], int(run.get("num_microbatch") or 0)
+
+
+def _multi_gpu_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs on several GPUs that say which plan they ran (the checks)."""
+    return [r for r in runs if (r.get("num_devices") or 1) >= 2 and r.get("plan")]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -327,6 +446,18 @@ def main(argv: list[str] | None = None) -> None:
         help="leave out the optimizer thread's measured time per step (a host with more "
         "cores and memory bandwidth than the one measured)",
     )
+    p.add_argument(
+        "--fit-handoff",
+        action="store_true",
+        help="fit the handoff between jobs to the input's multi-GPU runs (the plans they "
+        "ran) and predict with it",
+    )
+    p.add_argument(
+        "--uniform-plans",
+        action="store_true",
+        help="also the fastest plan of evenly sized groups on each GPU count (uniform_* "
+        "fields): what a plan made for the simulated costs could reach",
+    )
     args = p.parse_args(argv)
 
     runs = load_runs(args.runs)
@@ -334,6 +465,23 @@ def main(argv: list[str] | None = None) -> None:
     if not measured:
         raise SystemExit("no one-GPU run with layer_times_ms in the input (bench/train.py)")
     floors = dispatch_floor(load_runs([args.dispatch])) if args.dispatch else {}
+    if args.fit_handoff:
+        for key, meas in sorted(measured.items()):
+            several = [r for r in _multi_gpu_runs(runs) if _key(r) == key]
+            if not several:
+                continue
+            default_ms = default_handoff(meas.fwd, meas.num_microbatch)
+            measured[key], rms = fit_handoff(meas, several, floors.get(key[1]))
+            row = {
+                "kind": "calibration",
+                "input": key[0],
+                "num_microbatch": key[1],
+                "handoff_ms": round(measured[key].handoff_ms or 0.0, 3),
+                "default_handoff_ms": round(default_ms, 3),
+                "fit_runs": [int(r["num_devices"]) for r in several],
+                "fit_rms_error": round(rms, 4),
+            }
+            print(json.dumps(row), flush=True)
     best: dict[tuple[str, int], dict[str, Any]] = {}
     base = {}  # file -> the best measured one-GPU tokens/s (the efficiency's reference)
     for meas in measured.values():
@@ -347,6 +495,7 @@ def main(argv: list[str] | None = None) -> None:
                 floors.get(meas.num_microbatch),
                 overlap=args.overlap,
                 optimizer_floor=not args.no_optimizer_floor,
+                uniform=args.uniform_plans,
             )
             row.update(kind="prediction", input=source)
             row["speedup_vs_1gpu"] = round(row["tokens_per_s"] / base[source], 3)
@@ -361,10 +510,10 @@ def main(argv: list[str] | None = None) -> None:
                 key = (kind, source, d)
                 if rate in row and (key not in best or row[rate] > best[key][rate]):
                     best[key] = row
-    for r in runs:
-        d = r.get("num_devices") or 1
-        meas = measured.get((r["_file"], int(r.get("num_microbatch") or 0)))
-        if d < 2 or meas is None or not r.get("plan"):
+    for r in _multi_gpu_runs(runs):
+        d = int(r["num_devices"])
+        meas = measured.get(_key(r))
+        if meas is None:
             continue
         row = predict(
             meas,
@@ -373,11 +522,12 @@ def main(argv: list[str] | None = None) -> None:
             parse_plan(r["plan"]),
             optimizer_floor=not args.no_optimizer_floor,
         )
-        measured_rate = float(r["tokens_per_s"])
+        measured_rate = steady_tokens_per_s(r)
         row.update(
             kind="check",
             input=r["_file"],
             measured_tokens_per_s=measured_rate,
+            measured_tokens_per_s_all_steps=float(r["tokens_per_s"]),
             error=round(row["tokens_per_s"] / measured_rate - 1, 4),
         )
         print(json.dumps(row), flush=True)
