@@ -11,6 +11,10 @@ On CUDA a device has four streams: `param_upstream` (layer uploads), `upstream`
 (activation uploads), `compute_stream` and `downstream` (downloads), ordered by events so
 copies overlap compute.
 
+Each device counts its busy time (the layers' compute: the blocks engine.timer times, on
+the compute stream of a GPU, under the shared compute lock of a virtual CPU device) and its
+finished jobs; `device_busy` reads the totals, `BusyReader` the share since its last read.
+
 A GPU memory cap (`RoundPipe(max_gpu_memory=...)`, default `RP_GPU_MEMORY_GIB`) makes each
 device look as large as the cap: the planning reads `get_min_gpu_memory` and
 `device_memory_bytes`, which count it, and on CUDA `set_gpu_memory_cap` limits torch's
@@ -27,7 +31,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,8 +39,12 @@ from .errors import DeviceError
 from .threads import AnnotatedSemaphore, RoundPipeThread, working
 
 __all__ = [
+    "BusyReader",
+    "DeviceBusy",
     "DeviceManager",
     "Job",
+    "current_device",
+    "device_busy",
     "device_list",
     "device_memory_bytes",
     "gc_collect",
@@ -62,6 +70,9 @@ _gpu_memory_cap_bytes: int | None = None
 # Virtual CPU devices share one CPU RNG and one pool of cores: a stage's compute holds this
 # lock so the RNG states saved for recompute are not consumed by another device in between.
 cpu_compute_lock = threading.RLock()
+
+# The device whose controller thread is running (`current_device`).
+_controller = threading.local()
 
 # How many jobs a device may have issued but not finished: the running one and one
 # prefetched, so GPU memory is bounded by two layer groups whatever the model's size.
@@ -124,6 +135,14 @@ def _done_job(*_: Any) -> None:
     """Stands in for a job's function once it has run."""
 
 
+class DeviceBusy(NamedTuple):
+    """A device's busy time and finished jobs (totals, or over a `BusyReader` window)."""
+
+    device: str  # DeviceManager.name: "cuda:0", "cpu-virtual:1"
+    busy_s: float
+    jobs: int
+
+
 class Job:
     """One unit of work queued on a device; `done` is set when it returned or failed."""
 
@@ -154,6 +173,9 @@ class DeviceManager:
         self.is_idle = AnnotatedSemaphore(f"{self.name}.is_idle", 1)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._inflight: deque[torch.cuda.Event] = deque()
+        self._busy_lock = threading.Lock()
+        self._busy_s = 0.0
+        self._jobs_done = 0
         self.controller_thread = RoundPipeThread(self.controller, name=f"rp-device-{id}")
         self.controller_thread.start()
 
@@ -168,6 +190,7 @@ class DeviceManager:
         """Run queued jobs in order until shut down."""
         if self.is_cuda:
             torch.cuda.set_device(self.device)
+        _controller.device = self
         while True:
             job = self._jobs.get()
             if job is None:
@@ -182,7 +205,21 @@ class DeviceManager:
                 # it so the state (pinned activations) is freed when the call returns,
                 # not whenever the cycle collector runs.
                 job.fn, job.args = _done_job, ()
+                with self._busy_lock:
+                    self._jobs_done += 1
                 job.done.set()
+
+    # ---- busy time --------------------------------------------------------------------
+    def add_busy(self, seconds: float) -> None:
+        """Count `seconds` of layer compute on this device (engine.timer, when a call's
+        timings are read: on a GPU once the call's work is done)."""
+        with self._busy_lock:
+            self._busy_s += seconds
+
+    def busy(self) -> DeviceBusy:
+        """This device's busy seconds and finished jobs since it was created."""
+        with self._busy_lock:
+            return DeviceBusy(self.name, self._busy_s, self._jobs_done)
 
     def shutdown_controller(self) -> None:
         """Stop the controller thread after its queued jobs (a second call does nothing)."""
@@ -273,6 +310,37 @@ class DeviceManager:
             torch.cuda.set_rng_state(state, self.device)
         else:
             torch.set_rng_state(state)
+
+
+def current_device() -> DeviceManager | None:
+    """The device whose controller thread runs the caller; None on any other thread."""
+    return getattr(_controller, "device", None)
+
+
+def device_busy() -> list[DeviceBusy]:
+    """Each device's busy seconds and finished jobs since it was created, in device order;
+    [] before the devices exist (this does not create them)."""
+    return [dev.busy() for dev in list(device_list)]
+
+
+class BusyReader:
+    """Each device's busy seconds and finished jobs since the previous `read` (the first
+    read: since the reader was made). A device created meanwhile counts from zero."""
+
+    def __init__(self) -> None:
+        self._last = {b.device: b for b in device_busy()}
+
+    def read(self) -> list[DeviceBusy]:
+        """The window's figures, in device order; the next window starts now."""
+        now = device_busy()
+        out = []
+        for b in now:
+            prev = self._last.get(b.device)
+            if prev is None or b.jobs < prev.jobs or b.busy_s < prev.busy_s:
+                prev = DeviceBusy(b.device, 0.0, 0)  # new, or the devices were reset
+            out.append(DeviceBusy(b.device, b.busy_s - prev.busy_s, b.jobs - prev.jobs))
+        self._last = {b.device: b for b in now}
+        return out
 
 
 def _local_rank_share(devices: list[torch.device]) -> list[torch.device]:

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from .accel import graphs
-from .device import profiler_setting
+from .device import DeviceManager, current_device, profiler_setting
 
 __all__ = ["PROFILER_TYPE", "IterTimer", "ModelTimer", "annotate"]
 
@@ -159,14 +159,17 @@ class IterTimer:
     """Collects one job's per-layer times and reports them to the ModelTimer when done.
 
     On CUDA, times come from events on the compute stream (read once they completed, at
-    `flush`); on CPU from the wall clock.
+    `flush`); on CPU from the wall clock. Each block's time also counts as its device's busy
+    time (`DeviceManager.add_busy`: the device whose controller thread ran it).
     """
 
     def __init__(self, parent: ModelTimer, action: Literal["fwd", "bwd"], is_cuda: bool) -> None:
         self.parent = parent
         self.action = action
         self.is_cuda = is_cuda
-        self._events: list[tuple[dict[int, float], torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[
+            tuple[dict[int, float], torch.cuda.Event, torch.cuda.Event, DeviceManager | None]
+        ] = []
         self._wall: dict[int, float] = {}
 
     @contextlib.contextmanager
@@ -183,25 +186,30 @@ class IterTimer:
         weights = shares if shares is not None and sum(shares) > 0 else [1.0] * len(ids)
         total = sum(weights) or 1.0
         fractions = {i: w / total for i, w in zip(ids, weights, strict=True)}
+        owner = current_device()
         if self.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             yield
             end.record(stream)
-            self._events.append((fractions, start, end))
+            self._events.append((fractions, start, end, owner))
         else:
             t0 = time.perf_counter()
             yield
             dt = (time.perf_counter() - t0) * 1000
+            if owner is not None:
+                owner.add_busy(dt / 1000)
             for i, f in fractions.items():
                 self._wall[i] = self._wall.get(i, 0.0) + dt * f
 
     def flush(self) -> None:
         """Report the measured times (waits for the CUDA events)."""
         times = dict(self._wall)
-        for fractions, start, end in self._events:
+        for fractions, start, end, owner in self._events:
             end.synchronize()
             dt = start.elapsed_time(end)
+            if owner is not None:
+                owner.add_busy(dt / 1000)
             for i, f in fractions.items():
                 times[i] = times.get(i, 0.0) + dt * f
         if times:
