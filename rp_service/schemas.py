@@ -41,6 +41,7 @@ __all__ = [
     "File",
     "FileDeleted",
     "FileFormat",
+    "GpuShare",
     "Health",
     "Job",
     "JobDeleted",
@@ -561,6 +562,23 @@ class Ready(BaseModel):
     devices: int
 
 
+class GpuShare(BaseModel):
+    """One GPU of the daemon (or one virtual device of a job on the CPU) in GET /v1/system."""
+
+    gpu: int | None = Field(
+        None, description="The daemon's GPU index (devices[].index); null: a CPU device."
+    )
+    device: str = Field(description="'cuda:N' with the daemon's N, or 'cpu-virtual:N'.")
+    job_id: str | None = Field(None, description="The job whose worker holds it; null: free.")
+    busy_fraction: float | None = Field(
+        None,
+        description="The job's latest metrics event: the device's compute time over the "
+        "step's wall time (0..1); null before the job's first step.",
+    )
+    jobs: int | None = Field(None, description="Engine jobs it finished in that step.")
+    step: int | None = Field(None, description="The step those figures are of.")
+
+
 class SystemInfo(BaseModel):
     version: str
     versions: dict[str, str | None]
@@ -574,6 +592,10 @@ class SystemInfo(BaseModel):
     adam: dict[str, Any] | None
     queue_length: int
     jobs: dict[str, int]
+    gpu_share: list[GpuShare] = Field(
+        default_factory=list,
+        description="Each GPU: the job holding it and its share of the work (docs/API.md).",
+    )
 
 
 class ErrorBody(BaseModel):

@@ -15,10 +15,12 @@ router = APIRouter(prefix="/v1", tags=["system"])
 
 @router.get("/system", response_model=SystemInfo)
 async def get_system(services: ServicesDep) -> SystemInfo:
-    """Versions, devices, memory, the C Adam build, queue length and jobs by status."""
+    """Versions, devices, memory, the C Adam build, queue length, jobs by status and
+    each GPU's job and share of its work."""
     facts = await asyncio.to_thread(services.system.snapshot)
     counts = await asyncio.to_thread(services.store.count_by_status)
-    return SystemInfo(**facts, queue_length=counts.get("queued", 0), jobs=counts)
+    share = services.orchestrator.gpu_share()  # on the loop, where the workers change
+    return SystemInfo(**facts, queue_length=counts.get("queued", 0), jobs=counts, gpu_share=share)
 
 
 @router.get("/demo", response_model=JobSpec)

@@ -390,6 +390,29 @@ class Orchestrator:
         """GPU id -> the job whose worker holds it."""
         return {g: w.job_id for w in self._workers.values() for g in w.gpus}
 
+    def gpu_share(self) -> list[dict[str, Any]]:
+        """Each GPU of the daemon: the job whose worker holds it and the busy fraction that
+        job reported for it in its latest metrics event (None before its first, or for a GPU
+        lent to chat serving); then the virtual devices of jobs running on the CPU."""
+        holders = {g: w for w in self._workers.values() for g in w.gpus}
+        rows = []
+        for gpu in self.gpu_ids:
+            worker = holders.get(gpu)
+            row: dict[str, Any] = {"gpu": gpu, "device": f"cuda:{gpu}", "job_id": None}
+            reported: dict[str, Any] = {}
+            if worker is not None:
+                row["job_id"] = worker.job_id
+                # The worker sees its GPUs as cuda:0.. in the order it was given them.
+                name = f"cuda:{worker.gpus.index(gpu)}"
+                reported = next((d for d in worker.gpu_share if d["device"] == name), {})
+            rows.append(_share_row(row, reported, worker))
+        for worker in self._workers.values():
+            if not worker.gpus:
+                for reported in worker.gpu_share:
+                    row = {"gpu": None, "device": reported["device"], "job_id": worker.job_id}
+                    rows.append(_share_row(row, reported, worker))
+        return rows
+
     async def _launch(self, job: JobRecord, gpus: list[int]) -> None:
         worker = WorkerHandle(job_id=job.id, gpus=gpus)
         self._claim(worker)
@@ -696,3 +719,15 @@ class Orchestrator:
             error={"code": code, "message": message, "param": reported.get("param")},
             **fields,
         )
+
+
+def _share_row(
+    row: dict[str, Any], reported: dict[str, Any], worker: WorkerHandle | None
+) -> dict[str, Any]:
+    """A `gpu_share` row of GET /v1/system: `row` with what the worker reported for it."""
+    return {
+        **row,
+        "busy_fraction": reported.get("busy_fraction"),
+        "jobs": reported.get("jobs"),
+        "step": worker.gpu_share_step if reported and worker is not None else None,
+    }

@@ -37,6 +37,7 @@ _LEVELS = {"info", "warning", "error"}
 _PROGRESS_KEYS = ("step", "total_steps", "epoch", "eta_seconds")
 _METRIC_KEYS = ("train_loss", "valid_loss", "learning_rate", "grad_norm", "tokens_per_second")
 _MESSAGE_CHARS = 4000
+_GPU_SHARE_DEVICES = 64  # at most this many devices of a metrics event's gpu_share are kept
 _SECRET_ENV = frozenset({"RP_TOKEN"})
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
@@ -142,6 +143,9 @@ class WorkerHandle:
     replay_until: int = 0
     replay_noted: bool = False
     memory: MemoryWatch = field(default_factory=MemoryWatch)
+    # The latest metrics event's `gpu_share` (devices as the worker names them) and its step.
+    gpu_share: list[dict[str, Any]] = field(default_factory=list)
+    gpu_share_step: int | None = None
 
     def send(self, sig: signal.Signals) -> None:
         """Signal the worker's whole process group, if it is still running."""
@@ -218,6 +222,10 @@ class WorkerHandle:
         for key in PREFERENCE_COLUMNS:
             if isinstance(data.get(key), int | float):
                 self.metrics[key] = data[key]
+        share = _gpu_share(data.get("gpu_share"))
+        if share is not None:
+            self.gpu_share = share
+            self.gpu_share_step = data["step"] if isinstance(data.get("step"), int) else None
         progress = {k: data.get(k) for k in _PROGRESS_KEYS}
         progress["step"] = data["step"] if isinstance(data.get("step"), int) else 0
         fields: dict[str, Any] = {"progress": progress, "metrics": dict(self.metrics)}
@@ -250,3 +258,25 @@ class WorkerHandle:
             "failed",
             f"worker exited with status {returncode}; see GET /v1/jobs/{self.job_id}/logs",
         )
+
+
+def _gpu_share(value: Any) -> list[dict[str, Any]] | None:
+    """A metrics event's `gpu_share`, checked: `{device, busy_fraction, jobs}` per device
+    (a value of the wrong type becomes None); None where the event has none."""
+    if not isinstance(value, list):
+        return None
+    rows = []
+    for item in value[:_GPU_SHARE_DEVICES]:
+        if not isinstance(item, dict) or not isinstance(item.get("device"), str):
+            continue
+        fraction, jobs = item.get("busy_fraction"), item.get("jobs")
+        rows.append(
+            {
+                "device": item["device"][:64],
+                "busy_fraction": float(fraction)
+                if isinstance(fraction, int | float) and not isinstance(fraction, bool)
+                else None,
+                "jobs": jobs if isinstance(jobs, int) and not isinstance(jobs, bool) else None,
+            }
+        )
+    return rows

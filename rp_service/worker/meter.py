@@ -1,4 +1,7 @@
-"""Per-step training metrics: each step's event once its optimizer update has run."""
+"""Per-step training metrics: each step's event once its optimizer update has run.
+
+A step's event carries `gpu_share`: each engine device's busy time over the step's wall
+time (engine.device.BusyReader; docs/PERFORMANCE.md says how to read it)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ from typing import Any
 
 import torch
 
+from engine.device import BusyReader, DeviceBusy
+
 from ..data.datasets import BatchOrder
 
-__all__ = ["Emit", "Meter"]
+__all__ = ["Emit", "Meter", "gpu_share"]
 
 Emit = Callable[..., None]
 """`emit(type, message, data, level="info")`: write one event."""
@@ -36,6 +41,7 @@ class Meter:
     updates: queue.SimpleQueue[tuple[int, float, float]] = field(default_factory=queue.SimpleQueue)
     speed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_SPEED_WINDOW))
     last: dict[str, Any] = field(default_factory=dict)
+    busy: BusyReader = field(default_factory=BusyReader)
 
     def record(
         self, step: int, loss: float, tokens: int, extra: dict[str, Any] | None = None
@@ -67,6 +73,7 @@ class Meter:
                 "step_seconds": round(step_seconds, 4),
                 "trained_tokens": self.trained_tokens,
                 "gpu_mem_bytes": _gpu_mem_bytes(),
+                "gpu_share": gpu_share(self.busy.read(), step_seconds),
                 "eta_seconds": None if eta is None else round(eta, 3),
                 **(extra or {}),
             }
@@ -91,6 +98,21 @@ class Meter:
             if data["valid_loss"] is not None:
                 message += f" valid {data['valid_loss']:.4f}"
             self.emit("metrics", message, data)
+
+
+def gpu_share(window: list[DeviceBusy], wall_s: float) -> list[dict[str, Any]]:
+    """The `gpu_share` of a metrics event: per device, its busy seconds over `wall_s`
+    (at most 1; a call's busy time is counted when the call ends, so a window can catch a
+    little of the one before) and the jobs it finished."""
+    return [
+        {
+            "device": b.device,
+            "busy_fraction": round(min(b.busy_s / wall_s, 1.0), 4) if wall_s > 0 else 0.0,
+            "busy_s": round(b.busy_s, 4),
+            "jobs": b.jobs,
+        }
+        for b in window
+    ]
 
 
 def _gpu_mem_bytes() -> int:

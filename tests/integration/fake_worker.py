@@ -11,7 +11,8 @@ step 3 of every attempt, "device-fault-once" reports a device fault on its first
 with `train.sample_prompts` it emits a `sample` event at every evaluation step (each
 completion names its prompt, step and attempt);
 a name starting with "real" hands the job to the real worker (exec, same pid and pipes).
-A `train.objective: dpo` job's metrics carry `FAKE_DPO_METRICS` too.
+A `train.objective: dpo` job's metrics carry `FAKE_DPO_METRICS` too; every metrics event
+carries a `gpu_share` of its devices, each 50% busy.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def save_checkpoint(checkpoint_dir: Path, step: int) -> Path:
         },
     )
     return final
+
+
+def fake_gpu_share() -> list[dict[str, Any]]:
+    """A metrics event's gpu_share for the devices the daemon gave this worker
+    (RP_DEVICES=cpu:N, or the GPUs of CUDA_VISIBLE_DEVICES as cuda:0..): each 50% busy."""
+    devices = os.environ.get("RP_DEVICES", "cpu:1")
+    if devices.startswith("cpu:"):
+        names = [f"cpu-virtual:{i}" for i in range(int(devices[4:]))]
+    else:
+        gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        names = [f"cuda:{i}" for i in range(len(gpus))]
+    return [{"device": n, "busy_fraction": 0.5, "busy_s": 0.01, "jobs": 4} for n in names]
 
 
 def emit_samples(prompts: list[str], step: int, attempt: int) -> None:
@@ -147,6 +160,7 @@ def main() -> int:
                 "tokens_per_second": 1000.0,
                 "trained_tokens": step * 64,
                 "gpu_mem_bytes": 0,
+                "gpu_share": fake_gpu_share(),
                 "eta_seconds": (total - step) * step_s,
                 **(FAKE_DPO_METRICS if spec["train"].get("objective") == "dpo" else {}),
             },

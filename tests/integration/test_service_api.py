@@ -258,3 +258,19 @@ def test_system_demo_metrics(service_daemon: Daemon) -> None:
         assert 'rp_jobs{status="cancelled"}' in text or 'rp_jobs{status="cancelling"}' in text
         assert "rp_request_duration_seconds_bucket" in text
         assert "rp_queue_length" in text and "rp_events_total" in text
+
+
+def test_system_shows_which_job_holds_each_device_and_its_share(module_daemon: Daemon) -> None:
+    """GET /v1/system's gpu_share: a running job's devices (virtual CPU devices on this
+    GPU-less daemon) with the share its latest metrics event reported (the fake worker:
+    50%, 4 jobs); none once it has stopped."""
+    with module_daemon.client() as c:
+        job_id = c.post("/v1/jobs", json=spec(train={"steps": 100000})).json()["id"]
+        module_daemon.wait_for_step(job_id, 2)
+        rows = [r for r in c.get("/v1/system").json()["gpu_share"] if r["job_id"] == job_id]
+        assert rows and all(r["device"].startswith("cpu-virtual:") for r in rows)
+        assert all(r["gpu"] is None and r["busy_fraction"] == 0.5 and r["jobs"] == 4 for r in rows)
+        assert all(r["step"] >= 2 for r in rows)
+        c.post(f"/v1/jobs/{job_id}/cancel")
+        module_daemon.wait_for(job_id, {"cancelled"})
+        assert not [r for r in c.get("/v1/system").json()["gpu_share"] if r["job_id"] == job_id]

@@ -149,6 +149,12 @@ def test_demo_job_end_to_end(tmp_path: Path) -> None:
         assert m["total_steps"] == total and m["grad_norm"] is not None and m["grad_norm"] > 0
         assert m["tokens_per_second"] > 0 and m["learning_rate"] > 0
         assert 0 < m["step_seconds"] < 60
+        # RP_DEVICES=cpu:1: one device's share of each step (docs/API.md, gpu_share)
+        (share,) = m["gpu_share"]
+        assert share["device"] == "cpu-virtual:0" and 0 <= share["busy_fraction"] <= 1
+    assert all(
+        m["gpu_share"][0]["busy_fraction"] > 0 and m["gpu_share"][0]["jobs"] > 0 for m in steps
+    )
     assert (
         steps[-1]["trained_tokens"] == total * spec["train"]["batch_size"] * spec["data"]["seq_len"]
     )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
+from types import SimpleNamespace
 
+from rp_service.jobs.orchestrator import Orchestrator
 from rp_service.jobs.pipe import PAUSED_EXIT_CODE, WorkerHandle
 
 
@@ -116,3 +118,68 @@ def test_exit_outcomes() -> None:
     assert w.outcome(-signal.SIGUSR1) == ("paused", None)  # signalled before its handler existed
     w.cancel_requested = True
     assert w.outcome(-signal.SIGTERM) == ("cancelled", None)
+
+
+def test_gpu_share_keeps_the_latest_metrics_events_and_maps_to_the_daemons_gpus() -> None:
+    """A metrics event's gpu_share is kept per worker (bad items dropped, wrong types
+    None); GET /v1/system's rows name each daemon GPU's job and what it reported for it
+    (the worker saw GPUs 3 and 1 as cuda:0 and cuda:1)."""
+    w = WorkerHandle(job_id="job-1", gpus=[3, 1])
+    share = [
+        {"device": "cuda:0", "busy_fraction": 0.9, "busy_s": 1.8, "jobs": 12},
+        {"device": "cuda:1", "busy_fraction": "high", "jobs": True},
+        {"busy_fraction": 0.5},
+        "cuda:2",
+    ]
+    w.read_line(_line({"type": "metrics", "data": {"step": 7, "gpu_share": share}}))
+    w.read_line(_line({"type": "metrics", "data": {"step": 8}}))  # none: the last one stays
+    assert w.gpu_share_step == 7
+    assert w.gpu_share == [
+        {"device": "cuda:0", "busy_fraction": 0.9, "jobs": 12},
+        {"device": "cuda:1", "busy_fraction": None, "jobs": None},
+    ]
+    cpu = WorkerHandle(job_id="job-2", gpus=[])
+    cpu.read_line(
+        _line(
+            {
+                "type": "metrics",
+                "data": {"step": 1, "gpu_share": [{"device": "cpu-virtual:0", "jobs": 3}]},
+            }
+        )
+    )
+    daemon = SimpleNamespace(gpu_ids=[0, 1, 3], _workers={"job-1": w, "job-2": cpu})
+    rows = Orchestrator.gpu_share(daemon)  # type: ignore[arg-type]
+    assert rows == [
+        {
+            "gpu": 0,
+            "device": "cuda:0",
+            "job_id": None,
+            "busy_fraction": None,
+            "jobs": None,
+            "step": None,
+        },
+        {
+            "gpu": 1,
+            "device": "cuda:1",
+            "job_id": "job-1",
+            "busy_fraction": None,
+            "jobs": None,
+            "step": 7,
+        },
+        {
+            "gpu": 3,
+            "device": "cuda:3",
+            "job_id": "job-1",
+            "busy_fraction": 0.9,
+            "jobs": 12,
+            "step": 7,
+        },
+        {
+            "gpu": None,
+            "device": "cpu-virtual:0",
+            "job_id": "job-2",
+            "busy_fraction": None,
+            "jobs": 3,
+            "step": 1,
+        },
+    ]
