@@ -20,6 +20,7 @@ __all__ = [
     "Export",
     "File",
     "FileDeleted",
+    "GpuShare",
     "Job",
     "JobDeleted",
     "JobError",
@@ -172,6 +173,18 @@ class JobMetrics(_Model):
     columns: dict[str, list[Any]] = {}
 
 
+class GpuShare(_Model):
+    """One GPU (or a CPU job's virtual device): the job holding it and the share of the
+    job's latest step it was busy."""
+
+    gpu: int | None = None
+    device: str = ""
+    job_id: str | None = None
+    busy_fraction: float | None = None
+    jobs: int | None = None
+    step: int | None = None
+
+
 class System(_Model):
     version: str | None = None
     versions: dict[str, Any] = {}
@@ -182,6 +195,7 @@ class System(_Model):
     adam: dict[str, Any] = {}
     queue_length: int = 0
     jobs: dict[str, int] = {}
+    gpu_share: list[GpuShare] = []
 
 
 class LogChunk(_Model):

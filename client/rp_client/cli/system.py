@@ -6,6 +6,7 @@ import sys
 
 import typer
 
+from ..models import GpuShare
 from ._app import app, get_client, handle_errors, print_json
 
 
@@ -18,7 +19,8 @@ def _gib(n: int | None) -> str:
 def system(
     ctx: typer.Context, json_lines: bool = typer.Option(False, "--json", help="The raw object.")
 ) -> None:
-    """Show the daemon's versions, devices, memory, C Adam build and queue."""
+    """Show the daemon's versions, devices, memory, C Adam build, queue and each GPU's
+    job and busy share."""
     info = get_client(ctx).system()
     if json_lines:
         print_json(info.model_dump(mode="json"))
@@ -39,4 +41,20 @@ def system(
     out.append(f"queue length     {info.queue_length}")
     counts = ", ".join(f"{k} {v}" for k, v in info.jobs.items()) or "-"
     out.append(f"jobs             {counts}")
+    out += _share_lines(info.gpu_share)
     sys.stdout.write("\n".join(out) + "\n")
+
+
+def _share_lines(rows: list[GpuShare]) -> list[str]:
+    """Each GPU's job and the share of its latest step it was busy (docs/PERFORMANCE.md)."""
+    if not rows:
+        return []
+    out = ["gpu share        device, job, busy in its latest step"]
+    for row in rows:
+        if row.job_id is None:
+            out.append(f"  {row.device:<15}free")
+            continue
+        busy = "-" if row.busy_fraction is None else f"{row.busy_fraction:.0%}"
+        detail = "" if row.step is None else f" (step {row.step}, {row.jobs} jobs)"
+        out.append(f"  {row.device:<15}{row.job_id}  {busy:>4} busy{detail}")
+    return out

@@ -253,6 +253,46 @@ def test_system(rp):
     result = rp(lambda r: httpx.Response(200, json=info), "system")
     assert result.exit_code == 0
     assert "16.0 GiB" in result.stdout and "avx2, 2 threads" in result.stdout
+    assert "gpu share" not in result.stdout  # an older daemon: no such field
+
+
+def test_system_shows_each_gpus_job_and_share(rp):
+    share = [
+        {
+            "gpu": 0,
+            "device": "cuda:0",
+            "job_id": "job-1",
+            "busy_fraction": 0.934,
+            "jobs": 12,
+            "step": 7,
+        },
+        {
+            "gpu": 1,
+            "device": "cuda:1",
+            "job_id": "job-1",
+            "busy_fraction": None,
+            "jobs": None,
+            "step": None,
+        },
+        {
+            "gpu": 2,
+            "device": "cuda:2",
+            "job_id": None,
+            "busy_fraction": None,
+            "jobs": None,
+            "step": None,
+        },
+    ]
+    info = {"version": "0.1.0", "versions": {}, "devices": [], "gpu_share": share}
+    result = rp(lambda r: httpx.Response(200, json=info), "system")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    start = lines.index("gpu share        device, job, busy in its latest step")
+    assert lines[start + 1 :] == [
+        "  cuda:0         job-1   93% busy (step 7, 12 jobs)",
+        "  cuda:1         job-1     - busy",
+        "  cuda:2         free",
+    ]
 
 
 def test_serve_without_the_server_package_says_how_to_install(monkeypatch):
