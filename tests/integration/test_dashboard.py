@@ -239,6 +239,7 @@ def test_dashboard_drives_jobs_with_a_token(
     page.click("a[data-nav=system]")
     page.wait_for_selector("#queue:has-text('queued')")
     assert page.inner_text("#devices")  # a table, or the line saying there is no GPU
+    assert "no job running" in page.inner_text("#gpu-share")  # both jobs have stopped
     assert "isa" in page.inner_text("#adam") or "not built" in page.inner_text("#adam")
     assert "torch" in page.inner_text("#versions")
     page.screenshot(path=str(tmp_path / "system.png"), full_page=True)

@@ -1,7 +1,8 @@
-// System: versions, devices, memory, the C Adam build, the queue (GET /v1/system, polled).
+// System: versions, devices, memory, the C Adam build, the queue and each GPU's job and
+// busy share (GET /v1/system, polled).
 
 import { api } from "../api.js";
-import { bytes, describeError, el, statusBadge } from "../format.js";
+import { bytes, describeError, el, integer, statusBadge } from "../format.js";
 
 const POLL_MS = 5000;
 
@@ -86,6 +87,8 @@ export function renderSystem(view) {
       ),
       el("h2", {}, "Devices"),
       devices,
+      el("h2", {}, "GPU share"),
+      shareTable(system.gpu_share || []),
       el("h2", {}, "C Adam"),
       adam,
       el("h2", {}, "Versions"),
@@ -101,6 +104,51 @@ export function renderSystem(view) {
     stopped = true;
     clearTimeout(timer);
   };
+}
+
+// Each GPU (or a CPU job's virtual device): the job holding it and the share of the job's
+// latest step it was busy computing (docs/PERFORMANCE.md, "Each GPU's share of a job").
+function shareTable(rows) {
+  if (!rows.length) {
+    return el("p", { id: "gpu-share", class: "muted" }, "No GPU, and no job running on the CPU.");
+  }
+  return el(
+    "table",
+    { id: "gpu-share" },
+    el(
+      "thead",
+      {},
+      el("tr", {}, ["Device", "Job", "Busy", "Step", "Engine jobs"].map((h) => el("th", {}, h))),
+    ),
+    el(
+      "tbody",
+      {},
+      rows.map((row) =>
+        el(
+          "tr",
+          { dataset: { device: row.device } },
+          el("td", {}, row.device),
+          el(
+            "td",
+            {},
+            row.job_id
+              ? el("a", { href: `#/jobs/${encodeURIComponent(row.job_id)}` }, row.job_id)
+              : "free",
+          ),
+          el("td", { class: "num" }, busy(row.busy_fraction)),
+          el("td", { class: "num" }, row.step == null ? "–" : integer(row.step)),
+          el("td", { class: "num" }, row.jobs == null ? "–" : integer(row.jobs)),
+        ),
+      ),
+    ),
+  );
+}
+
+function busy(fraction) {
+  if (fraction == null) return "–";
+  const bar = el("span", { class: "bar" }, el("span", { class: "fill" }));
+  bar.firstChild.style.width = `${(Math.min(1, fraction) * 100).toFixed(1)}%`;
+  return el("span", {}, bar, ` ${Math.round(fraction * 100)}%`);
 }
 
 function keyValues(id, pairs) {
