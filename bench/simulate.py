@@ -37,7 +37,9 @@ is chosen to fit the runs with the plans they ran (least squares on the log of t
 every prediction on several GPUs then uses it (`handoff_ms`
 in the rows, one `kind: calibration` row per input). The engine still plans with its own
 default handoff (`engine.planning.simulate.default_handoff`): the fit prices the engine's
-plans, it does not change them.
+plans, it does not change them. `--uniform-plans` adds to each prediction the fastest plan
+of evenly sized groups under the simulated costs (`uniform_*` fields): what a plan made for
+the fitted handoff could reach.
 
     python bench/simulate.py bench/sim_inputs/h100-2026-11-23.jsonl
     python bench/simulate.py bench/sim_inputs/h200x4-2026-11-28.jsonl --fit-handoff --uniform-plans
