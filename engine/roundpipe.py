@@ -149,6 +149,15 @@ class RoundPipe(RoundPipeBase):
             waits for the update of that layer's weights (layer by layer with an optimizer
             that reports them, as engine.optim.Adam does; else for the whole step). Needs
             a bf16 model; not with data parallel.
+        step_staleness: Which weights the call after an asynchronous `step` computes
+            with. 1 (default, the seeds' meaning of `is_async=True`): those from before
+            the step, while the step runs under it. 0: the step's own, as with
+            `is_async=False`, at nearly the asynchronous step's speed: the optimizer
+            updates the layers in the order the next forward needs them and publishes
+            each as it finishes (with an optimizer that reports them, as engine.optim.Adam
+            does; else after step_fn), the next call's upload of a layer waiting for that
+            layer only. optim_memory='compact' always works so. Results equal the
+            synchronous step's bit for bit (docs/HOST_MEMORY_MODES.md, "Staleness").
         max_gpu_memory: Cap on each engine device's GPU memory: GiB as a number (24), bytes
             from 2**20 up, or a string with a unit ('24GiB'); default RP_GPU_MEMORY_GIB,
             else none. The plan sizes for a card that large and, on CUDA, the caching
@@ -175,6 +184,7 @@ class RoundPipe(RoundPipeBase):
         optim_memory: str = "default",
         max_gpu_memory: float | str | None = None,
         layers_per_group: int | None = None,
+        step_staleness: int = 1,
     ) -> None:
         optim_grad_dtype = resolve_optim_memory(
             optim_memory,
@@ -199,6 +209,7 @@ class RoundPipe(RoundPipeBase):
             name=name or get_call_location(1),
             optim_dtype=optim_dtype,
             optim_grad_dtype=optim_grad_dtype,
+            step_staleness=0 if optim_memory == "compact" else step_staleness,
         )
         object.__setattr__(self, "optim_memory", optim_memory)
         get_devices()  # parse RP_DEVICES now: a bad value fails at construction
@@ -658,6 +669,7 @@ class AutoRoundPipe(RoundPipeBase):
         name: str | None = None,
         optim_dtype: torch.dtype | None = None,
         optim_grad_dtype: torch.dtype | None = None,
+        step_staleness: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -665,6 +677,7 @@ class AutoRoundPipe(RoundPipeBase):
             name=name or get_call_location(1),
             optim_dtype=optim_dtype,
             optim_grad_dtype=optim_grad_dtype,
+            step_staleness=step_staleness,
         )
         subs = [m for m in model.modules() if isinstance(m, RoundPipe)]
         if any(s._dp is not None for s in subs) or (
@@ -759,7 +772,9 @@ class AutoRoundPipe(RoundPipeBase):
             finally:  # as in RoundPipe._step_kernel: a failed step_fn may have updated some
                 for owner in owners:
                     object.__setattr__(owner, "_optim_ahead", True)
-            if sync:
+            if sync or self.step_staleness == 0:
+                # Staleness zero here publishes after step_fn: the forward of an auto-split
+                # model waits for the whole step anyway (its loose layer's event).
                 for owner in owners:
                     owner.sync_optim_param()
         finally:

@@ -5,7 +5,9 @@ the attribute shim that reaches the original model, and the step: on the optimiz
 publish the previous step's weights into the model and fold the new gradients into the
 optimizer-side ones, layer by layer (`publish_weights_take_grads`), then run step_fn; with
 weights the optimizer writes in place (optim_memory='compact'), publish each layer as soon
-as the optimizer reports its weights updated (`_LayerProgress`).
+as the optimizer reports its weights updated (`_LayerProgress`). With `step_staleness=0` the
+same goes for every mode: the step publishes each layer's new weights as the optimizer
+reports them, so the next call computes with them and waits for them layer by layer.
 `engine.roundpipe` re-exports the class (the seed's place for it).
 """
 
@@ -35,7 +37,20 @@ from .threads import AnnotatedEvent, track_open
 if TYPE_CHECKING:
     from .run_state import RunState
 
-__all__ = ["RoundPipeBase", "publish_weights_take_grads"]
+__all__ = ["STEP_STALENESS", "RoundPipeBase", "check_step_staleness", "publish_weights_take_grads"]
+
+STEP_STALENESS = (0, 1)
+
+
+def check_step_staleness(value: object) -> int:
+    """`step_staleness` as given, if it is 0 or 1 (ConfigError otherwise)."""
+    if isinstance(value, bool) or value not in STEP_STALENESS:
+        raise ConfigError(
+            f"step_staleness must be 0 (the next call computes with this step's weights) "
+            f"or 1 (with the weights from before it), got {value!r}"
+        )
+    return int(value)  # type: ignore[call-overload]
+
 
 _warned: set[str] = set()
 
@@ -60,6 +75,7 @@ class RoundPipeBase(nn.Module):
         name: str | None = None,
         optim_dtype: torch.dtype | None = None,
         optim_grad_dtype: torch.dtype | None = None,
+        step_staleness: int = 1,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -70,6 +86,10 @@ class RoundPipeBase(nn.Module):
         object.__setattr__(self, "optim_dtype", optim_dtype)
         object.__setattr__(self, "optim_grad_dtype", optim_grad_dtype)
         object.__setattr__(self, "layer_attrs", [])
+        # Which weights the call after an asynchronous step computes with: 1, those from
+        # before the step (the seeds'); 0, the step's own, each layer published as the
+        # optimizer finishes it (the compact mode always works so).
+        object.__setattr__(self, "step_staleness", check_step_staleness(step_staleness))
         object.__setattr__(self, "optim_updated", AnnotatedEvent("optim_updated", set_=True))
         object.__setattr__(self, "_optim_ahead", False)  # optimizer copies newer than the model
         # Private switch (tests, benchmarks): False publishes the weights the optimizer
@@ -197,8 +217,10 @@ class RoundPipeBase(nn.Module):
         """Run `step_fn(*args, **kwargs)` on the optimizer thread.
 
         Asynchronous (default): return at once; the next iteration computes with the
-        weights from before this step (staleness one). Synchronous: wait, so the next
-        iteration uses the updated weights. An error in step_fn surfaces at the next call.
+        weights from before this step (staleness one), or, with `step_staleness=0`, with
+        this step's, its upload of each layer waiting for that layer's update (layer 0
+        first: docs/HOST_MEMORY_MODES.md). Synchronous: wait, so the next iteration uses
+        the updated weights. An error in step_fn surfaces at the next call.
         """
         if not callable(step_fn):
             raise ConfigError(f"step_fn must be callable, got {type(step_fn).__name__}")
@@ -245,15 +267,23 @@ class RoundPipeBase(nn.Module):
         }
         start = time.perf_counter()
         progress: _LayerProgress | None = None
+        fresh = self.step_staleness == 0 and not sync  # publish each layer once updated
+        groups: list[list[tuple[nn.Parameter, ParamAttribute]]] = []
         try:
             if self._dp is not None:
-                self._dp.publish_weights_take_grads(self)
+                self._dp.publish_weights_take_grads(self, hold_weights=fresh)
             else:
                 published = self._optim_ahead
                 groups = self._params_by_owner()
-                publish_weights_take_grads(self, groups, pending, events, phases)
+                publish_weights_take_grads(self, groups, pending, events, phases, hold=fresh)
                 if self._publish_as_updated:
-                    progress = _LayerProgress.of(groups, events)
+                    progress = _LayerProgress.of(
+                        groups,
+                        events,
+                        publish=fresh,
+                        pending=pending,
+                        users=self.__dict__.get("_owner_users"),
+                    )
                 if published and self.__dict__.get("second_copy_bytes") and not phases["swapped"]:
                     _warn_once(
                         f"second-copy:{id(self)}",
@@ -275,6 +305,8 @@ class RoundPipeBase(nn.Module):
                 object.__setattr__(self, "_optim_ahead", True)
             if sync:
                 self.sync_optim_param()
+            elif fresh:
+                self._publish_rest(groups, events, progress, pending, phases)
         finally:
             for param_copied, grad_copied in events:
                 param_copied.set()
@@ -282,6 +314,33 @@ class RoundPipeBase(nn.Module):
             self.optim_updated.set()
             phases["total_s"] = time.perf_counter() - start
             self.step_phases.append(phases)
+
+    def _publish_rest(
+        self,
+        groups: list[list[tuple[nn.Parameter, ParamAttribute]]],
+        events: list[tuple[Any, Any]],
+        progress: _LayerProgress | None,
+        pending: RunState | None,
+        phases: dict[str, float],
+    ) -> None:
+        """After step_fn (staleness zero): publish, layer 0 first, the layers the optimizer
+        did not report (torch's optimizers report none), each released as it lands."""
+        if self._dp is not None:
+            self._dp.publish_in_order(self)
+            return
+        clock = _PhaseClock(phases)
+        users = self.__dict__.get("_owner_users")
+        for j, params in enumerate(groups):
+            if progress is not None and progress.published(j):
+                continue
+            if pending is not None and users is not None:
+                with clock("wait_s"):
+                    pending.wait_uploads(users[j])
+            with clock("publish_s"):
+                for p, pa in params:
+                    publish_param(p, pa)
+            events[j][0].set()
+        object.__setattr__(self, "_optim_ahead", False)
 
     def sync_optim_param(self) -> None:
         """Copy the optimizer-side weights into the model parameters (if newer)."""
@@ -388,10 +447,12 @@ class _PhaseClock:
 
 
 class _LayerProgress:
-    """The StepProgress (engine.context) of a step whose optimizer writes in place the
-    weights the next call uploads (optim_memory='compact'): a layer's param_copied is set
-    once the optimizer reports every such weight the layer owns updated, so the next
-    call's uploads of the first layers start while the optimizer updates the later ones.
+    """The StepProgress (engine.context) of a step whose next call computes with its
+    weights: those the optimizer writes in place (optim_memory='compact'), or, with
+    `publish` (step_staleness=0), every trainable one, published into the model as its
+    layer's last weight is reported. A layer's param_copied is set once the optimizer
+    reports every such weight the layer owns updated, so the next call's uploads of the
+    first layers start while the optimizer updates the later ones.
 
     A layer's uploads wait on the event of the owner of each parameter they read, so a
     tied weight counts once, for its owner, and guards every layer that uses it. The
@@ -399,10 +460,23 @@ class _LayerProgress:
     zero_grad() after the step decides whether the next download adds to them).
     """
 
-    def __init__(self, layer_of: dict[int, int], left: list[int], events: list[Any]) -> None:
+    def __init__(
+        self,
+        layer_of: dict[int, int],
+        left: list[int],
+        events: list[Any],
+        groups: list[list[tuple[nn.Parameter, ParamAttribute]]] | None = None,
+        pending: RunState | None = None,
+        users: list[list[int]] | None = None,
+    ) -> None:
         self._layer_of = layer_of  # id(optimizer-side parameter) -> owner layer
         self._left = left  # per layer, its weights not reported yet
         self._events = events  # per layer, param_copied
+        self._groups = groups  # per layer, what to publish into the model (None: nothing)
+        self._pending = pending  # an overlapped call still uploading the old weights
+        self._users = users  # per owner layer, the layers that read its weights
+        self._done = [False] * len(left)
+        self.publish_s = 0.0
         self._reported: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (param, version)
         self._again = False  # a parameter was reported twice
         self._lock = threading.Lock()
@@ -414,19 +488,37 @@ class _LayerProgress:
         cls,
         groups: list[list[tuple[nn.Parameter, ParamAttribute]]],
         events: list[tuple[Any, Any]],
+        *,
+        publish: bool = False,
+        pending: RunState | None = None,
+        users: list[list[int]] | None = None,
     ) -> _LayerProgress | None:
-        """The progress of this step, or None when no weight is written in place (every
-        layer was published before step_fn)."""
+        """The progress of this step, or None when the next call waits for no weight
+        (every layer was published before step_fn). `publish`: also publish each layer's
+        updated masters into the model (step_staleness=0), after `pending`'s uploads of
+        the layers reading them (`users`)."""
         layer_of: dict[int, int] = {}
         left = [0] * len(groups)
         for j, params in enumerate(groups):
             for _, pa in params:
-                if pa.master_shared and pa.optim is not None:
+                if _held(pa, publish):
+                    assert pa.optim is not None
                     layer_of[id(pa.optim)] = j
                     left[j] += 1
         if not layer_of:
             return None
-        return cls(layer_of, left, [param_copied for param_copied, _ in events])
+        return cls(
+            layer_of,
+            left,
+            [param_copied for param_copied, _ in events],
+            groups if publish else None,
+            pending,
+            users,
+        )
+
+    def published(self, j: int) -> bool:
+        """Whether layer `j`'s weights went out while step_fn ran."""
+        return self._done[j]
 
     def order(self, param: torch.Tensor) -> int:
         """The owner layer; after every layer for a parameter not the model's."""
@@ -448,6 +540,14 @@ class _LayerProgress:
             self.early += 1
             if self._first_s is None:
                 self._first_s = time.perf_counter()
+        if self._groups is not None:
+            t0 = time.perf_counter()
+            if self._pending is not None and self._users is not None:
+                self._pending.wait_uploads(self._users[j])
+            for p, pa in self._groups[j]:
+                publish_param(p, pa)
+            self.publish_s += time.perf_counter() - t0
+        self._done[j] = True
         self._events[j].set()
 
     def report(self, name: str, phases: dict[str, float], start: float) -> None:
@@ -455,16 +555,23 @@ class _LayerProgress:
         it wrote a weight after reporting it updated (in-place torch ops bump a tensor's
         version counter; the C Adam's writes do not, nor do they need to)."""
         phases["early_layers"] = float(self.early)
+        phases["publish_s"] = phases.get("publish_s", 0.0) + self.publish_s
         if self._first_s is not None:
             phases["first_layer_s"] = self._first_s - start
         if self._again or any(p._version != v for p, v in self._reported.values()):
             _warn_once(
                 f"written-after-update:{name}",
                 f"{name}: the step function changed weights after its optimizer reported "
-                "them updated (optim_memory='compact'); the next call may have uploaded "
+                "them updated (optim_memory='compact' or step_staleness=0); the next call may have uploaded "
                 "them mid-change. Change weights before the optimizer's step, and step "
                 "each parameter once per step function",
             )
+
+
+def _held(pa: ParamAttribute, publish: bool) -> bool:
+    """Whether the next call's upload of this weight waits for this step's update of it:
+    written in place (compact), or trainable when the step publishes updates (`publish`)."""
+    return pa.optim is not None and (pa.master_shared or publish)
 
 
 def publish_weights_take_grads(
@@ -473,10 +580,14 @@ def publish_weights_take_grads(
     pending: RunState | None = None,
     events: list[tuple[Any, Any]] | None = None,
     phases: dict[str, float] | None = None,
+    *,
+    hold: bool = False,
 ) -> None:
     """On the optimizer thread, per layer and in layer order: publish the weights of the
     previous step into the model (if newer), then fold the new gradients into the
     optimizer-side ones, setting each layer's event as soon as its part is done.
+    `hold` (step_staleness=0): a layer with trainable weights keeps its param_copied
+    clear: the next call waits for this step's update of them.
 
     With a `pending` call still running (overlapped calls), a layer is published once
     that call's uploads of the layers using its parameters are done, and the gradients are
@@ -496,10 +607,10 @@ def publish_weights_take_grads(
                 swapped = sum(publish_param(p, pa) for p, pa in params)
             if phases is not None:
                 phases["swapped"] = phases.get("swapped", 0.0) + swapped
-        # Weights the optimizer writes in place (optim_memory='compact') are the next
-        # uploads' only copy: the event waits for their update (_LayerProgress, or the
+        # Weights the optimizer writes in place (optim_memory='compact'), or any trainable
+        # one with `hold`: the event waits for their update (_LayerProgress, or the
         # caller once step_fn has returned).
-        if not any(pa.master_shared for _, pa in params):
+        if not any(_held(pa, hold) for _, pa in params):
             param_copied.set()
     object.__setattr__(owner, "_optim_ahead", False)
     order = list(zip(events, groups, strict=True))

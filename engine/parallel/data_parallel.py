@@ -524,19 +524,34 @@ class DataParallel:
         return out if isinstance(loss, list) else out[0]
 
     # ---- the step (optimizer thread) -------------------------------------------------
-    def publish_weights_take_grads(self, model: RoundPipeBase) -> None:
-        """The data-parallel twin of roundpipe._publish_weights_take_grads."""
+    def publish_weights_take_grads(
+        self, model: RoundPipeBase, *, hold_weights: bool = False
+    ) -> None:
+        """The data-parallel twin of roundpipe._publish_weights_take_grads; `hold_weights`
+        (step_staleness=0): leave param_copied clear for `publish_in_order` after step_fn."""
         start = time.perf_counter()
         for attr, layout in zip(model.layer_attrs, self.layouts, strict=True):
             if model._optim_ahead:
                 self._publish(layout)
-            attr.param_copied.set()
+            if not hold_weights or not layout.params:
+                attr.param_copied.set()
         object.__setattr__(model, "_optim_ahead", False)
         published = time.perf_counter()
         self._reduce_grads(model, set_events=True)
         self.stats["steps"] += 1
         self.stats["publish_s"] += published - start
         self.stats["reduce_s"] += time.perf_counter() - published
+
+    def publish_in_order(self, model: RoundPipeBase) -> None:
+        """After step_fn (step_staleness=0, collective): publish every layer's new weights,
+        layer 0 first, setting its param_copied as it lands."""
+        start = time.perf_counter()
+        for attr, layout in zip(model.layer_attrs, self.layouts, strict=True):
+            if layout.params:
+                self._publish(layout)
+            attr.param_copied.set()
+        object.__setattr__(model, "_optim_ahead", False)
+        self.stats["publish_s"] += time.perf_counter() - start
 
     def sync_optim_param(self, model: RoundPipeBase) -> None:
         """Bring every rank's model parameters to the latest weights (collective)."""
