@@ -68,6 +68,7 @@ def build(
     process_group: Any,
     width: int = 17,
     batch_is_global: bool | None = None,
+    staleness: int = 1,
 ) -> tuple[Any, torch.optim.Optimizer]:
     from engine import RoundPipe, RoundPipeRunConfig
     from engine.optim import Adam
@@ -81,6 +82,7 @@ def build(
         ),
         process_group=AUTO_GROUP if process_group == "auto" else process_group,
         shard_optimizer=shard,
+        step_staleness=staleness,
     )
     if optimizer == "torch":
         opt: torch.optim.Optimizer = torch.optim.AdamW(
@@ -124,6 +126,7 @@ def train(
     optimizer: str = "engine",
     process_group: Any = "auto",
     world: int = 1,
+    staleness: int = 1,
 ) -> dict[str, Any]:
     """3 steps, then a forward_backward without a step; losses, `.grad` and weights."""
     # A rank splits its share into its own micro-batches; the one process splits the
@@ -133,6 +136,7 @@ def train(
         microbatches=MICROBATCHES_PER_RANK * (world if process_group is None else 1),
         optimizer=optimizer,
         process_group=process_group,
+        staleness=staleness,
     )
     norms: list[float] = []
     losses = run_steps(rp, opt, 0, STEPS, sync, norms)
@@ -306,6 +310,10 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
                         sync=sync, shard=shard, world=world
                     )
             result["torch-adamw"] = train(sync=False, shard=True, optimizer="torch", world=world)
+            for shard in (True, False):  # step_staleness=0: the sync step's results
+                result[f"fresh,shard={shard}"] = train(
+                    sync=False, shard=shard, world=world, staleness=0
+                )
             rp, opt = build(shard=True, microbatches=2, optimizer="engine", process_group="auto")
             result["ckpt_losses"] = run_steps(rp, opt, 0, STEPS, sync=True)
             from engine.parallel.data_parallel import save_checkpoint

@@ -71,6 +71,23 @@ def _oracle(**kwargs: Any) -> dict[str, Any]:
     return dp_worker.train(process_group=None, world=WORLD, **kwargs)
 
 
+@pytest.mark.parametrize("shard", [True, False])
+def test_staleness_zero_equals_the_sync_step_on_two_ranks(
+    spawned: dict[str, Any], shard: bool
+) -> None:
+    """step_staleness=0 under data parallel: each layer's all-gather after step_fn releases
+    it; every rank's losses, gradients and weights are its synchronous run's, bit for bit."""
+    for got in spawned["ranks"]:
+        fresh, sync = got[f"fresh,shard={shard}"], got[f"sync=True,shard={shard}"]
+        assert fresh["losses"] == sync["losses"]
+        for key in ("grads", "weights"):
+            assert fresh[key].keys() == sync[key].keys()
+            for name, value in fresh[key].items():
+                assert torch.equal(value, sync[key][name]), (key, name)
+    stale = spawned["ranks"][0][f"sync=False,shard={shard}"]
+    assert stale["losses"][1:] != spawned["ranks"][0][f"sync=True,shard={shard}"]["losses"][1:]
+
+
 @pytest.mark.parametrize("sync", [True, False])
 @pytest.mark.parametrize("shard", [True, False])
 def test_two_ranks_equal_one_process(spawned: dict[str, Any], sync: bool, shard: bool) -> None:
