@@ -45,7 +45,7 @@ from .planning.gpu_memory import check_gpu_memory_cap, resolve_max_gpu_memory
 from .planning.memory_plan import check_engine_allocation
 from .planning.search import group_param_cap
 from .planning.simulate import publish_wait_ms_per_gb
-from .roundpipe_base import RoundPipeBase, publish_weights_take_grads
+from .roundpipe_base import RoundPipeBase, check_step_staleness, publish_weights_take_grads
 from .run import backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from .run_state import HostData, RunState
@@ -733,7 +733,8 @@ class AutoRoundPipe(RoundPipeBase):
         for e in events:
             e.clear()
         self.optim_updated.clear()
-        launch_optim_kernel(self._auto_step_kernel, step_fn, args, kwargs, not is_async)
+        fresh = is_async and check_step_staleness(self.step_staleness) == 0
+        launch_optim_kernel(self._auto_step_kernel, step_fn, args, kwargs, not is_async or fresh)
         if not is_async:
             synchronize_optim()
 
@@ -772,9 +773,8 @@ class AutoRoundPipe(RoundPipeBase):
             finally:  # as in RoundPipe._step_kernel: a failed step_fn may have updated some
                 for owner in owners:
                     object.__setattr__(owner, "_optim_ahead", True)
-            if sync or self.step_staleness == 0:
-                # Staleness zero here publishes after step_fn: the forward of an auto-split
-                # model waits for the whole step anyway (its loose layer's event).
+            if sync:  # also step_staleness=0: the forward of an auto-split model waits
+                # for the whole step anyway (its loose layer's event)
                 for owner in owners:
                     owner.sync_optim_param()
         finally:

@@ -234,7 +234,12 @@ class RoundPipeBase(nn.Module):
                 attr.grad_copied.clear()
         events = [(attr.param_copied, attr.grad_copied) for attr in self.layer_attrs]
         self.optim_updated.clear()
-        launch_optim_kernel(self._step_kernel, step_fn, args, kwargs, not is_async, pending, events)
+        # Read at the call: `step_staleness` may change between steps (the service sets it
+        # on the model it wrapped).
+        fresh = is_async and check_step_staleness(self.step_staleness) == 0
+        launch_optim_kernel(
+            self._step_kernel, step_fn, args, kwargs, not is_async, pending, events, fresh
+        )
         if not is_async:
             synchronize_optim()
 
@@ -246,12 +251,14 @@ class RoundPipeBase(nn.Module):
         sync: bool,
         pending: RunState | None,
         events: list[tuple[Any, Any]],
+        fresh: bool = False,
     ) -> None:
         """On the optimizer thread: publish w[k], take the gradients, then update.
 
         `pending`: the call whose backward may still run (overlapped calls): each layer is
         published once that call's uploads of it are done, each gradient taken once it is
         downloaded. `events`: this step's (param_copied, grad_copied) per layer.
+        `fresh` (step_staleness=0): publish each layer as the optimizer reports it updated.
         """
         # "swapped": parameters published by swapping in the copy the optimizer wrote;
         # "early_layers": layers published while step_fn ran, "first_layer_s" after how
@@ -267,7 +274,6 @@ class RoundPipeBase(nn.Module):
         }
         start = time.perf_counter()
         progress: _LayerProgress | None = None
-        fresh = self.step_staleness == 0 and not sync  # publish each layer once updated
         groups: list[list[tuple[nn.Parameter, ParamAttribute]]] = []
         try:
             if self._dp is not None:

@@ -190,11 +190,41 @@ class DataSection(_Section):
     packing: bool = True
 
 
+# train.lr when the spec gives none, by what is trained: rates that work on the first try
+# (docs/SERVICE.md, "Learning rate").
+# DPO moves a trained model a little: a tenth (the OpenAI mapping's rule).
+DEFAULT_LR = {
+    "lora": 2.0e-4,
+    "pretrained": 2.0e-5,
+    "preset": 1.0e-3,
+    "dpo_lora": 2.0e-5,
+    "dpo_pretrained": 2.0e-6,
+}
+
+
+def default_lr(method: str, pretrained: bool, objective: str = "sft") -> float:
+    """The peak learning rate of a job whose spec gives none: LoRA adapters, a full
+    fine-tune of a model folder (pretrained weights), or a preset from random weights
+    (today's 1e-3). DPO takes a tenth of a fine-tune's rate."""
+    if method != "lora" and not pretrained:
+        return DEFAULT_LR["preset"]
+    key = "lora" if method == "lora" else "pretrained"
+    return DEFAULT_LR["dpo_" + key if objective == "dpo" else key]
+
+
 class TrainSection(_Section):
     steps: int | None = Field(300, ge=1, le=10**9, description="Optimizer steps (or epochs).")
     epochs: float | None = Field(None, gt=0, le=10**4)
     batch_size: int = Field(8, ge=1, le=1 << 16, description="Sequences per optimizer step.")
-    lr: float = Field(1.0e-3, gt=0, le=10, description="Peak learning rate, > 0.")
+    lr: float = Field(
+        DEFAULT_LR["preset"],
+        gt=0,
+        le=10,
+        description="Peak learning rate, > 0. Not given: by what is trained (the job's spec "
+        "shows the value chosen): 2e-4 for LoRA adapters, 2e-5 for a full fine-tune of a "
+        "model folder (pretrained weights), a tenth of those for objective dpo; 1e-3 for a "
+        "full run of a preset (random initialisation).",
+    )
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(20, ge=0, le=10**9)
     weight_decay: float = Field(0.0, ge=0, le=10)
@@ -294,7 +324,19 @@ class EngineSection(_Section):
     )
     pin_model: PinModel = "alloc"
     gpus: int = Field(1, ge=0, le=64, description="How many GPUs (0 = CPU devices).")
-    async_step: bool = True
+    async_step: bool = Field(
+        True,
+        description="true: the optimizer step runs on a host thread while the next step "
+        "computes (step_staleness says with which weights); false: every step waits for it.",
+    )
+    step_staleness: Literal[0, 1] = Field(
+        0,
+        description="With async_step, the weights the next step computes with: 0, the "
+        "updated ones, each layer's upload waiting for that layer's update (the results of "
+        "async_step false at nearly the asynchronous speed); 1, those from before the "
+        "update (the engine's `is_async=True`; converges worse on short fine-tunes: "
+        "docs/HOST_MEMORY_MODES.md). The compact mode is always 0.",
+    )
     max_gpu_memory_gib: float | None = Field(
         None,
         gt=0,
@@ -402,7 +444,16 @@ class JobSpec(_Section):
         return dpo
 
     @model_validator(mode="after")
-    def _lora_defaults(self) -> JobSpec:
+def _lr_by_what_is_trained(self) -> JobSpec:
+        # Resolved into the spec (and so shown by GET /v1/jobs/{id}); a given lr stays.
+        if "lr" not in self.train.model_fields_set:
+            self.train.lr = default_lr(
+                self.train.method, self.model.path is not None, self.train.objective
+            )
+        return self
+
+    @model_validator(mode="after")
+        def _lora_defaults(self) -> JobSpec:
         if self.train.method == "lora" and self.lora is None:
             self.lora = LoraSection()
         if self.train.objective == "dpo" and self.dpo is None:

@@ -3,14 +3,15 @@
 One step is ``forward_backward`` (the engine splits the batch into micro-batches and runs
 them over the devices) then ``step(step_fn)``, where `step_fn` clips the fp32 master
 gradients, runs the C Adam and advances the lr schedule on the optimizer thread. With
-``engine.async_step`` that update overlaps the next step's forward, which therefore reads
-the weights from before the update (staleness 1).
+``engine.async_step`` that update overlaps the next step's forward, which reads the updated
+weights layer by layer as the optimizer publishes them (``engine.step_staleness: 0``, the
+default), or the weights from before the update (``step_staleness: 1``).
 
 Sync points (``synchronize()`` after the step) are the evaluation and checkpoint steps
 and the last step; they are part of the spec, so an interrupted run and an uninterrupted
 one synchronize at the same steps. A checkpoint stores, besides the step-k master weights
 and optimizer state, the weights the next forward will read: the same weights at a sync
-point, the step k-1 weights when a pause stops the run between sync points. A resumed run
+point, the step k-1 weights when a pause stops a staleness-one run between sync points. A resumed run
 builds the model from the latter and writes the former into the master copy with an
 asynchronous "restore" step, so it continues exactly as the uninterrupted run would have.
 
@@ -241,6 +242,9 @@ class _Run:
         self.adapter_keys: list[str] | None = None
         self.hf_model = self._build_model()
         self.rp = wrap(self.hf_model, self.options)
+        if spec.engine.optim_memory != "compact":  # compact always computes with the update
+            # engine.step_staleness: which weights the call after an asynchronous step reads
+            self.rp.step_staleness = spec.engine.step_staleness
         if self.dpo is not None:  # the full-tuning reference: before any step moves weights
             self.dpo.prepare(
                 self.rp, lora=self.adapter_keys is not None, resuming=self.resume is not None
@@ -476,7 +480,7 @@ class _Run:
             sync = self._sync_point(step)
             pausing = self.pause.is_set() and step < self.total_steps
             next_model = None
-            if pausing and not sync and async_step:
+            if pausing and not sync and async_step and self.rp.step_staleness == 1:
                 # The next forward of an uninterrupted run would read the step-(k-1) weights:
                 # keep them, then finish step k.
                 self.rp.synchronize()
