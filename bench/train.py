@@ -370,6 +370,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         double_buffer_weights=_double_buffer(args),
     )
     wrap_s = time.perf_counter() - t0
+    if args.optim_memory != "compact":
+        rp.step_staleness = args.step_staleness
     if args.no_layer_publish:
         object.__setattr__(rp, "_publish_as_updated", False)
     dp = getattr(rp, "_dp", None)
@@ -429,6 +431,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         num_microbatch=args.num_microbatch,
         recompute_grain=args.recompute_grain,
         async_step=not args.sync,
+        step_staleness=0 if compact else args.step_staleness,
         recompute_attention=args.recompute_attention,
         optimizer=optimizer_name,
         optimizer_s_median=round(statistics.median(adam_s[args.warmup :] or adam_s), 4),

@@ -50,6 +50,14 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     )
     p.add_argument("--sync", action="store_true", help="synchronous optimizer step")
     p.add_argument(
+        "--step-staleness",
+        type=int,
+        choices=[0, 1],
+        default=1,
+        help="the asynchronous step's staleness (RoundPipe step_staleness): 1, the seeds' "
+        "step; 0, each layer published as the optimizer finishes it (the service default)",
+    )
+    p.add_argument(
         "--recompute-attention",
         action="store_true",
         help="recompute attention in the backward (wrap_model_to_roundpipe's recompute_attention)",

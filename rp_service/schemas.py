@@ -444,7 +444,7 @@ class JobSpec(_Section):
         return dpo
 
     @model_validator(mode="after")
-def _lr_by_what_is_trained(self) -> JobSpec:
+    def _lr_by_what_is_trained(self) -> JobSpec:
         # Resolved into the spec (and so shown by GET /v1/jobs/{id}); a given lr stays.
         if "lr" not in self.train.model_fields_set:
             self.train.lr = default_lr(
@@ -453,7 +453,7 @@ def _lr_by_what_is_trained(self) -> JobSpec:
         return self
 
     @model_validator(mode="after")
-        def _lora_defaults(self) -> JobSpec:
+    def _lora_defaults(self) -> JobSpec:
         if self.train.method == "lora" and self.lora is None:
             self.lora = LoraSection()
         if self.train.objective == "dpo" and self.dpo is None:

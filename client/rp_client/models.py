@@ -262,6 +262,7 @@ class EngineSection(_Model):
     pin_model: str | None = None
     gpus: int | None = None
     async_step: bool | None = None
+    step_staleness: int | None = None  # 0 (default) | 1: docs/HOST_MEMORY_MODES.md, "Staleness"
     max_gpu_memory_gib: float | None = None  # GiB a GPU the job may use (docs/API.md)
 
 
