@@ -203,24 +203,18 @@ def test_other_paths_equal_the_synchronous_step(
     micro-batches."""
     base = _model(torch.bfloat16)
     kw = MODES["fp32-masters"][1]
-    fresh = _train(
-        copy.deepcopy(base),
-        sync=False,
-        staleness=0,
-        rp_kwargs=kw,
-        adam_kwargs={},
-        optimizer=optimizer,
-        **extra,
-    )
     sync_extra = {k: v for k, v in extra.items() if k != "overlap_calls"}
-    sync = _train(
-        copy.deepcopy(base),
-        sync=True,
-        staleness=1,
-        rp_kwargs=kw,
-        adam_kwargs={},
-        optimizer=optimizer,
-        **sync_extra,
+    fresh, sync = (
+        _train(
+            copy.deepcopy(base),
+            sync=sync,
+            staleness=staleness,
+            rp_kwargs=kw,
+            adam_kwargs={},
+            optimizer=optimizer,
+            **more,
+        )
+        for sync, staleness, more in ((False, 0, extra), (True, 1, sync_extra))
     )
     _same(fresh[:2], sync[:2])
     early = OWNERS if optimizer == "engine" else 0
