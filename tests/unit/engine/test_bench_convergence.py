@@ -28,7 +28,7 @@ def args() -> argparse.Namespace:
 
 def test_the_step_modes_against_plain_pytorch(args: argparse.Namespace, cpu3: int) -> None:
     start = convergence._pretrain(args, seed=0)
-    rows = convergence.run_cell(args, "strong:full:1e-2", 0, start)
+    rows = convergence.run_cell(args, "strong:1e-2", 0, start)
     by_mode = {r["mode"]: r for r in rows}
     for mode in ("sync", "staleness0"):
         assert by_mode[mode]["final_loss"] == pytest.approx(
