@@ -12,12 +12,22 @@ from pathlib import Path
 
 from cffi import FFI
 
-__all__ = ["COMPILE_ARGS", "MODULE_NAME", "SOURCES", "ffibuilder", "make_ffibuilder"]
+__all__ = [
+    "COMPILE_ARGS",
+    "INCLUDES",
+    "MODULE_NAME",
+    "SOURCES",
+    "ffibuilder",
+    "make_ffibuilder",
+]
 
 MODULE_NAME = "engine.optim._adam_cffi"
 CSRC_DIR = Path(__file__).resolve().parent
 SOURCES = ("adam.c", "adam_avx2.c", "adam_avx512.c")
 HEADER = "adam.h"
+# What the sources include: the vector kernel, written once, over one SIMD layer per ISA.
+# Named as `depends`, so setuptools rebuilds on a change and puts them in an sdist.
+INCLUDES = (HEADER, "simd.h", "simd_avx2.h", "simd_avx512.h", "adam_vector.h")
 # -ffp-contract=off: the compiler must not fuse a multiply and an add into an fma of its
 # own, or the ISA paths (and torch) would round differently. The ISA files enable their
 # instruction sets per function (target attributes), so no -m flags and no -march=native:
@@ -59,6 +69,7 @@ def make_ffibuilder(*, absolute_paths: bool = False) -> FFI:
         '#include <stdint.h>\n#include "adam.h"\n',
         sources=[_path(name, absolute_paths) for name in SOURCES],
         include_dirs=[_path(".", absolute_paths)],
+        depends=[_path(name, absolute_paths) for name in INCLUDES],
         extra_compile_args=list(COMPILE_ARGS),
         extra_link_args=list(LINK_ARGS),
         libraries=["m"],

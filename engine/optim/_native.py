@@ -71,7 +71,8 @@ ISAS: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2}
 TORCH_FALLBACK = "torch"
 _MODULE_NAME = "engine.optim._adam_cffi"
 _CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-_SOURCE_FILES = ("adam.h", "adam.c", "adam_avx2.c", "adam_avx512.c", "build_adam.py")
+# Every file the build reads: the C sources and headers, and the build script itself.
+_SOURCE_SUFFIXES = (".c", ".h", ".py")
 
 
 class NativeBuildError(RoundPipeError, RuntimeError):
@@ -112,9 +113,10 @@ def source_hash() -> str:
     import cffi
 
     digest = hashlib.sha256()
-    for name in _SOURCE_FILES:
-        digest.update(name.encode())
-        digest.update((_CSRC_DIR / name).read_bytes())
+    for path in sorted(_CSRC_DIR.iterdir()):
+        if path.is_file() and path.suffix in _SOURCE_SUFFIXES:
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     digest.update(f"{suffix}|{cffi.__version__}".encode())
     return digest.hexdigest()[:16]
