@@ -140,7 +140,11 @@ async def file_content(file_id: FileId, services: ServicesDep) -> Response:
 @router.delete(
     "/{file_id}",
     response_model=FileDeleted,
-    responses={**_404, 400: {"model": ErrorEnvelope, "description": "a results file"}},
+    responses={
+        **_404,
+        400: {"model": ErrorEnvelope, "description": "a results file"},
+        409: {"model": ErrorEnvelope, "description": "file_in_use: unfinished jobs use it"},
+    },
 )
 async def delete_file(file_id: FileId, files: FilesDep) -> FileDeleted:
     if is_result_file_id(file_id):

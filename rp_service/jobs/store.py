@@ -113,6 +113,8 @@ _MIGRATIONS: list[str] = [
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
+# Statuses of a job that will read its data files again (at launch or at a resume).
+_FILE_HOLDING_STATUSES = ("validating", "queued", "running", "pausing", "paused")
 _JSON_COLUMNS = {"spec", "progress", "metrics", "gpus", "error", "parameters"}
 _JOB_COLUMNS = {
     "name",
@@ -691,10 +693,35 @@ class Store:
         return [_file_from_row(r) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> FileRecord | None:
+        """Delete a file's row; None when there is none.
+
+        Raises Conflict (`file_in_use`) while an unfinished job trains or validates on it:
+        such a job reads the file again at every resume. Checked in the same transaction
+        as the delete, so no job can start using it in between.
+        """
         with self._write() as conn:
             row = conn.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
             if row is None:
                 return None
+            marks = ",".join("?" * len(_FILE_HOLDING_STATUSES))
+            users = conn.execute(
+                f"SELECT id, status FROM jobs WHERE status IN ({marks}) AND deleted_at IS NULL "
+                "AND (json_extract(spec, '$.data.train') = ? "
+                "OR json_extract(spec, '$.data.valid') = ?) ORDER BY seq",
+                (*_FILE_HOLDING_STATUSES, file_id, file_id),
+            ).fetchall()
+            if users:
+                jobs = [{"id": u["id"], "status": u["status"]} for u in users]
+                named = ", ".join(f"{j['id']} ({j['status']})" for j in jobs[:10])
+                more = f" and {len(jobs) - 10} more" if len(jobs) > 10 else ""
+                raise Conflict(
+                    f"file {file_id} is used by {len(jobs)} unfinished job(s): {named}{more}; "
+                    "they read it again at every resume. Let them finish, or cancel them "
+                    "(POST /v1/jobs/{id}/cancel, `rp cancel JOB`), then delete the file",
+                    code="file_in_use",
+                    param="file_id",
+                    details={"jobs": jobs},
+                )
             conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
         return _file_from_row(row)
 

@@ -115,3 +115,23 @@ def test_a_job_in_steps_shows_its_total_from_submission(client: TestClient) -> N
     assert r.json()["progress"]["total_steps"] is None
     for job in client.get("/v1/jobs").json()["data"]:
         client.post(f"/v1/jobs/{job['id']}/cancel")
+
+
+def test_deleting_a_file_a_queued_job_uses_is_409_naming_the_job(client: TestClient) -> None:
+    upload = client.post("/v1/files", files={"file": ("d.jsonl", b'{"text": "hi"}\n')})
+    file_id = upload.json()["id"]
+    spec = {
+        "model": {"preset": "qwen3", "config": {"hidden_size": 32, "head_dim": 8}},
+        "data": {"train": file_id, "seq_len": 32},
+        "train": {"steps": 7, "batch_size": 2},
+        "engine": {"gpus": 0},
+    }
+    job = client.post("/v1/jobs", json=spec)
+    assert job.status_code == 201, job.text
+    client.post(f"/v1/jobs/{job.json()['id']}/pause")
+    r = client.delete(f"/v1/files/{file_id}")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "file_in_use"
+    assert job.json()["id"] in r.json()["error"]["message"]
+    assert client.get(f"/v1/files/{file_id}").status_code == 200
+    client.post(f"/v1/jobs/{job.json()['id']}/cancel")
+    assert client.delete(f"/v1/files/{file_id}").status_code == 200

@@ -132,3 +132,26 @@ def test_files_round_trip(store: Store) -> None:
     assert store.list_files()[0] == [rec]
     assert store.delete_file("file-1") == rec
     assert store.get_file("file-1") is None and store.delete_file("file-1") is None
+
+
+def test_a_file_that_an_unfinished_job_uses_cannot_be_deleted(store: Store) -> None:
+    store.add_file(FileRecord("file-t", "t.jsonl", 10, "ab", 2, "text", 3, "/f/t.jsonl"))
+    store.add_file(FileRecord("file-v", "v.jsonl", 10, "ab", 2, "text", 3, "/f/v.jsonl"))
+    uses_train = JobRecord("job-a", "queued", 1, {"data": {"train": "file-t"}})
+    uses_valid = JobRecord("job-b", "queued", 1, {"data": {"train": "x", "valid": "file-t"}})
+    store.create_job(uses_train)
+    store.create_job(uses_valid)
+    store.transition("job-b", ["queued"], "paused")
+    with pytest.raises(Conflict) as refused:
+        store.delete_file("file-t")
+    assert refused.value.code == "file_in_use"
+    assert refused.value.details == {
+        "jobs": [{"id": "job-a", "status": "queued"}, {"id": "job-b", "status": "paused"}]
+    }
+    assert "job-a (queued), job-b (paused)" in refused.value.message
+    assert "cancel" in refused.value.message
+    assert store.get_file("file-t") is not None
+    assert store.delete_file("file-v") is not None  # no job uses it
+    for job_id in ("job-a", "job-b"):
+        store.transition(job_id, ["queued", "paused"], "cancelled")
+    assert store.delete_file("file-t") is not None  # finished jobs do not hold it
