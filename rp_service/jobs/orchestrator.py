@@ -201,6 +201,7 @@ class Orchestrator:
             record,
             idempotency_key=idempotency_key,
             body_sha256=body_sha256(spec),
+            max_queued=self.settings.max_queued,  # the check above is only a cheap early one
         )
         if created:
             log.info("job %s queued (priority %d)", job.id, job.priority)
@@ -274,6 +275,7 @@ class Orchestrator:
             ["paused"],
             "queued",
             message="job resumed: queued to continue from its last checkpoint",
+            max_queued=self.settings.max_queued,
         )
         if done is None:
             return await self.resume(job_id)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rp_service.errors import Conflict, ServiceError
+from rp_service.errors import Conflict, ServiceError, TooManyRequests
 from rp_service.schemas import TERMINAL_STATUSES
 
 __all__ = [
@@ -348,11 +348,14 @@ class Store:
         *,
         idempotency_key: str | None = None,
         body_sha256: str | None = None,
+        max_queued: int | None = None,
     ) -> tuple[JobRecord, bool, EventRecord | None]:
         """Insert a queued job and its first status event; with a key, at most once.
 
         Returns the job, whether it was created now, and its first event when it was.
-        Raises Conflict when the key was used before with another body.
+        Raises Conflict when the key was used before with another body, TooManyRequests
+        when `max_queued` jobs are queued already (counted in this transaction, so
+        concurrent submissions cannot all pass one count).
         """
         with self._write() as conn:
             if idempotency_key is not None:
@@ -379,6 +382,7 @@ class Store:
                             param="Idempotency-Key",
                         )
                     return _job_from_row(existing), False, None
+            _check_queue_cap(conn, max_queued)
             conn.execute(
                 "INSERT INTO jobs (id, name, status, created_at, priority, spec, progress) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -483,12 +487,14 @@ class Store:
         message: str | None = None,
         level: str = "info",
         event_data: dict[str, Any] | None = None,
+        max_queued: int | None = None,
         **fields: Any,
     ) -> tuple[JobRecord, EventRecord] | None:
         """Compare-and-set the status and record its `status` event, atomically.
 
         Returns None (and changes nothing) when the job is not in one of `from_statuses`.
-        A terminal status never changes, whatever `from_statuses` says.
+        A terminal status never changes, whatever `from_statuses` says. With `max_queued`,
+        a move to queued raises TooManyRequests when that many are queued already.
         """
         allowed = [s for s in from_statuses if s not in TERMINAL_STATUSES]
         if not allowed:
@@ -498,6 +504,8 @@ class Store:
             if row is None or row["status"] not in allowed:
                 return None
             previous = row["status"]
+            if to == "queued" and previous != "queued":
+                _check_queue_cap(conn, max_queued)
             if to in TERMINAL_STATUSES and "finished_at" not in fields:
                 fields["finished_at"] = _now()
             self._update(conn, job_id, {"status": to, **fields})
@@ -724,6 +732,20 @@ class Store:
                 )
             conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
         return _file_from_row(row)
+
+
+def _check_queue_cap(conn: sqlite3.Connection, max_queued: int | None) -> None:
+    """Inside a write transaction: raise TooManyRequests when the queue is at its cap."""
+    if max_queued is None:
+        return
+    queued = conn.execute(
+        "SELECT COUNT(*) FROM jobs WHERE status = 'queued' AND deleted_at IS NULL"
+    ).fetchone()[0]
+    if queued >= max_queued:
+        raise TooManyRequests(
+            f"the queue holds RP_MAX_QUEUED={max_queued} jobs; try again when some have started",
+            code="queue_full",
+        )
 
 
 def _file_from_row(row: sqlite3.Row) -> FileRecord:
