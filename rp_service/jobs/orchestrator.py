@@ -36,7 +36,12 @@ from rp_service.jobs.idempotency import body_sha256
 from rp_service.jobs.journal import recover
 from rp_service.jobs.pipe import WorkerHandle, prepare_job_dir, proc_start_time
 from rp_service.jobs.resolve import SpecResolver
-from rp_service.jobs.retention import check_free_space, delete_job, prune_checkpoints
+from rp_service.jobs.retention import (
+    check_free_space,
+    delete_job,
+    prune_checkpoints,
+    sweep_trash,
+)
 from rp_service.jobs.store import EventRecord, JobRecord, Store
 from rp_service.jobs.store_io import StoreIO
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
@@ -107,7 +112,9 @@ class Orchestrator:
         self.hub.close()
 
     def reconcile(self) -> None:
-        """Blocking: kill workers of a previous daemon and settle in-between states."""
+        """Blocking: kill workers of a previous daemon, settle in-between states and
+        remove what interrupted deletes left."""
+        sweep_trash(self.settings, self.store)
         for job in self.store.jobs_with_worker():
             pid, started = job.worker_pid, job.worker_started
             if pid is not None and started is not None and proc_start_time(pid) == started:

@@ -523,6 +523,15 @@ class Store:
             )
         return job, event
 
+    def is_deleted(self, job_id: str) -> bool:
+        """Whether a job was deleted (DELETE /v1/jobs/{id}); False for no such job."""
+        row = (
+            self._conn()
+            .execute("SELECT 1 FROM jobs WHERE id = ? AND deleted_at IS NOT NULL", (job_id,))
+            .fetchone()
+        )
+        return row is not None
+
     def mark_deleted(self, job_id: str) -> JobRecord | None:
         """Mark a finished job deleted and drop its events and checkpoint rows, atomically.
 
