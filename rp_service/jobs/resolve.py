@@ -271,7 +271,7 @@ class SpecResolver:
         config_path = self._model_dir(spec.model.path, param="model.path") / "config.json"
         try:
             config = json.loads(config_path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep
             raise InvalidRequest(
                 f"model.path: {config_path} is not readable JSON",
                 code="invalid_model_dir",
