@@ -21,12 +21,14 @@ log = logging.getLogger(__name__)
 TRASH_PREFIX = ".trash-"
 
 
-def check_free_space(settings: Settings, *, what: str = "a new job") -> None:
-    """Raise DiskFull when the data directory has less than RP_MIN_FREE_BYTES free."""
+def check_free_space(settings: Settings, *, what: str = "a new job", need: int = 0) -> None:
+    """Raise DiskFull when the data directory would keep less than RP_MIN_FREE_BYTES free
+    after `need` more bytes are written."""
     free = shutil.disk_usage(settings.data_dir).free
-    if free < settings.min_free_bytes:
+    if free - need < settings.min_free_bytes:
+        after = f", {need} more would be written" if need else ""
         raise DiskFull(
-            f"the daemon's disk is full ({free} bytes free in RP_DATA_DIR, below "
+            f"the daemon's disk is full ({free} bytes free in RP_DATA_DIR{after}; "
             f"RP_MIN_FREE_BYTES={settings.min_free_bytes}): {what} was refused; delete "
             "finished jobs (DELETE /v1/jobs/{id}, `rp rm JOB`) or free space",
         )
