@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
 
 import pytest
 
+from rp_service.errors import DiskFull
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.orchestrator import Orchestrator
+from rp_service.jobs.pipe import WorkerHandle
 from rp_service.jobs.retention import TRASH_PREFIX, delete_job
-from rp_service.jobs.store import JobRecord, Store
+from rp_service.jobs.store import CheckpointRecord, JobRecord, Store
 from rp_service.settings import Settings
 
 
@@ -78,3 +81,51 @@ def test_a_file_that_cannot_be_removed_is_logged_and_swept_later(
     monkeypatch.setattr(os, "unlink", real_unlink)
     Orchestrator(settings, store, EventHub()).reconcile()
     assert list(settings.jobs_dir.iterdir()) == []
+
+
+def test_a_full_disk_pauses_the_job_keeps_its_checkpoints_and_resumes_when_freed(
+    tmp_path: Path,
+) -> None:
+    """The worker's disk_full: paused (waiting_for_disk, in the job's error), no checkpoint
+    pruned (a failed job kept one), a resume refused while the disk is full, then queued
+    again by the disk watch once the floor is free."""
+    settings = Settings(
+        data_dir=tmp_path, gpus="none", min_free_bytes=1 << 62, keep_finished_checkpoints=1
+    )
+    store = Store(tmp_path / "rp.sqlite3")
+    store.open()
+    orchestrator = Orchestrator(settings, store, EventHub())
+    store.create_job(JobRecord(id="job-d", status="queued", created_at=0, spec={}))
+    store.transition("job-d", ["queued"], "running")
+    for step in (5, 10, 15):
+        path = tmp_path / "jobs" / "job-d" / "checkpoints" / f"step-{step}"
+        path.mkdir(parents=True)
+        record = CheckpointRecord("job-d", step, 0, str(path), 1, {})
+        store.append_event(
+            "job-d", type_="checkpoint", level="info", message="", data={}, checkpoint=record
+        )
+    handle = WorkerHandle(job_id="job-d", gpus=[])
+    handle.last_error = {
+        "code": "disk_full",
+        "message": "disk full while writing step-20",
+        "param": None,
+        "details": {"free_bytes": 10},
+    }
+
+    async def scenario() -> None:
+        await orchestrator._settle(handle, 1)
+        job = store.get_job("job-d")
+        assert job.status == "paused" and job.error["code"] == "waiting_for_disk", job
+        assert "disk full while writing step-20" in job.error["message"]
+        assert [c.step for c in store.list_checkpoints("job-d")] == [5, 10, 15]
+        assert await orchestrator._resume_waiting_for_disk() == 0
+        with pytest.raises(DiskFull):
+            await orchestrator.resume("job-d")
+        assert store.get_job("job-d").status == "paused"
+        settings.min_free_bytes = 0  # space is back
+        assert await orchestrator._resume_waiting_for_disk() == 1
+        job = store.get_job("job-d")
+        assert job.status == "queued" and job.error is None
+
+    asyncio.run(scenario())
+    store.close()
