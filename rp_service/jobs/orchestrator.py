@@ -767,14 +767,16 @@ class Orchestrator:
     async def _resume_waiting_for_disk(self) -> int:
         paused = await asyncio.to_thread(self.store.jobs_with_status, ["paused"])
         waiting = [j for j in paused if (j.error or {}).get("code") == WAITING_FOR_DISK]
-        if not waiting:
-            return 0
-        try:
-            await asyncio.to_thread(check_free_space, self.settings, what="a resume")
-        except DiskFull:
-            return 0
         resumed = 0
         for job in waiting:
+            # Room for one more checkpoint as big as its last above the floor: a disk that
+            # filled below it (ENOSPC) would otherwise run the job into it again and again.
+            checkpoints = await asyncio.to_thread(self.store.list_checkpoints, job.id)
+            need = checkpoints[-1].size_bytes if checkpoints else 0
+            try:
+                await asyncio.to_thread(check_free_space, self.settings, what="a resume", need=need)
+            except DiskFull:
+                continue
             try:
                 done = await self._transition(
                     job.id,

@@ -122,7 +122,13 @@ def test_a_full_disk_pauses_the_job_keeps_its_checkpoints_and_resumes_when_freed
         with pytest.raises(DiskFull):
             await orchestrator.resume("job-d")
         assert store.get_job("job-d").status == "paused"
-        settings.min_free_bytes = 0  # space is back
+        settings.min_free_bytes = 0  # space is back, but not for a checkpoint this big
+        huge = CheckpointRecord("job-d", 16, 0, str(tmp_path / "x"), 1 << 62, {})
+        store.append_event(
+            "job-d", type_="checkpoint", level="info", message="", data={}, checkpoint=huge
+        )
+        assert await orchestrator._resume_waiting_for_disk() == 0
+        store.delete_checkpoints("job-d", [16])
         assert await orchestrator._resume_waiting_for_disk() == 1
         job = store.get_job("job-d")
         assert job.status == "queued" and job.error is None
