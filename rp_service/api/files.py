@@ -8,20 +8,67 @@ finished job's results file (`file-results-...`, see rp_service/results.py) is r
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
-from typing import Annotated, Literal
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Form, Header, Path, Query, Request, Response, UploadFile
+from fastapi import (
+    APIRouter,
+    Form,
+    Header,
+    Path,
+    Query,
+    Request,
+    Response,
+    UploadFile,
+)
 from fastapi.responses import FileResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
 from rp_service.api.deps import FilesDep, ServicesDep
-from rp_service.errors import BadRequest
+from rp_service.errors import BadRequest, DiskFull
 from rp_service.jobs.files import RETRY_WINDOW_S
 from rp_service.jobs.results import ResultFiles, is_result_file_id
+from rp_service.jobs.retention import check_free_space
 from rp_service.jobs.store import FileRecord
 from rp_service.schemas import ErrorEnvelope, File, FileDeleted, ListPage
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+
+def _out_of_space(exc: BaseException) -> bool:
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+class _SpoolRoute(APIRoute):
+    """FastAPI answers any error while it spools a multipart body with 400 "There was an
+    error parsing the body"; a spool that ran out of space is the disk's fault: 507."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except HTTPException as exc:
+                if _out_of_space(exc):
+                    raise DiskFull(
+                        "the daemon's disk is full: the upload could not be received (its "
+                        "spool in RP_DATA_DIR/tmp ran out of space); free space in "
+                        "RP_DATA_DIR (delete finished jobs with DELETE /v1/jobs/{id})",
+                        param="file",
+                    ) from None
+                raise
+
+        return run
+
+
+router = APIRouter(prefix="/v1/files", tags=["files"], route_class=_SpoolRoute)
 
 FileId = Annotated[str, Path(min_length=1, max_length=200)]
 _404 = {404: {"model": ErrorEnvelope, "description": "no such file"}}
@@ -43,6 +90,7 @@ def _file(record: FileRecord) -> File:
         200: {"model": File, "description": "a retried upload that was already stored"},
         400: {"model": ErrorEnvelope, "description": "an unsupported purpose or form field"},
         413: {"model": ErrorEnvelope, "description": "over RP_MAX_UPLOAD_BYTES"},
+        507: {"model": ErrorEnvelope, "description": "disk_full: below RP_MIN_FREE_BYTES"},
         422: {"model": ErrorEnvelope, "description": "a bad line; details.line names it"},
     },
 )
@@ -51,6 +99,7 @@ async def upload_file(
     response: Response,
     file: UploadFile,
     files: FilesDep,
+    services: ServicesDep,
     format: Annotated[
         Literal["auto", "text", "chat", "prompt_completion", "preference"],
         Form(description="jsonl format (preference: DPO pairs)"),
@@ -76,6 +125,11 @@ async def upload_file(
             code="unsupported_purpose",
             param="purpose",
         )
+    # The body is spooled by now (FastAPI reads a form before the route runs); storing it
+    # writes its size again, which must leave the floor free.
+    await asyncio.to_thread(
+        check_free_space, services.settings, what="the upload", need=file.size or 0
+    )
     retry_since = int(time.time()) - RETRY_WINDOW_S if x_stainless_retry_count else None
     record, created = await asyncio.to_thread(
         files.save,
@@ -140,7 +194,11 @@ async def file_content(file_id: FileId, services: ServicesDep) -> Response:
 @router.delete(
     "/{file_id}",
     response_model=FileDeleted,
-    responses={**_404, 400: {"model": ErrorEnvelope, "description": "a results file"}},
+    responses={
+        **_404,
+        400: {"model": ErrorEnvelope, "description": "a results file"},
+        409: {"model": ErrorEnvelope, "description": "file_in_use: unfinished jobs use it"},
+    },
 )
 async def delete_file(file_id: FileId, files: FilesDep) -> FileDeleted:
     if is_result_file_id(file_id):

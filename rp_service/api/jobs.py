@@ -103,7 +103,11 @@ async def pause_job(job_id: JobId, orchestrator: OrchestratorDep) -> Job:
     return _job(await orchestrator.pause(job_id))
 
 
-@router.post("/{job_id}/resume", response_model=Job, responses=_ERRORS)
+@router.post(
+    "/{job_id}/resume",
+    response_model=Job,
+    responses={**_ERRORS, 429: {"model": ErrorEnvelope, "description": "queue_full"}},
+)
 async def resume_job(job_id: JobId, orchestrator: OrchestratorDep) -> Job:
     """Resume a paused job: back in the queue, then on from its last checkpoint."""
     return _job(await orchestrator.resume(job_id))

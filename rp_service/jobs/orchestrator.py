@@ -29,14 +29,19 @@ from collections.abc import Callable
 from functools import partial
 from typing import IO, Any
 
-from rp_service.errors import Conflict, InvalidRequest, NotFound, TooManyRequests
+from rp_service.errors import Conflict, DiskFull, InvalidRequest, NotFound, TooManyRequests
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.faults import MemoryWatch, classify_death
 from rp_service.jobs.idempotency import body_sha256
 from rp_service.jobs.journal import recover
 from rp_service.jobs.pipe import WorkerHandle, prepare_job_dir, proc_start_time
 from rp_service.jobs.resolve import SpecResolver
-from rp_service.jobs.retention import check_free_space, delete_job, prune_checkpoints
+from rp_service.jobs.retention import (
+    check_free_space,
+    delete_job,
+    prune_checkpoints,
+    sweep_trash,
+)
 from rp_service.jobs.store import EventRecord, JobRecord, Store
 from rp_service.jobs.store_io import StoreIO
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
@@ -51,6 +56,10 @@ _LINE_LIMIT_BYTES = 1 << 20  # longest event line read from a worker
 # or memory for a moment) goes back to the queue and is tried again after a pause.
 _TRANSIENT_START_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
 _START_RETRY_S = 2.0
+# A job that met a full disk is paused with this error code, and re-queued once the disk
+# has RP_MIN_FREE_BYTES free again (looked at every _DISK_POLL_S).
+WAITING_FOR_DISK = "waiting_for_disk"
+_DISK_POLL_S = 5.0
 
 
 class Orchestrator:
@@ -73,6 +82,8 @@ class Orchestrator:
         self._wake = asyncio.Event()
         self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
+        self._disk_task: asyncio.Task[None] | None = None
+        self.disk_poll_s = _DISK_POLL_S
         self._watchers: set[asyncio.Task[None]] = set()
         # Set by chat serving (rp_service/serving/manager.py): called when a queued job
         # waits for GPUs, so that idle served models return the ones they were lent.
@@ -85,6 +96,7 @@ class Orchestrator:
         self.gpu_ids = self.settings.gpu_ids(gpu_count)
         await asyncio.to_thread(self.reconcile)
         self._loop_task = asyncio.create_task(self._schedule_loop(), name="rp-scheduler")
+        self._disk_task = asyncio.create_task(self._disk_watch_loop(), name="rp-disk-watch")
         self.ready = True
         self._wake.set()
 
@@ -94,6 +106,8 @@ class Orchestrator:
         exited after RP_SHUTDOWN_GRACE_S is killed."""
         self.ready = False
         self._stopping = True
+        if self._disk_task is not None:
+            self._disk_task.cancel()
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -107,7 +121,9 @@ class Orchestrator:
         self.hub.close()
 
     def reconcile(self) -> None:
-        """Blocking: kill workers of a previous daemon and settle in-between states."""
+        """Blocking: kill workers of a previous daemon, settle in-between states and
+        remove what interrupted deletes left."""
+        sweep_trash(self.settings, self.store)
         for job in self.store.jobs_with_worker():
             pid, started = job.worker_pid, job.worker_started
             if pid is not None and started is not None and proc_start_time(pid) == started:
@@ -201,6 +217,7 @@ class Orchestrator:
             record,
             idempotency_key=idempotency_key,
             body_sha256=body_sha256(spec),
+            max_queued=self.settings.max_queued,  # the check above is only a cheap early one
         )
         if created:
             log.info("job %s queued (priority %d)", job.id, job.priority)
@@ -269,11 +286,16 @@ class Orchestrator:
                 code="job_not_resumable",
                 param="job_id",
             )
+        waiting = (job.error or {}).get("code") == WAITING_FOR_DISK
+        if waiting:  # it would meet the full disk again at once
+            await asyncio.to_thread(check_free_space, self.settings, what="the resume")
         done = await self._transition(
             job_id,
             ["paused"],
             "queued",
             message="job resumed: queued to continue from its last checkpoint",
+            max_queued=self.settings.max_queued,
+            **({"error": None} if waiting else {}),
         )
         if done is None:
             return await self.resume(job_id)
@@ -666,6 +688,9 @@ class Orchestrator:
         """Retry a death that is not the job's own fault from the last checkpoint (up to
         RP_MAX_ATTEMPTS), fail the job with the named cause otherwise."""
         job_id = worker.job_id
+        if worker.last_error and worker.last_error.get("code") == "disk_full":
+            await self._wait_for_disk(job_id, worker.last_error, clear)
+            return
         memory = await asyncio.to_thread(worker.memory.figures)
         death = classify_death(returncode, worker.last_error, memory)
         job = await self.get(job_id)
@@ -702,6 +727,71 @@ class Orchestrator:
             event_data={"details": error["details"]} if error.get("details") else None,
             **clear,
         )
+
+    async def _wait_for_disk(
+        self, job_id: str, reported: dict[str, Any], clear: dict[str, Any]
+    ) -> None:
+        """A worker that met a full disk: the job is paused at its last checkpoint (kept:
+        a paused job's checkpoints are never pruned) until space returns."""
+        message = (
+            "disk full: job paused at its last checkpoint until RP_DATA_DIR has "
+            f"RP_MIN_FREE_BYTES={self.settings.min_free_bytes} free again; it resumes by "
+            "itself then (or with resume)"
+        )
+        error = {
+            "code": WAITING_FOR_DISK,
+            "message": f"{message}. The worker said: {reported.get('message')}",
+            "param": None,
+            "details": reported.get("details"),
+        }
+        await self._transition(
+            job_id,
+            ["running", "pausing"],
+            "paused",
+            level="warning",
+            message=message,
+            event_data={"reason": WAITING_FOR_DISK},
+            error=error,
+            **clear,
+        )
+
+    async def _disk_watch_loop(self) -> None:
+        """Re-queue the jobs paused for the disk once it has the floor free again."""
+        while True:
+            await asyncio.sleep(self.disk_poll_s)
+            try:
+                await self._resume_waiting_for_disk()
+            except Exception:
+                log.exception("disk watch: re-queueing jobs waiting for disk failed")
+
+    async def _resume_waiting_for_disk(self) -> int:
+        paused = await asyncio.to_thread(self.store.jobs_with_status, ["paused"])
+        waiting = [j for j in paused if (j.error or {}).get("code") == WAITING_FOR_DISK]
+        resumed = 0
+        for job in waiting:
+            # Room for one more checkpoint as big as its last above the floor: a disk that
+            # filled below it (ENOSPC) would otherwise run the job into it again and again.
+            checkpoints = await asyncio.to_thread(self.store.list_checkpoints, job.id)
+            need = checkpoints[-1].size_bytes if checkpoints else 0
+            try:
+                await asyncio.to_thread(check_free_space, self.settings, what="a resume", need=need)
+            except DiskFull:
+                continue
+            try:
+                done = await self._transition(
+                    job.id,
+                    ["paused"],
+                    "queued",
+                    message="disk space is back: job queued to continue from its last checkpoint",
+                    max_queued=self.settings.max_queued,
+                    error=None,
+                )
+            except TooManyRequests:
+                break  # the queue is full: tried again at the next look
+            resumed += done is not None
+        if resumed:
+            self._wake.set()
+        return resumed
 
     async def _finish_failed(
         self, job_id: str, message: str, *, code: str | None = None, **fields: Any

@@ -19,6 +19,7 @@ from rp_service.data.formats import DataFormatError, iter_records
 from rp_service.errors import InvalidRequest
 from rp_service.jobs.hostmem import budget_bytes, check_spec
 from rp_service.jobs.store import Store
+from rp_service.jobs.weights import check_weights_cover
 from rp_service.schemas import JobSpec, LoraSection
 from rp_service.settings import Settings
 from rp_service.spec_to_engine import spec_to_engine
@@ -137,6 +138,9 @@ class SpecResolver:
         cannot run (the engine options' rules first: `spec_to_engine`)."""
         options = spec_to_engine(spec)
         path_config = self._path_config(spec)  # config.json of a model folder, read once
+        if spec.model.path is not None and path_config is not None:
+            folder = self._model_dir(spec.model.path, param="model.path")
+            check_weights_cover(folder, path_config, param="model.path")
         max_positions = self._max_positions(spec, path_config)
         if max_positions is not None and spec.data.seq_len > max_positions:
             raise InvalidRequest(
@@ -271,7 +275,7 @@ class SpecResolver:
         config_path = self._model_dir(spec.model.path, param="model.path") / "config.json"
         try:
             config = json.loads(config_path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep
             raise InvalidRequest(
                 f"model.path: {config_path} is not readable JSON",
                 code="invalid_model_dir",

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rp_service.errors import Conflict, ServiceError
+from rp_service.errors import Conflict, ServiceError, TooManyRequests
 from rp_service.schemas import TERMINAL_STATUSES
 
 __all__ = [
@@ -113,6 +113,8 @@ _MIGRATIONS: list[str] = [
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
+# Statuses of a job that will read its data files again (at launch or at a resume).
+_FILE_HOLDING_STATUSES = ("validating", "queued", "running", "pausing", "paused")
 _JSON_COLUMNS = {"spec", "progress", "metrics", "gpus", "error", "parameters"}
 _JOB_COLUMNS = {
     "name",
@@ -346,11 +348,14 @@ class Store:
         *,
         idempotency_key: str | None = None,
         body_sha256: str | None = None,
+        max_queued: int | None = None,
     ) -> tuple[JobRecord, bool, EventRecord | None]:
         """Insert a queued job and its first status event; with a key, at most once.
 
         Returns the job, whether it was created now, and its first event when it was.
-        Raises Conflict when the key was used before with another body.
+        Raises Conflict when the key was used before with another body, TooManyRequests
+        when `max_queued` jobs are queued already (counted in this transaction, so
+        concurrent submissions cannot all pass one count).
         """
         with self._write() as conn:
             if idempotency_key is not None:
@@ -377,6 +382,7 @@ class Store:
                             param="Idempotency-Key",
                         )
                     return _job_from_row(existing), False, None
+            _check_queue_cap(conn, max_queued)
             conn.execute(
                 "INSERT INTO jobs (id, name, status, created_at, priority, spec, progress) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -481,12 +487,14 @@ class Store:
         message: str | None = None,
         level: str = "info",
         event_data: dict[str, Any] | None = None,
+        max_queued: int | None = None,
         **fields: Any,
     ) -> tuple[JobRecord, EventRecord] | None:
         """Compare-and-set the status and record its `status` event, atomically.
 
         Returns None (and changes nothing) when the job is not in one of `from_statuses`.
-        A terminal status never changes, whatever `from_statuses` says.
+        A terminal status never changes, whatever `from_statuses` says. With `max_queued`,
+        a move to queued raises TooManyRequests when that many are queued already.
         """
         allowed = [s for s in from_statuses if s not in TERMINAL_STATUSES]
         if not allowed:
@@ -496,6 +504,8 @@ class Store:
             if row is None or row["status"] not in allowed:
                 return None
             previous = row["status"]
+            if to == "queued" and previous != "queued":
+                _check_queue_cap(conn, max_queued)
             if to in TERMINAL_STATUSES and "finished_at" not in fields:
                 fields["finished_at"] = _now()
             self._update(conn, job_id, {"status": to, **fields})
@@ -512,6 +522,15 @@ class Store:
                 conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
             )
         return job, event
+
+    def is_deleted(self, job_id: str) -> bool:
+        """Whether a job was deleted (DELETE /v1/jobs/{id}); False for no such job."""
+        row = (
+            self._conn()
+            .execute("SELECT 1 FROM jobs WHERE id = ? AND deleted_at IS NOT NULL", (job_id,))
+            .fetchone()
+        )
+        return row is not None
 
     def mark_deleted(self, job_id: str) -> JobRecord | None:
         """Mark a finished job deleted and drop its events and checkpoint rows, atomically.
@@ -691,12 +710,51 @@ class Store:
         return [_file_from_row(r) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> FileRecord | None:
+        """Delete a file's row; None when there is none.
+
+        Raises Conflict (`file_in_use`) while an unfinished job trains or validates on it:
+        such a job reads the file again at every resume. Checked in the same transaction
+        as the delete, so no job can start using it in between.
+        """
         with self._write() as conn:
             row = conn.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
             if row is None:
                 return None
+            marks = ",".join("?" * len(_FILE_HOLDING_STATUSES))
+            users = conn.execute(
+                f"SELECT id, status FROM jobs WHERE status IN ({marks}) AND deleted_at IS NULL "
+                "AND (json_extract(spec, '$.data.train') = ? "
+                "OR json_extract(spec, '$.data.valid') = ?) ORDER BY seq",
+                (*_FILE_HOLDING_STATUSES, file_id, file_id),
+            ).fetchall()
+            if users:
+                jobs = [{"id": u["id"], "status": u["status"]} for u in users]
+                named = ", ".join(f"{j['id']} ({j['status']})" for j in jobs[:10])
+                more = f" and {len(jobs) - 10} more" if len(jobs) > 10 else ""
+                raise Conflict(
+                    f"file {file_id} is used by {len(jobs)} unfinished job(s): {named}{more}; "
+                    "they read it again at every resume. Let them finish, or cancel them "
+                    "(POST /v1/jobs/{id}/cancel, `rp cancel JOB`), then delete the file",
+                    code="file_in_use",
+                    param="file_id",
+                    details={"jobs": jobs},
+                )
             conn.execute("DELETE FROM files WHERE id = ?", (file_id,))
         return _file_from_row(row)
+
+
+def _check_queue_cap(conn: sqlite3.Connection, max_queued: int | None) -> None:
+    """Inside a write transaction: raise TooManyRequests when the queue is at its cap."""
+    if max_queued is None:
+        return
+    queued = conn.execute(
+        "SELECT COUNT(*) FROM jobs WHERE status = 'queued' AND deleted_at IS NULL"
+    ).fetchone()[0]
+    if queued >= max_queued:
+        raise TooManyRequests(
+            f"the queue holds RP_MAX_QUEUED={max_queued} jobs; try again when some have started",
+            code="queue_full",
+        )
 
 
 def _file_from_row(row: sqlite3.Row) -> FileRecord:

@@ -12,8 +12,9 @@ every checkpoint on disk must load, event ids must be 1..n per job, and /metrics
 one row per step. Phase 3 (disk full): the daemon restarts with RP_MIN_FREE_BYTES above
 the free space (a full disk, injected: CI cannot mount a small filesystem), while a job that
 has checkpointed is re-queued; every submission must get a clear 507 disk_full, the job must
-fail with disk_full at its next checkpoint with no half-written one left and its last one
-still loading; once space is back (the floor lowered again) a job runs to success. Seeded by
+pause (waiting_for_disk) at its next checkpoint with no half-written one left and its
+checkpoints all kept and loading; once space is back (the floor lowered again) a new job
+runs to success and the paused one resumes by itself and finishes. Seeded by
 RP_SOAK_SEED; the figures are printed at the end.
 """
 
@@ -264,24 +265,30 @@ def _disk_full_phase(daemon: Daemon) -> dict[str, Any]:
             refused += 1
         ids_after = [j["id"] for j in c.get("/v1/jobs", params={"limit": 100}).json()["data"]]
         assert ids_after == ids_before  # no refused submission left a row
-    failed = daemon.wait_for(job_id, _TERMINAL, timeout_s=60)
-    assert failed["status"] == "failed" and failed["error"]["code"] == "disk_full", failed
+    paused = daemon.wait_for(job_id, {"paused", *_TERMINAL}, timeout_s=60)
+    assert paused["status"] == "paused", paused
+    assert paused["error"]["code"] == "waiting_for_disk", paused
     root = daemon.data_dir / "jobs" / job_id / "checkpoints"
     half_written = [p.name for p in root.iterdir() if not (p / "state.json").is_file()]
     assert half_written == []
     kept = _check_checkpoints(daemon.data_dir / "jobs" / job_id, real=False)
-    assert kept == 1  # the last one before the disk filled, kept by the retention
+    with daemon.client() as c:
+        listed = c.get(f"/v1/jobs/{job_id}/checkpoints").json()["data"]
+    assert kept == len(listed) >= 2  # none pruned (a failed job was cut to 1)
     daemon.stop()
     del daemon.env["RP_MIN_FREE_BYTES"]  # space is back
     daemon.start()
     with daemon.client() as c:
         after = c.post("/v1/jobs", json=spec(name="after-full", train={"steps": 4})).json()
-        assert c.delete(f"/v1/jobs/{job_id}").status_code == 200
     assert daemon.wait_for(after["id"], _TERMINAL)["status"] == "succeeded"
+    # The paused job is re-queued by the disk watch, by itself, and finishes.
+    assert daemon.wait_for(job_id, _TERMINAL, timeout_s=120)["status"] == "succeeded"
+    with daemon.client() as c:
+        assert c.delete(f"/v1/jobs/{job_id}").status_code == 200
     assert not (daemon.data_dir / "jobs" / job_id).exists()
     return {
         "disk_full_submissions_refused": refused,
-        "disk_full_jobs_failed_cleanly": 1,
+        "disk_full_jobs_paused_and_finished": 1,
         "half_written_checkpoints": len(half_written),
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tests.integration.service_daemon import Daemon, spec
@@ -81,16 +82,19 @@ def test_a_device_fault_is_retried_and_the_job_succeeds(make_daemon) -> None:
     assert retry["message"].startswith("device fault: RuntimeError: CUDA error")
 
 
-def test_a_full_disk_fails_the_job_keeps_its_checkpoints_and_the_daemon_serves(
+def test_a_full_disk_pauses_the_job_keeps_its_checkpoints_and_the_daemon_serves(
     make_daemon,
 ) -> None:
+    """The fake worker meets ENOSPC at its second checkpoint, each attempt: the job is
+    paused waiting_for_disk (it used to fail disk_full), its checkpoint kept, and the disk
+    watch re-queues it by itself since the disk has room (a retry reaches it again)."""
     daemon: Daemon = make_daemon()
     with daemon.client() as c:
         job = c.post("/v1/jobs", json=spec(name="disk-full", train={"steps": 20})).json()
-        done = daemon.wait_for(job["id"], {"succeeded", "failed"})
-        assert done["status"] == "failed" and done["attempt"] == 1  # not retried
+        done = daemon.wait_for(job["id"], {"paused", "succeeded", "failed"})
+        assert done["status"] == "paused" and done["attempt"] == 1, done
         error = done["error"]
-        assert error["code"] == "disk_full"
+        assert error["code"] == "waiting_for_disk"
         assert "disk full while writing" in error["message"]
         assert "earlier checkpoints are intact" in error["message"]
         assert error["details"]["total_bytes"] >= error["details"]["free_bytes"] >= 0
@@ -99,5 +103,14 @@ def test_a_full_disk_fails_the_job_keeps_its_checkpoints_and_the_daemon_serves(
         tar = c.get(f"/v1/jobs/{job['id']}/checkpoints/5/content")
         assert tar.status_code == 200
         assert c.get("/healthz").status_code == 200
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            messages = [e["message"] for e in _events(daemon, job["id"])]
+            if any(m.startswith("disk space is back") for m in messages):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"not re-queued after the disk had room: {messages}")
+        assert c.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
         nxt = c.post("/v1/jobs", json=spec(train={"steps": 3})).json()
         assert daemon.wait_for(nxt["id"], {"succeeded"})["status"] == "succeeded"

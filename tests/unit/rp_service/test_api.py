@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.datastructures import UploadFile
 
 from rp_service.app import create_app
 from rp_service.settings import Settings
@@ -115,3 +118,58 @@ def test_a_job_in_steps_shows_its_total_from_submission(client: TestClient) -> N
     assert r.json()["progress"]["total_steps"] is None
     for job in client.get("/v1/jobs").json()["data"]:
         client.post(f"/v1/jobs/{job['id']}/cancel")
+
+
+def test_deleting_a_file_a_queued_job_uses_is_409_naming_the_job(client: TestClient) -> None:
+    upload = client.post("/v1/files", files={"file": ("d.jsonl", b'{"text": "hi"}\n')})
+    file_id = upload.json()["id"]
+    spec = {
+        "model": {"preset": "qwen3", "config": {"hidden_size": 32, "head_dim": 8}},
+        "data": {"train": file_id, "seq_len": 32},
+        "train": {"steps": 7, "batch_size": 2},
+        "engine": {"gpus": 0},
+    }
+    job = client.post("/v1/jobs", json=spec)
+    assert job.status_code == 201, job.text
+    client.post(f"/v1/jobs/{job.json()['id']}/pause")
+    r = client.delete(f"/v1/files/{file_id}")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "file_in_use"
+    assert job.json()["id"] in r.json()["error"]["message"]
+    assert client.get(f"/v1/files/{file_id}").status_code == 200
+    client.post(f"/v1/jobs/{job.json()['id']}/cancel")
+    assert client.delete(f"/v1/files/{file_id}").status_code == 200
+
+
+def test_an_upload_that_would_go_below_the_free_space_floor_is_507(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100 KiB free and a 64 KiB floor: a 50 KiB upload would leave 50 KiB, so it is
+    refused before it is stored; a 10 KiB one is stored (it used to be accepted either way)."""
+    settings = Settings(data_dir=tmp_path, gpus="none", token="tok", min_free_bytes=64 << 10)
+    real = shutil.disk_usage
+
+    def usage(path: object) -> object:
+        return real(path)._replace(free=100 << 10)
+
+    with TestClient(
+        create_app(settings), base_url=LOOPBACK, headers={"Authorization": "Bearer tok"}
+    ) as c:
+        monkeypatch.setattr(shutil, "disk_usage", usage)
+        line = b'{"text": "' + b"x" * 1000 + b'"}\n'
+        r = c.post("/v1/files", files={"file": ("big.jsonl", line * 50)})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "disk_full", r.text
+        assert "RP_MIN_FREE_BYTES=65536" in r.json()["error"]["message"]
+        assert c.get("/v1/files").json()["data"] == []
+        assert c.post("/v1/files", files={"file": ("small.jsonl", line * 10)}).status_code == 201
+
+
+def test_a_multipart_spool_out_of_space_is_507_not_400(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def full(self: UploadFile, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(UploadFile, "write", full)
+    r = client.post("/v1/files", files={"file": ("d.jsonl", b'{"text": "hi"}\n')})
+    assert r.status_code == 507, r.text
+    assert r.json()["error"]["code"] == "disk_full" and "spool" in r.json()["error"]["message"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rp_service.errors import Conflict
+from rp_service.errors import Conflict, TooManyRequests
 from rp_service.jobs.store import SCHEMA_VERSION, CheckpointRecord, FileRecord, JobRecord, Store
 
 
@@ -132,3 +132,65 @@ def test_files_round_trip(store: Store) -> None:
     assert store.list_files()[0] == [rec]
     assert store.delete_file("file-1") == rec
     assert store.get_file("file-1") is None and store.delete_file("file-1") is None
+
+
+def test_a_file_that_an_unfinished_job_uses_cannot_be_deleted(store: Store) -> None:
+    store.add_file(FileRecord("file-t", "t.jsonl", 10, "ab", 2, "text", 3, "/f/t.jsonl"))
+    store.add_file(FileRecord("file-v", "v.jsonl", 10, "ab", 2, "text", 3, "/f/v.jsonl"))
+    uses_train = JobRecord("job-a", "queued", 1, {"data": {"train": "file-t"}})
+    uses_valid = JobRecord("job-b", "queued", 1, {"data": {"train": "x", "valid": "file-t"}})
+    store.create_job(uses_train)
+    store.create_job(uses_valid)
+    store.transition("job-b", ["queued"], "paused")
+    with pytest.raises(Conflict) as refused:
+        store.delete_file("file-t")
+    assert refused.value.code == "file_in_use"
+    assert refused.value.details == {
+        "jobs": [{"id": "job-a", "status": "queued"}, {"id": "job-b", "status": "paused"}]
+    }
+    assert "job-a (queued), job-b (paused)" in refused.value.message
+    assert "cancel" in refused.value.message
+    assert store.get_file("file-t") is not None
+    assert store.delete_file("file-v") is not None  # no job uses it
+    for job_id in ("job-a", "job-b"):
+        store.transition(job_id, ["queued", "paused"], "cancelled")
+    assert store.delete_file("file-t") is not None  # finished jobs do not hold it
+
+
+def test_the_queue_cap_holds_under_concurrent_submissions(tmp_path: Path) -> None:
+    """30 threads, each with its own connection, against a cap of 5: the count and the
+    insert are one transaction, so exactly 5 are queued (20 of 30 passed a separate count)."""
+    store = Store(tmp_path / "rp.sqlite3")
+    store.open()
+    accepted, refused = [], []
+    start = threading.Barrier(30)
+
+    def submit(i: int) -> None:
+        start.wait()
+        try:
+            accepted.append(store.create_job(_job(f"job-{i}"), max_queued=5)[1])
+        except TooManyRequests as exc:
+            refused.append(exc.code)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(accepted) == 5 and refused == ["queue_full"] * 25
+    assert store.count_by_status() == {"queued": 5}
+    store.close()
+
+
+def test_resume_cannot_push_the_queue_past_its_cap(store: Store) -> None:
+    for i in range(3):
+        store.create_job(_job(f"job-p{i}"), max_queued=3)
+        store.transition(f"job-p{i}", ["queued"], "paused")
+    for i in range(3):
+        store.create_job(_job(f"job-q{i}"), max_queued=3)
+    with pytest.raises(TooManyRequests):
+        store.transition("job-p0", ["paused"], "queued", max_queued=3)
+    assert store.get_job("job-p0").status == "paused"
+    store.transition("job-q0", ["queued"], "running")
+    job, _ = store.transition("job-p0", ["paused"], "queued", max_queued=3)
+    assert job.status == "queued"
