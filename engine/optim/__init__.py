@@ -274,7 +274,9 @@ class Adam(torch.optim.Optimizer):
         return torch.tensor(math.sqrt(_native_sumsq(grads)), dtype=torch.float32)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, *, total_norm: float | Tensor | None = None
+    ) -> Tensor:
         """`torch.nn.utils.clip_grad_norm_(params, max_norm)` over this optimizer's
         gradients, returning the total norm; the multiply by the clip coefficient
         (max_norm / (norm + 1e-6), at most 1, in fp32 as torch computes it) is done by the
@@ -282,8 +284,13 @@ class Adam(torch.optim.Optimizer):
         keep their values until then, and the update is bit for bit the one after torch's
         clip with the same norm. The norm itself is summed in double (`grad_norm`), so it
         may differ from torch's fp32 sum in the last bits. `zero_grad()` forgets a clip not
-        yet applied. Without the C library the gradients are multiplied at once, as torch."""
-        norm = self.grad_norm()
+        yet applied. Without the C library the gradients are multiplied at once, as torch.
+        `total_norm`: the norm to clip by instead of this optimizer's own (data parallel:
+        `engine.parallel.data_parallel.grad_norm(rp)`, over every rank's shard)."""
+        if total_norm is None:
+            norm = self.grad_norm()
+        else:
+            norm = torch.as_tensor(total_norm, dtype=torch.float32)
         coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
         if get_isa() == _native.TORCH_FALLBACK:
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]

@@ -125,3 +125,16 @@ def test_torch_fallback_multiplies_the_gradients_at_once():
     ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
     assert torch.equal(norm, ref_norm)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(params, ref, strict=True))
+
+
+def test_a_given_total_norm_is_the_one_clipped_by():
+    # Data parallel: each rank clips its shard by the norm over every rank's gradients.
+    params = _params(torch.float32)
+    ref = _twins(params)
+    opt, ref_opt = eo.Adam(params, lr=1e-2), eo.Adam(ref, lr=1e-2)
+    norm = opt.clip_grad_norm_(1.0, total_norm=123.0)
+    assert float(norm) == 123.0
+    torch.nn.utils.clip_grads_with_norm_(ref, 1.0, torch.tensor(123.0))
+    opt.step()
+    ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, ref, strict=True))
