@@ -14,10 +14,11 @@ the seeds, its relative difference to plain PyTorch and the spread of that diffe
     python bench/convergence.py --cells strong:1e-3 --seeds 0 1 2 --steps 200
     RP_DEVICES=cuda python bench/convergence.py --hidden 256   # on GPUs
 
-A cell is SHIFT:LR, a full fine-tune. LoRA is not run here: the engine's adapters
-(engine.adapters.lora) and peft's start from other random matrices, so the plain baseline
-would differ by more than the step; tests/unit/engine/test_step_staleness.py shows LoRA's
-staleness-zero step equal to its synchronous one bit for bit.
+A cell is SHIFT:LR (a full fine-tune) or SHIFT:LR:lora (rank-8 adapters, alpha 16, on every
+projection: engine.adapters.lora.apply_lora, seeded the same in every mode, so plain PyTorch
+trains the very adapters the engine does, eagerly, with torch's AdamW and clip).
+
+    python bench/convergence.py --cells strong:2e-4:lora strong:1e-3:lora --steps 200
 """
 
 from __future__ import annotations
@@ -184,8 +185,9 @@ def _engine(
 
 
 def run_cell(args: argparse.Namespace, cell: str, seed: int, start: dict) -> list[dict]:
-    shift, lr_text = cell.split(":")
+    shift, lr_text, *method = cell.split(":")
     lr = float(lr_text)
+    lora = method == ["lora"]
     rows = _rows(_text(shift, valid=False), args.seq)
     held = _rows(_text(shift, valid=True), args.seq)[:64]
     batches = _batches(rows, args.steps, args.batch, seed)
@@ -193,6 +195,11 @@ def run_cell(args: argparse.Namespace, cell: str, seed: int, start: dict) -> lis
     for mode in args.modes:
         model = _model(args, seed)
         model.load_state_dict(start)
+        if lora:
+            from engine.adapters.lora import LoraConfig, apply_lora
+
+            torch.manual_seed(10_000 + seed)  # the same adapters in every mode
+            apply_lora(model, LoraConfig(rank=8, alpha=16.0))
         t0 = time.perf_counter()
         if mode == "plain":
             losses = _plain(model, batches, lr, args)
