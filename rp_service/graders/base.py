@@ -27,6 +27,8 @@ class GradeResult:
     errors: int = 0
     # Which samples those are (empty when `errors` is 0 and the grader did not say).
     failed: list[bool] = field(default_factory=list)
+    # Why each failed sample failed ("TemplateError: ...", "TimeoutError: ..."), else None.
+    error_details: list[str | None] = field(default_factory=list)
 
 
 class GraderConfigError(Exception):

@@ -27,7 +27,7 @@ class PerSampleGrader:
         if len(samples) != len(items):
             raise ValueError(f"{len(samples)} samples but {len(items)} items")
         scores: list[float] = []
-        failed: list[bool] = []
+        details: list[str | None] = []
         for sample, item in zip(samples, items, strict=True):
             try:
                 value = float(self.score(sample, item))
@@ -36,12 +36,17 @@ class PerSampleGrader:
             except Exception as exc:  # a user's template or text must never stop training
                 log.debug("grader %s: sample scored 0 (%s)", self.name, exc)
                 scores.append(0.0)
-                failed.append(True)
+                details.append(f"{type(exc).__name__}: {exc}")
             else:
                 scores.append(value)
-                failed.append(False)
+                details.append(None)
+        failed = [detail is not None for detail in details]
         return GradeResult(
-            scores=scores, by_grader={self.name: list(scores)}, errors=sum(failed), failed=failed
+            scores=scores,
+            by_grader={self.name: list(scores)},
+            errors=sum(failed),
+            failed=failed,
+            error_details=details,
         )
 
     def close(self) -> None:

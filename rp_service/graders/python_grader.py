@@ -86,7 +86,6 @@ class PythonSandboxGrader:
         # What the last started process achieved (tests and logs read it).
         self.isolation: dict[str, Any] = {}
         self.load_error: str | None = None
-        self.last_errors: list[str | None] = []
 
     def grade(self, samples: Sequence[Sample], items: Sequence[Mapping[str, Any]]) -> GradeResult:
         """One score per sample; failures and timeouts are 0.0, counted, never raised."""
@@ -98,7 +97,7 @@ class PythonSandboxGrader:
         for sample, item in zip(samples, items, strict=True):
             left_s = deadline - time.monotonic()
             if left_s <= 0:
-                score, detail = 0.0, "the batch's time limit was spent before this sample"
+                score, detail = 0.0, "TimeoutError: the batch's time limit was spent first"
             else:
                 score, detail = self._grade_one(
                     sample, item, min(left_s, self._limits.sample_timeout_s)
@@ -106,7 +105,6 @@ class PythonSandboxGrader:
             scores.append(score)
             details.append(detail)
         failed = [detail is not None for detail in details]
-        self.last_errors = details
         if any(failed):
             log.info(
                 "python grader %s: %d of %d samples failed, first: %s",
@@ -116,7 +114,11 @@ class PythonSandboxGrader:
                 next(d for d in details if d),
             )
         return GradeResult(
-            scores=scores, by_grader={self.name: list(scores)}, errors=sum(failed), failed=failed
+            scores=scores,
+            by_grader={self.name: list(scores)},
+            errors=sum(failed),
+            failed=failed,
+            error_details=details,
         )
 
     def close(self) -> None:
@@ -144,7 +146,7 @@ class PythonSandboxGrader:
             if self._proc is None:
                 self._start()
             if self.load_error is not None:
-                return 0.0, self.load_error
+                return 0.0, f"PythonGraderError: the source did not load: {self.load_error}"
             request = {
                 "sample": {
                     "output_text": sample.output_text,
@@ -160,7 +162,7 @@ class PythonSandboxGrader:
             self.close()
             return 0.0, f"{type(exc).__name__}: {exc}"
         if "error" in reply:
-            return 0.0, str(reply["error"])
+            return 0.0, f"PythonGraderError: {reply['error']}"
         value = reply.get("score")
         if not isinstance(value, int | float) or not math.isfinite(value):
             return 0.0, f"bad reply {reply!r}"

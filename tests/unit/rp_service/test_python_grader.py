@@ -96,14 +96,14 @@ def test_bad_returns_and_exceptions_score_zero_counted(grader: PythonSandboxGrad
     result = grader.grade([Sample(t) for t in texts], [{"answer": "a"}] * 4)
     assert result.scores == [0.0, 0.0, 0.0, 1.0]
     assert result.failed == [True, True, True, False]
-    assert "RuntimeError: boom" in (grader.last_errors[0] or "")
+    assert "RuntimeError: boom" in (result.error_details[0] or "")
 
 
 def test_network_is_refused(grader: PythonSandboxGrader, listener: int) -> None:
     result = grader.grade([Sample("connect"), Sample("a")], [{"port": listener}, {"answer": "a"}])
     assert result.scores == [0.0, 1.0]
     assert result.errors == 1
-    assert "socket" in (grader.last_errors[0] or "")
+    assert "socket" in (result.error_details[0] or "")
 
 
 def test_the_network_namespace_alone_refuses_loopback(tmp_path: Path, listener: int) -> None:
@@ -114,7 +114,7 @@ def test_the_network_namespace_alone_refuses_loopback(tmp_path: Path, listener: 
             assert grader.isolation["network"] == "namespace"
         if grader.isolation["network"] == "namespace":
             assert result.scores == [0.0]
-            assert "unreachable" in (grader.last_errors[0] or "").lower()
+            assert "unreachable" in (result.error_details[0] or "").lower()
     finally:
         grader.close()
 
@@ -150,7 +150,7 @@ def test_an_infinite_loop_times_out_and_grading_goes_on(tmp_path: Path) -> None:
         elapsed_s = time.monotonic() - started
         assert result.scores == [0.0, 1.0]
         assert result.errors == 1
-        assert "0.5 s" in (grader.last_errors[0] or "")
+        assert "0.5 s" in (result.error_details[0] or "")
         assert elapsed_s < 2.5
     finally:
         grader.close()
@@ -164,7 +164,7 @@ def test_the_batch_timeout_fails_the_rest_without_running_them(tmp_path: Path) -
         )
         assert result.scores == [0.0, 0.0, 0.0]
         assert result.errors == 3
-        assert "batch" in (grader.last_errors[2] or "")
+        assert "batch" in (result.error_details[2] or "")
     finally:
         grader.close()
 
@@ -198,7 +198,7 @@ def test_a_source_that_fails_to_load_fails_each_sample(tmp_path: Path) -> None:
     try:
         result = grader.grade([Sample("a"), Sample("b")], [{}, {}])
         assert (result.scores, result.errors) == ([0.0, 0.0], 2)
-        assert "no_such_module" in (grader.last_errors[0] or "")
+        assert "no_such_module" in (result.error_details[0] or "")
     finally:
         grader.close()
 
