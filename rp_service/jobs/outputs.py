@@ -11,7 +11,6 @@ from pathlib import Path
 
 from rp_service.data.preference import PREFERENCE_METRICS
 from rp_service.errors import NotFound
-from rp_service.graders.metrics import reward_columns
 from rp_service.jobs.events import EventHub, sse_stream
 from rp_service.jobs.export import export_job
 from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
@@ -75,8 +74,6 @@ class JobOutputs:
         await self._job(job_id)
         rows: dict[int, dict[str, float | int | None]] = {}
         names = SERIES_COLUMNS
-        # A GRPO job's reward columns (rp_service/graders/metrics.py), in first-seen order.
-        rewards: dict[str, None] = {}
         after = 0
         while True:
             page = await self.io.read(
@@ -89,16 +86,12 @@ class JobOutputs:
                 for name in names:
                     value = event.data.get(name)
                     row[name] = value if isinstance(value, int | float) else None
-                reward_row = reward_columns(event.data)
-                rewards.update(dict.fromkeys(reward_row))
-                row.update(reward_row)
                 step = event.data.get("step")
                 rows[step if isinstance(step, int) else -event.id] = row
             if len(page) < 5000:
                 break
             after = page[-1].id
         ordered = [rows[k] for k in sorted(rows)]
-        names = names + tuple(rewards)
         return {name: [row.get(name) for row in ordered] for name in names}
 
     def _log_path(self, job_id: str) -> Path:

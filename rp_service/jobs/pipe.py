@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from rp_service.durable import write_bytes
-from rp_service.graders.metrics import reward_columns
 from rp_service.jobs.faults import MemoryWatch
 from rp_service.jobs.outputs import PREFERENCE_COLUMNS
 from rp_service.jobs.store import CheckpointRecord
@@ -223,8 +222,6 @@ class WorkerHandle:
         for key in PREFERENCE_COLUMNS:
             if isinstance(data.get(key), int | float):
                 self.metrics[key] = data[key]
-        # A GRPO step's reward metrics, likewise (each grader's as grader/<name>).
-        self.metrics.update(reward_columns(data))
         share = _gpu_share(data.get("gpu_share"))
         if share is not None:
             self.gpu_share = share

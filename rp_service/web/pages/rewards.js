@@ -7,7 +7,7 @@ import { LineChart, Series } from "../chart.js";
 import { el, integer, number } from "../format.js";
 
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04"];
-const GRADER_PREFIX = "grader/"; // a grader's series key, as the API's column: grader/<name>
+const GRADER_PREFIX = "grader/"; // a grader's series key in its chart: grader/<name>
 
 // [canvas id, title, [metric key, legend label]...]; the graders' chart fills in as they come.
 const CHARTS = [
@@ -26,17 +26,14 @@ const CHARTS = [
   ["chart-grader-errors", "grader errors", [["grader_errors", "errors"]]],
 ];
 
-// The summary rows of a GRPO job's latest metrics; none for other jobs.
+// The summary rows of a GRPO job's latest metrics; none for other jobs. (The daemon keeps
+// the scalar metrics on the job; each grader's mean stays in the events: see its chart.)
 export function rewardSummary(metrics) {
   if (typeof metrics.reward_mean !== "number") return [];
   return [
     ["reward mean", number(metrics.reward_mean, 3)],
     ["reward std", number(metrics.reward_std, 3)],
     ["grader errors", integer(metrics.grader_errors)],
-    // each grader's mean reward: the job's metrics carry it as grader/<name>
-    ...Object.entries(metrics)
-      .filter(([key, value]) => key.startsWith(GRADER_PREFIX) && typeof value === "number")
-      .map(([key, value]) => [`reward ${key.slice(GRADER_PREFIX.length)}`, number(value, 3)]),
   ];
 }
 

@@ -319,26 +319,3 @@ def test_the_package_imports_neither_torch_nor_the_engine() -> None:
     )
     assert out.stdout.strip() == "[]"
 
-
-def test_reward_columns_flatten_the_contracts_metrics() -> None:
-    from rp_service.graders.metrics import reward_columns
-
-    data = {
-        "step": 3,
-        "reward_mean": 0.5,
-        "reward_std": 0.25,
-        "kl": None,  # no KL term
-        "clip_fraction": 0.0,
-        "grader_errors": 2,
-        "rewards": {"exact": 1.0, "close": 0.5, "bad": "x"},
-        "train_loss": 1.0,
-    }
-    assert reward_columns(data) == {
-        "reward_mean": 0.5,
-        "reward_std": 0.25,
-        "clip_fraction": 0.0,
-        "grader_errors": 2,
-        "grader/exact": 1.0,
-        "grader/close": 0.5,
-    }
-    assert reward_columns({"train_loss": 1.0}) == {}
