@@ -50,7 +50,7 @@ class Multi:
                 value = self._formula.evaluate({key: own[key][i] for key in own})
                 if not math.isfinite(value):
                     raise ValueError(f"{value} is not finite")
-            except (ArithmeticError, ValueError, TypeError) as exc:
+            except Exception as exc:  # whatever the formula meets on a sample: 0, counted
                 log.debug("grader %s: formula failed on sample %d (%s)", self.name, i, exc)
                 value = 0.0
                 details[i] = details[i] or f"FormulaError: calculate_output failed ({exc})"

@@ -233,6 +233,8 @@ def test_a_sub_grader_failure_counts_once_per_sample(tmp_path: Path) -> None:
         "exact +",
         "True + exact",
         "exact < close",
+        "-" * 4000 + "exact",
+        "+".join(["exact"] * 200),
     ],
 )
 def test_formulas_beyond_arithmetic_are_refused_at_build(formula: str, tmp_path: Path) -> None:
@@ -318,4 +320,3 @@ def test_the_package_imports_neither_torch_nor_the_engine() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True
     )
     assert out.stdout.strip() == "[]"
-

@@ -47,6 +47,12 @@ def grade(sample, item):
             proc.kill()
             proc.wait()
         return float(len(started))
+    if what == "ctypes":
+        import ctypes
+        return float(ctypes.CDLL(None).getpid())
+    if what == "signal-parent":
+        os.kill(os.getppid(), 0)
+        return 1.0
     if what == "loop":
         while True:
             pass
@@ -129,6 +135,17 @@ def test_writes_outside_the_directory_are_refused(
     assert result.scores == [0.0, 0.5]
     assert not outside.exists()
     assert (tmp_path / "sandbox" / "notes.txt").read_text() == "fine"
+
+
+def test_foreign_calls_and_signals_to_other_processes_are_refused(
+    grader: PythonSandboxGrader,
+) -> None:
+    result = grader.grade(
+        [Sample("ctypes"), Sample("signal-parent"), Sample("a")], [{"answer": "a"}] * 3
+    )
+    assert result.scores == [0.0, 0.0, 1.0]
+    assert "ctypes" in (result.error_details[0] or "")
+    assert "os.kill" in (result.error_details[1] or "")
 
 
 def test_processes_stop_at_the_limit(tmp_path: Path) -> None:
