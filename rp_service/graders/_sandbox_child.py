@@ -20,6 +20,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import resource
 import signal
 import sys
@@ -79,15 +80,76 @@ _PATH_EVENTS = {
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+]
+_CLONE_NEWNS = 0x00020000
+_MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+# Per-mount flags a read-only remount must keep (nosuid, nodev, noexec, noatime, nodiratime,
+# relatime): a bind remount that drops one the mount was locked with is refused.
+_KEEP_FLAGS = 2 | 4 | 8 | 1024 | 2048 | (1 << 21)
+_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
 def _unshare(flags: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.unshare(flags) == 0
+    return _LIBC.unshare(flags) == 0
+
+
+def _mount(source: bytes | None, target: str, flags: int) -> None:
+    if _LIBC.mount(source, target.encode(), None, flags, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), target)
+
+
+def _mount_points() -> list[str]:
+    with open("/proc/self/mountinfo", encoding="utf-8") as info:
+        fields = [line.split() for line in info]
+    # mountinfo escapes spaces and the like as \ooo
+    return [_OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), f[4]) for f in fields]
+
+
+def _read_only_but(workdir: str) -> int:
+    """In this (new) mount namespace: every mount read-only but `workdir`; returns how
+    many mounts could not be remounted (they stay as they were)."""
+    _mount(b"none", "/", _MS_REC | _MS_PRIVATE)  # nothing propagates back to the host
+    _mount(workdir.encode(), workdir, _MS_BIND | _MS_REC)  # its own mount, left writable
+    failed = 0
+    for point in _mount_points():
+        if point == workdir or point.startswith(workdir + os.sep):
+            continue
+        try:
+            kept = os.statvfs(point).f_flag & _KEEP_FLAGS
+            _mount(None, point, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept)
+        except OSError:
+            failed += 1
+    os.chdir(workdir)  # the old working directory is on the parent mount, now read-only
+    return failed
+
+
+def _drop_capabilities() -> bool:
+    """Root without capabilities: no remount, no raw sockets, no DAC override, no way back."""
+    if _LIBC.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return False
+    cap = 0
+    while _LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:
+        cap += 1
+    # capset(v3 header, two empty data words): effective, permitted, inheritable cleared.
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+    data = (ctypes.c_uint32 * 6)()
+    return _LIBC.capset(header, data) == 0
 
 
 def _isolate(config: dict) -> dict:
     """Applies the OS-level layers this box permits; returns which ones took."""
-    layers: dict = {}
-    os.chdir(config["workdir"])
+    layers: dict = {"network": "audit-hook", "filesystem": "audit-hook"}
+    workdir = os.path.realpath(config["workdir"])
+    os.chdir(workdir)
     # The resource limits first: as root the hard values can still be set.
     limits = {
         resource.RLIMIT_AS: config["mem_bytes"],
@@ -97,12 +159,20 @@ def _isolate(config: dict) -> dict:
         resource.RLIMIT_CORE: 0,
     }
     for kind, value in limits.items():
+        _, hard = resource.getrlimit(kind)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(kind, (value, value))
     # Past RLIMIT_FSIZE a write fails with EFBIG instead of killing the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    is_root = os.geteuid() == 0
-    if is_root:
-        layers["network"] = "namespace" if _unshare(_CLONE_NEWNET) else "audit-hook"
+    if os.geteuid() == 0:
+        namespaces = _unshare(_CLONE_NEWNET | _CLONE_NEWNS)
+        if not namespaces:
+            namespaces = _unshare(_CLONE_NEWNET)
+        else:
+            left = _read_only_but(workdir)
+            layers["filesystem"] = "read-only" if left == 0 else f"read-only but {left} mounts"
+        if namespaces:
+            layers["network"] = "namespace"
         if config["drop_user"]:
             # RLIMIT_NPROC counts the user's processes and binds only a non-root user.
             resource.setrlimit(resource.RLIMIT_NPROC, (config["nproc"], config["nproc"]))
@@ -111,12 +181,16 @@ def _isolate(config: dict) -> dict:
             os.setuid(_NOBODY)
             layers["user"] = "nobody"
         else:
-            layers["user"] = "root"
+            layers["user"] = "root, no capabilities" if _drop_capabilities() else "root"
     else:
         # Unprivileged: a user namespace brings a network namespace with it where allowed.
-        netns = _unshare(_CLONE_NEWUSER | _CLONE_NEWNET)
-        layers["network"] = "namespace" if netns else "audit-hook"
+        if _unshare(_CLONE_NEWUSER | _CLONE_NEWNET):
+            layers["network"] = "namespace"
         layers["user"] = "caller"
+    # A process the grader starts runs without the audit hook: as root it could signal the
+    # daemon, so a root sandbox starts none unless told to (tests of the count do).
+    confined = layers["user"] in ("nobody", "caller") or config["processes_as_root"]
+    layers["max_processes"] = config["max_processes"] if confined else 0
     layers["rlimits"] = True
     return layers
 
@@ -162,6 +236,8 @@ def _install_hook(config: dict) -> None:
         elif event in ("os.kill", "os.killpg", "signal.pthread_kill"):
             if not (event == "os.kill" and _own_child(args[0])):
                 raise PermissionError(f"sandbox: {event} of another process is not allowed")
+        elif not config["audit_writes"]:
+            return
         elif event == "open":
             path, mode, flags = args
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
@@ -200,7 +276,7 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.dup2(2, 1)  # the user's print() goes to the log with stderr
     layers = _isolate(config)
-    _install_hook(config)
+    _install_hook(config | {"max_processes": layers["max_processes"]})
     grade = None
     load_error = None
     try:

@@ -57,8 +57,13 @@ class SandboxLimits:
     start_timeout_s: float = 20.0
     # Run as `nobody` when the daemon is root and `nobody` can run this Python.
     drop_user: bool = True
-    # The audit hook's socket refusal; tests turn it off to check the namespace alone.
+    # The audit hook's socket and write refusals; tests turn them off to check the
+    # namespaces alone.
     audit_network: bool = True
+    audit_writes: bool = True
+    # A process the grader starts runs without the audit hook, so a sandbox that stays
+    # root starts none; tests of the count turn this on.
+    processes_as_root: bool = False
 
 
 class PythonSandboxGrader:
@@ -184,6 +189,8 @@ class PythonSandboxGrader:
             "nproc": self._limits.nproc,
             "drop_user": drop,
             "audit_network": self._limits.audit_network,
+            "audit_writes": self._limits.audit_writes,
+            "processes_as_root": self._limits.processes_as_root,
         }
         env = {
             "PATH": "/usr/bin:/bin",
