@@ -187,9 +187,10 @@ def _isolate(config: dict) -> dict:
         if _unshare(_CLONE_NEWUSER | _CLONE_NEWNET):
             layers["network"] = "namespace"
         layers["user"] = "caller"
-    # A process the grader starts runs without the audit hook: as root it could signal the
-    # daemon, so a root sandbox starts none unless told to (tests of the count do).
-    confined = layers["user"] in ("nobody", "caller") or config["processes_as_root"]
+    # A process the grader starts runs without the audit hook, as the grader's user: as root
+    # or as the daemon's own user it could signal the daemon. Only `nobody` starts any,
+    # unless told to (tests of the count are).
+    confined = layers["user"] == "nobody" or config["unconfined_processes"]
     layers["max_processes"] = config["max_processes"] if confined else 0
     layers["rlimits"] = True
     return layers

@@ -61,9 +61,9 @@ class SandboxLimits:
     # namespaces alone.
     audit_network: bool = True
     audit_writes: bool = True
-    # A process the grader starts runs without the audit hook, so a sandbox that stays
-    # root starts none; tests of the count turn this on.
-    processes_as_root: bool = False
+    # A process the grader starts runs without the audit hook and as the grader's user, so
+    # only a sandbox that runs as `nobody` may start any; tests of the count turn this on.
+    unconfined_processes: bool = False
 
 
 class PythonSandboxGrader:
@@ -190,7 +190,7 @@ class PythonSandboxGrader:
             "drop_user": drop,
             "audit_network": self._limits.audit_network,
             "audit_writes": self._limits.audit_writes,
-            "processes_as_root": self._limits.processes_as_root,
+            "unconfined_processes": self._limits.unconfined_processes,
         }
         env = {
             "PATH": "/usr/bin:/bin",

@@ -165,15 +165,15 @@ def test_the_mounts_alone_refuse_writes_outside(tmp_path: Path) -> None:
         grader.close()
 
 
-def test_a_sandbox_left_root_starts_no_process(grader: PythonSandboxGrader) -> None:
+def test_only_a_sandbox_run_as_nobody_starts_processes(grader: PythonSandboxGrader) -> None:
     result = grader.grade([Sample("spawn")], [{"tries": 10}])
     budget = grader.isolation["max_processes"]
-    assert budget == (0 if grader.isolation["user"].startswith("root") else 4)
+    assert budget == (4 if grader.isolation["user"] == "nobody" else 0)
     assert result.scores == [float(budget)]
 
 
 def test_processes_stop_at_the_limit(tmp_path: Path) -> None:
-    grader = _grader(tmp_path, max_processes=3, processes_as_root=True)
+    grader = _grader(tmp_path, max_processes=3, unconfined_processes=True)
     try:
         result = grader.grade([Sample("spawn")], [{"tries": 10}])
         assert result.scores == [3.0]  # 3 started, the 4th refused, the loop stopped there
