@@ -30,6 +30,23 @@ class GradeResult:
     # Why each failed sample failed ("TemplateError: ...", "TimeoutError: ..."), else None.
     error_details: list[str | None] = field(default_factory=list)
 
+    @classmethod
+    def of(
+        cls,
+        scores: list[float],
+        details: list[str | None],
+        by_grader: dict[str, list[float]],
+    ) -> GradeResult:
+        """A result whose failures are the samples with a detail (each scored 0.0)."""
+        failed = [detail is not None for detail in details]
+        return cls(
+            scores=scores,
+            by_grader=by_grader,
+            errors=sum(failed),
+            failed=failed,
+            error_details=details,
+        )
+
 
 class GraderConfigError(Exception):
     """A grader spec that cannot run here; `field` is the dotted path of the value to change."""

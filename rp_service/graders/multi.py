@@ -55,14 +55,7 @@ class Multi:
                 value = 0.0
                 details[i] = details[i] or f"FormulaError: calculate_output failed ({exc})"
             scores.append(value)
-        failed = [detail is not None for detail in details]
-        return GradeResult(
-            scores=scores,
-            by_grader=by_grader,
-            errors=sum(failed),
-            failed=failed,
-            error_details=details,
-        )
+        return GradeResult.of(scores, details, by_grader)
 
     def close(self) -> None:
         """Closes every sub-grader."""

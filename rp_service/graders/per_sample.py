@@ -40,14 +40,7 @@ class PerSampleGrader:
             else:
                 scores.append(value)
                 details.append(None)
-        failed = [detail is not None for detail in details]
-        return GradeResult(
-            scores=scores,
-            by_grader={self.name: list(scores)},
-            errors=sum(failed),
-            failed=failed,
-            error_details=details,
-        )
+        return GradeResult.of(scores, details, {self.name: list(scores)})
 
     def close(self) -> None:
         """Nothing to free."""

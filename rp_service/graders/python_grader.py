@@ -109,22 +109,17 @@ class PythonSandboxGrader:
                 )
             scores.append(score)
             details.append(detail)
-        failed = [detail is not None for detail in details]
-        if any(failed):
+        result = GradeResult.of(scores, details, {self.name: list(scores)})
+        if result.errors:
+            first = next(d for d in details if d)
             log.info(
                 "python grader %s: %d of %d samples failed, first: %s",
                 self.name,
-                sum(failed),
-                len(failed),
-                next(d for d in details if d),
+                result.errors,
+                len(details),
+                first,
             )
-        return GradeResult(
-            scores=scores,
-            by_grader={self.name: list(scores)},
-            errors=sum(failed),
-            failed=failed,
-            error_details=details,
-        )
+        return result
 
     def close(self) -> None:
         """Ends the sandbox process and everything it started."""
