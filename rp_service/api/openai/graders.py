@@ -20,7 +20,13 @@ router = APIRouter(prefix="/v1/fine_tuning/alpha/graders", tags=["openai"], rout
 _ERRORS = {400: {"model": ErrorEnvelope, "description": "a grader that cannot run here"}}
 
 
-@router.post("/validate", response_model=GraderValidateResponse, responses=_ERRORS)
+# The grader comes back as it was sent: no null for each optional field it left out.
+@router.post(
+    "/validate",
+    response_model=GraderValidateResponse,
+    response_model_exclude_unset=True,
+    responses=_ERRORS,
+)
 async def validate_grader(
     body: GraderValidateRequest, service: GradersDep
 ) -> GraderValidateResponse:

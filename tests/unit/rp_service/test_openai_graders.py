@@ -50,10 +50,18 @@ CHECK: dict[str, Any] = {
 }
 
 
-def test_validate_returns_the_grader(sdk: openai.OpenAI) -> None:
+def test_validate_returns_the_grader_as_sent(sdk: openai.OpenAI, app_client: TestClient) -> None:
     answer = sdk.fine_tuning.alpha.graders.validate(grader=CHECK)  # type: ignore[arg-type]
     assert answer.grader is not None and answer.grader.type == "string_check"
     assert answer.grader.name == "exact"
+    multi = {"type": "multi", "name": "m", "graders": {"a": CHECK}, "calculate_output": "a"}
+    for grader in (CHECK, multi):
+        r = app_client.post(
+            "/v1/fine_tuning/alpha/graders/validate",
+            json={"grader": grader},
+            headers={"Authorization": "Bearer tok"},
+        )
+        assert r.json() == {"grader": grader}
 
 
 def test_run_scores_a_sample(sdk: openai.OpenAI) -> None:
