@@ -23,6 +23,9 @@ __all__ = ["TextSimilarity", "metric_function"]
 Metric = Callable[[str, str], float]
 
 _ROUGE = {f"rouge_{n}": f"rouge{n}" for n in range(1, 6)} | {"rouge_l": "rougeL"}
+# Longer texts are an error, not a score: rouge_l's longest common subsequence and
+# fuzzy_match's partial alignment grow with the product of the two lengths.
+MAX_CHARS = 20_000
 
 
 def _fuzzy_match(text: str, ref: str) -> float:
@@ -119,4 +122,6 @@ class TextSimilarity(PerSampleGrader):
     def score(self, sample: Sample, item: dict) -> float:
         text = render_template(self._spec.input, sample, item)
         ref = render_template(self._spec.reference, sample, item)
+        if len(text) > MAX_CHARS or len(ref) > MAX_CHARS:
+            raise ValueError(f"a text over {MAX_CHARS} characters is not compared")
         return self._metric(text, ref)

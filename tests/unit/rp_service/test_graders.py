@@ -143,6 +143,17 @@ def test_fuzzy_match_is_the_normalised_indel_ratio(tmp_path: Path) -> None:
     assert grader.grade(samples, items).scores == pytest.approx([0.75, 22 / 23, 0.0])
 
 
+def test_texts_too_long_to_compare_are_errors_not_hangs(tmp_path: Path) -> None:
+    from rp_service.graders.text_similarity import MAX_CHARS
+
+    grader = _build(_similar("rouge_l"), tmp_path)
+    long = "word " * (MAX_CHARS // 5 + 1)
+    result = grader.grade([Sample(long), Sample("a b")], [{"ref": long}, {"ref": "a b"}])
+    assert result.scores == [0.0, 1.0]
+    assert result.errors == 1
+    assert "characters" in (result.error_details[0] or "")
+
+
 @pytest.mark.parametrize("metric", ["cosine", "meteor"])
 def test_metrics_without_their_resources_are_refused_by_name(metric: str, tmp_path: Path) -> None:
     if metric == "meteor":
