@@ -4,9 +4,10 @@ Not imported by the daemon: `python_grader.py` reads this file's text and runs i
 `python -I -B -c`, so the child needs nothing but the standard library and never imports
 the service. Its single argument is a JSON object (the limits, the work directory).
 
-Order matters: every step that needs root (a network namespace, the resource limits'
-hard values, dropping to the `nobody` user) runs before the user's source is compiled, and
-the audit hook goes in last so the setup itself is not refused.
+Order matters: every step that needs root (the resource limits' hard values, the network
+and mount namespaces, the read-only remounts, dropping to `nobody` or dropping every
+capability) runs before the user's source is compiled, and the audit hook goes in last so
+the setup itself is not refused (its ctypes calls included: every later one is).
 
 Protocol on private pipes (fds dup'ed away from 0 and 1, so the user's print() lands in
 the log, not in the protocol): the child writes one `hello` line with the isolation it
