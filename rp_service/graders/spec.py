@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "GraderSpec",
@@ -99,6 +99,15 @@ class MultiGrader(_Spec):
     type: Literal["multi"]
     graders: dict[str, GraderSpec]
     calculate_output: str = Field(min_length=1, max_length=4096)
+
+    @field_validator("graders", mode="before")
+    @classmethod
+    def _one_grader_is_named_by_its_name(cls, value: Any) -> Any:
+        # OpenAI's SDK types `graders` as one grader object; its guides send a mapping of
+        # named graders. One grader is taken as {its name: it}.
+        if isinstance(value, dict) and isinstance(value.get("type"), str):
+            return {str(value.get("name") or value["type"]): value}
+        return value
 
 
 GraderSpec = Annotated[

@@ -293,6 +293,14 @@ def test_openai_shaped_specs_parse_and_typos_are_refused() -> None:
         SPEC.validate_python({"type": "nonsense", "name": "x"})
 
 
+def test_a_multi_grader_given_one_grader_object_names_it_by_its_name(tmp_path: Path) -> None:
+    # the openai SDK's type for `graders`: one grader, not a mapping
+    raw = {"type": "multi", "name": "m", "graders": _check("eq"), "calculate_output": "check * 2"}
+    result = _build(raw, tmp_path).grade([Sample("x")], [{"answer": "x"}])
+    assert result.scores == [2.0]
+    assert result.by_grader == {"check": [1.0]}
+
+
 def test_python_graders_are_refused_unless_allowed(tmp_path: Path) -> None:
     raw = {"type": "python", "name": "p", "source": "def grade(sample, item):\n    return 1.0\n"}
     with pytest.raises(GraderConfigError) as caught:
