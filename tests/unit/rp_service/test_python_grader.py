@@ -266,3 +266,19 @@ def test_close_ends_the_process_and_a_later_grade_starts_another(
     grader.close()
     assert pid is not None and not Path(f"/proc/{pid}").exists()
     assert grader.grade([Sample("a")], [{"answer": "a"}]).scores == [1.0]
+
+
+def test_the_docs_example_grades_as_it_says(tmp_path: Path) -> None:
+    import json
+    import re
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "RL.md").read_text()
+    block = re.search(r"```json\n(\{\"type\": \"python\".*?)```", text, re.S)
+    assert block is not None
+    spec = PythonGrader.model_validate(json.loads(block.group(1)))
+    grader = PythonSandboxGrader(spec, workdir=tmp_path / "sandbox")
+    try:
+        result = grader.grade([Sample(" 42\n"), Sample("41")], [{"answer": 42}, {"answer": 42}])
+        assert result.scores == [1.0, 0.0]
+    finally:
+        grader.close()
