@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "is_loopback", "python_graders_allowed"]
+__all__ = ["Settings", "grader_python", "is_loopback", "python_graders_allowed"]
 
 
 def is_loopback(host: str) -> bool:
@@ -194,3 +194,12 @@ def python_graders_allowed() -> bool:
     does not build the daemon's settings.
     """
     return os.environ.get("RP_ALLOW_PYTHON_GRADERS", "").strip() == "1"
+
+
+def grader_python() -> str | None:
+    """The interpreter python graders run in (RP_GRADER_PYTHON), or None for the daemon's own.
+
+    One that `nobody` can run (a system Python under /usr) lets a root daemon drop its
+    graders to `nobody` where its own Python is private (docs/RL.md#graders).
+    """
+    return os.environ.get("RP_GRADER_PYTHON", "").strip() or None

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..settings import grader_python
 from .base import GraderConfigError, GradeResult, Sample
 from .spec import PythonGrader
 
@@ -55,8 +56,11 @@ class SandboxLimits:
     sample_timeout_s: float = 10.0
     batch_timeout_s: float = 300.0
     start_timeout_s: float = 20.0
-    # Run as `nobody` when the daemon is root and `nobody` can run this Python.
+    # Run as `nobody` when the daemon is root and `nobody` can run the interpreter.
     drop_user: bool = True
+    # The interpreter the child runs (None: the daemon's own). Its packages are the ones a
+    # grader can import; one under /usr lets a root daemon's graders run as `nobody`.
+    python: str | None = None
     # The audit hook's socket and write refusals; tests turn them off to check the
     # namespaces alone.
     audit_network: bool = True
@@ -85,7 +89,7 @@ class PythonSandboxGrader:
         self._source = spec.source
         _check_source(spec.source, field=f"{field}.source")
         self._workdir = Path(workdir).resolve()
-        self._limits = limits or SandboxLimits()
+        self._limits = limits or SandboxLimits(python=grader_python())
         self._proc: subprocess.Popen[bytes] | None = None
         self._buffer = b""
         # What the last started process achieved (tests and logs read it).
@@ -170,7 +174,8 @@ class PythonSandboxGrader:
 
     def _start(self) -> None:
         self._workdir.mkdir(parents=True, exist_ok=True)
-        drop = self._limits.drop_user and os.geteuid() == 0 and _others_can_run_python()
+        python = self._limits.python
+        drop = self._limits.drop_user and os.geteuid() == 0 and _others_can_run(python)
         if drop:
             os.chown(self._workdir, _NOBODY, _NOBODY)
         config = {
@@ -196,7 +201,10 @@ class PythonSandboxGrader:
         with open(self._workdir / "grader.log", "ab") as log_file:
             # -I: no PYTHONPATH, user site or cwd on sys.path; -B: no .pyc writes.
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-c", _CHILD_SOURCE.read_text(), json.dumps(config)],
+                [
+                    python or sys.executable,
+                    *("-I", "-B", "-c", _CHILD_SOURCE.read_text(), json.dumps(config)),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
@@ -238,13 +246,17 @@ class PythonSandboxGrader:
         return reply
 
 
-def _others_can_run_python() -> bool:
-    """Whether a user other than the owner can reach this interpreter and its library.
+def _others_can_run(python: str | None) -> bool:
+    """Whether a user other than the owner can reach the interpreter and its library.
 
     A Python installed under /root (pyenv in our CI image) is not: dropping to `nobody`
     would leave the child unable to import anything, so it stays root there.
     """
-    for top in {Path(sys.prefix), Path(sys.base_prefix), Path(os.__file__).parent}:
+    if python is None:
+        tops = {Path(sys.prefix), Path(sys.base_prefix), Path(os.__file__).parent}
+    else:
+        tops = {Path(python).resolve().parent}
+    for top in tops:
         for folder in (top, *top.parents):
             if not folder.stat().st_mode & stat.S_IXOTH:
                 return False

@@ -232,6 +232,49 @@ def test_limits_and_user_are_applied(tmp_path: Path) -> None:
         grader.close()
 
 
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not SYSTEM_PYTHON.exists(),
+    reason="dropping to nobody needs a root daemon and a Python nobody can run",
+)
+def test_a_root_daemon_runs_graders_as_nobody(tmp_path: Path) -> None:
+    source = (
+        "import os, subprocess\n"
+        "def grade(sample, item):\n"
+        "    if sample['output_text'] == 'uid':\n"
+        "        return float(os.getuid())\n"
+        "    if sample['output_text'] == 'write':\n"
+        "        open(item['path'], 'w').write('x')\n"
+        "    started = []\n"
+        "    for _ in range(10):\n"
+        "        try:\n"
+        "            started.append(subprocess.Popen(['sleep', '3']))\n"
+        "        except OSError:\n"
+        "            break\n"
+        "    for proc in started:\n"
+        "        proc.kill()\n"
+        "        proc.wait()\n"
+        "    return float(len(started))\n"
+    )
+    grader = PythonSandboxGrader(
+        PythonGrader(type="python", name="py", source=source),
+        workdir=tmp_path / "sandbox",
+        limits=SandboxLimits(python=str(SYSTEM_PYTHON), audit_writes=False),
+    )
+    outside = tmp_path / "escaped.txt"
+    try:
+        result = grader.grade(
+            [Sample("uid"), Sample("spawn"), Sample("write")], [{}, {}, {"path": str(outside)}]
+        )
+        assert grader.isolation["user"] == "nobody"
+        assert result.scores[:2] == [65534.0, 4.0]  # nobody, and its 4 processes
+        assert result.failed[2] and not outside.exists()
+    finally:
+        grader.close()
+
+
 def test_a_source_that_fails_to_load_fails_each_sample(tmp_path: Path) -> None:
     spec = PythonGrader(
         type="python", name="py", source="import no_such_module\ndef grade(s, i):\n    return 1\n"
@@ -282,3 +325,25 @@ def test_the_docs_example_grades_as_it_says(tmp_path: Path) -> None:
         assert result.scores == [1.0, 0.0]
     finally:
         grader.close()
+
+
+def test_rp_grader_python_picks_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    source = (
+        "import sys\ndef grade(sample, item):\n    return float(sys.executable == item['want'])\n"
+    )
+    spec = PythonGrader(type="python", name="py", source=source)
+    monkeypatch.setenv("RP_GRADER_PYTHON", sys.executable)
+    grader = PythonSandboxGrader(spec, workdir=tmp_path / "sandbox")
+    try:
+        assert grader.grade([Sample("x")], [{"want": sys.executable}]).scores == [1.0]
+    finally:
+        grader.close()
+    monkeypatch.setenv("RP_GRADER_PYTHON", "/nonexistent/python3")
+    broken = PythonSandboxGrader(spec, workdir=tmp_path / "other")
+    try:
+        result = broken.grade([Sample("x")], [{"want": ""}])
+        assert (result.scores, result.errors) == ([0.0], 1)  # counted, not raised
+    finally:
+        broken.close()
