@@ -147,6 +147,10 @@ class PythonSandboxGrader:
         self, sample: Sample, item: Mapping[str, Any], timeout_s: float
     ) -> tuple[float, str | None]:
         try:
+            if self._proc is not None and self._proc.poll() is not None:
+                # Ended between samples (RLIMIT_CPU over its life, say): start afresh
+                # rather than fail this sample on a dead pipe.
+                self.close()
             if self._proc is None:
                 self._start()
             if self.load_error is not None:

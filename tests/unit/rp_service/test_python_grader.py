@@ -301,6 +301,15 @@ def test_sources_that_cannot_run_are_refused_at_build(
     assert caught.value.field == "grader.source"
 
 
+def test_a_process_that_died_between_batches_is_replaced(grader: PythonSandboxGrader) -> None:
+    assert grader.grade([Sample("a")], [{"answer": "a"}]).scores == [1.0]
+    assert grader._proc is not None
+    os.killpg(grader._proc.pid, 9)  # as RLIMIT_CPU would end it, between two steps
+    grader._proc.wait()
+    result = grader.grade([Sample("a")], [{"answer": "a"}])
+    assert (result.scores, result.errors) == ([1.0], 0)
+
+
 def test_close_ends_the_process_and_a_later_grade_starts_another(
     grader: PythonSandboxGrader,
 ) -> None:
