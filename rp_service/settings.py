@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "is_loopback"]
+__all__ = ["Settings", "grader_python", "is_loopback", "python_graders_allowed"]
 
 
 def is_loopback(host: str) -> bool:
@@ -184,3 +185,21 @@ class Settings(BaseSettings):
         if self.gpus == "all":
             return list(range(visible))
         return [int(p) for p in self.gpus.split(",") if int(p) < visible]
+
+
+def python_graders_allowed() -> bool:
+    """Whether the operator lets jobs run their own python graders (RP_ALLOW_PYTHON_GRADERS=1).
+
+    Read on each call rather than through `Settings`, because the job worker asks too and
+    does not build the daemon's settings.
+    """
+    return os.environ.get("RP_ALLOW_PYTHON_GRADERS", "").strip() == "1"
+
+
+def grader_python() -> str | None:
+    """The interpreter python graders run in (RP_GRADER_PYTHON), or None for the daemon's own.
+
+    One that `nobody` can run (a system Python under /usr) lets a root daemon drop its
+    graders to `nobody` where its own Python is private (docs/RL.md#graders).
+    """
+    return os.environ.get("RP_GRADER_PYTHON", "").strip() or None
