@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "is_loopback"]
+__all__ = ["Settings", "is_loopback", "python_graders_allowed"]
 
 
 def is_loopback(host: str) -> bool:
@@ -184,3 +185,12 @@ class Settings(BaseSettings):
         if self.gpus == "all":
             return list(range(visible))
         return [int(p) for p in self.gpus.split(",") if int(p) < visible]
+
+
+def python_graders_allowed() -> bool:
+    """Whether the operator lets jobs run their own python graders (RP_ALLOW_PYTHON_GRADERS=1).
+
+    Read on each call rather than through `Settings`, because the job worker asks too and
+    does not build the daemon's settings.
+    """
+    return os.environ.get("RP_ALLOW_PYTHON_GRADERS", "").strip() == "1"
