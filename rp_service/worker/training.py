@@ -178,7 +178,7 @@ class _Run:
 
         self.tokenizer = _load_tokenizer(spec, paths)
         valid_source = paths.valid_path or (SYNTHETIC if spec.data.valid == SYNTHETIC else None)
-        self.objective = _make_objective(spec, paths, self.tokenizer, valid_source)
+        self.objective = _make_objective(spec, paths, self.tokenizer, valid_source, emit)
         self.blocks = self.objective.train
         self.valid = self.objective.valid
         self.order = BatchOrder(len(self.blocks), train.batch_size, seed=train.seed)
@@ -476,7 +476,11 @@ class _Run:
 
 
 def _make_objective(
-    spec: JobSpec, paths: JobPaths, tokenizer: JobTokenizer, valid_source: str | None
+    spec: JobSpec,
+    paths: JobPaths,
+    tokenizer: JobTokenizer,
+    valid_source: str | None,
+    emit: Emit,
 ) -> Objective:
     """The objective `train.objective` names, its data read."""
     objective = spec.train.objective
@@ -487,7 +491,7 @@ def _make_objective(
     if objective == "grpo":
         from .objectives.grpo_job import GrpoObjective
 
-        return GrpoObjective(spec, paths, tokenizer, valid_source=valid_source)
+        return GrpoObjective(spec, paths, tokenizer, valid_source=valid_source, emit=emit)
     from .objectives.sft import SftObjective
 
     return SftObjective(spec, paths, tokenizer, valid_source=valid_source)
@@ -506,4 +510,8 @@ def run_job(
     Raises:
         JobFailure: bad data, tokenizer or model (with the spec field to fix).
     """
-    return _Run(spec, options, paths, emit, pause).train()
+    run = _Run(spec, options, paths, emit, pause)
+    try:
+        return run.train()
+    finally:
+        run.objective.close()

@@ -14,6 +14,7 @@ The loop calls, in this order:
     objective.metrics()                    # after the step's loss is read
     objective.evaluate(rp)                 # at evaluation steps, weights synchronized
     objective.state_dict()                 # into every checkpoint
+    objective.close()                      # when the attempt ends, however it ends
 """
 
 from __future__ import annotations
@@ -66,3 +67,6 @@ class Objective(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (called before the first resumed step)."""
+
+    def close(self) -> None:
+        """Free what the objective holds (GRPO's grader sandbox)."""

@@ -211,3 +211,6 @@ class DpoObjective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def close(self) -> None:
+        pass

@@ -96,3 +96,6 @@ class SftObjective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def close(self) -> None:
+        pass
