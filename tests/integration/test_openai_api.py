@@ -265,7 +265,8 @@ def test_refusals_come_as_the_sdks_exceptions(real_daemon: Daemon) -> None:
     assert info.value.param == "training_file"
     refused = [
         ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
-        ({"method": {"type": "reinforcement"}}, "method.type"),
+        # reinforcement needs its grader
+        ({"method": {"type": "reinforcement"}}, "method.reinforcement"),
         # DPO trains on preference pairs: a chat file is refused naming it
         ({"method": {"type": "dpo", "dpo": {}}}, "training_file"),
         ({"extra_body": {"warmup_steps": 3}}, "warmup_steps"),
