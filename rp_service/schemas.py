@@ -202,8 +202,9 @@ DEFAULT_LR = {
     "dpo_lora": 2.0e-5,
     "dpo_pretrained": 2.0e-6,
 }
-# objective grpo: the same tenth (TRL's GRPO default rate is 1e-6 for a full fine-tune)
-_TENTH_RATE_OBJECTIVES = ("dpo", "grpo")
+# Objective grpo takes the fine-tune rates: its updates are scaled by group-normalised
+# advantages, and a tenth of them barely moves a LoRA adapter in a short run.
+_TENTH_RATE_OBJECTIVES = ("dpo",)
 
 
 def default_lr(method: str, pretrained: bool, objective: str = "sft") -> float:
@@ -226,8 +227,7 @@ class TrainSection(_Section):
         le=10,
         description="Peak learning rate, > 0. Not given: by what is trained (the job's spec "
         "shows the value chosen): 2e-4 for LoRA adapters, 2e-5 for a full fine-tune of a "
-        "model folder (pretrained weights), a tenth of those for objectives dpo and grpo; "
-        "1e-3 for a "
+        "model folder (pretrained weights), a tenth of those for objective dpo; 1e-3 for a "
         "full run of a preset (random initialisation).",
     )
     schedule: Literal["cosine", "linear", "constant"] = "cosine"

@@ -241,7 +241,8 @@ def plan_job(
     lora = inner.lora if inner is not None else None
     dpo = _is_dpo(body)
     rl = _is_reinforcement(body)
-    rates = DPO_LEARNING_RATE if dpo or rl else BASE_LEARNING_RATE
+    # reinforcement: the supervised rates (as the JobSpec's objective grpo default)
+    rates = DPO_LEARNING_RATE if dpo else BASE_LEARNING_RATE
     if lora is not None:
         base_lr = rates["lora"]
     else:

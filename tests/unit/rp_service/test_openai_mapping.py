@@ -19,7 +19,6 @@ from rp_service.jobs.results import ResultFiles, is_result_file_id, result_file_
 from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
 from rp_service.openai.mapping import (
     BASE_LEARNING_RATE,
-    DPO_LEARNING_RATE,
     STATUSES,
     checkpoint_id,
     event_id,
@@ -420,7 +419,7 @@ def test_reinforcement_maps_to_a_grpo_job_with_openais_hyperparameters() -> None
     spec = plan.spec
     assert spec.train.objective == "grpo" and spec.train.method == "lora"
     assert (spec.train.epochs, spec.train.batch_size, spec.train.eval_interval) == (2.0, 4, 5)
-    assert spec.train.lr == pytest.approx(DPO_LEARNING_RATE["lora"] * 3)
+    assert spec.train.lr == pytest.approx(BASE_LEARNING_RATE["lora"] * 3)
     assert spec.grpo is not None and (spec.grpo.group_size, spec.grpo.eval_prompts) == (4, 10)
     assert spec.grader is not None and spec.grader.type == "string_check"
     assert plan.fields["hyperparameters"]["compute_multiplier"] == 0.5
