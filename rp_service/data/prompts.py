@@ -22,7 +22,7 @@ from .formats import DataFormatError
 if TYPE_CHECKING:
     from .tokenizer import JobTokenizer
 
-__all__ = ["GRPO_METRICS", "PromptRows", "build_prompts", "prompt_text"]
+__all__ = ["GRPO_METRICS", "PromptRows", "build_prompts", "prompt_text", "synthetic_prompts"]
 
 # The scalar metrics of a GRPO step (the contract with the dashboard); the `metrics` event
 # also carries `rewards`, a dict of each grader's mean score.
@@ -92,3 +92,15 @@ def build_prompts(
     if not ids:
         raise DataFormatError("the dataset has no records (every line is blank)", line=0)
     return PromptRows(ids=ids, items=items, texts=texts)
+
+
+def synthetic_prompts(count: int, *, seed: int, valid: bool = False) -> list[dict[str, Any]]:
+    """`count` generated prompt rows for the demo (`rp demo --grpo`): a user asking for a
+    "y", the row's `answer` the letter a string_check grader looks for."""
+    import random
+
+    rng = random.Random(seed * 2 + int(valid))
+    return [
+        {"messages": [{"role": "user", "content": f"say y {rng.randrange(1000)}"}], "answer": "y"}
+        for _ in range(count)
+    ]

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...data.formats import DataFormatError, iter_records
-from ...data.prompts import PromptRows, build_prompts
+from ...data.prompts import PromptRows, build_prompts, synthetic_prompts
+from ...demo import SYNTHETIC
 from ...errors import JobFailure
 from ...graders import GraderConfigError, Sample, build_grader, python_graders_allowed
 from ..evaluation import evaluating
@@ -52,6 +53,7 @@ __all__ = ["MAX_SAMPLE_ROWS", "GrpoObjective", "step_generator"]
 log = logging.getLogger(__name__)
 
 MAX_SAMPLE_ROWS = 8  # rollouts shown in a `sample` event
+SYNTHETIC_TRAIN_PROMPTS, SYNTHETIC_VALID_PROMPTS = 256, 16  # the demo's generated rows
 _SEED_STRIDE = 1_000_003  # a prime: (seed, step) pairs map to distinct generator seeds
 
 
@@ -62,6 +64,10 @@ def step_generator(seed: int, step: int) -> torch.Generator:
 
 def _load_prompts(source: str, param: str, spec: JobSpec, tokenizer: JobTokenizer) -> PromptRows:
     try:
+        if source == SYNTHETIC:  # the demo's generated rows
+            count = SYNTHETIC_VALID_PROMPTS if param == "data.valid" else SYNTHETIC_TRAIN_PROMPTS
+            rows = synthetic_prompts(count, seed=0, valid=param == "data.valid")
+            return build_prompts(enumerate(rows, start=1), tokenizer, max_tokens=spec.data.seq_len)
         if not Path(source).is_file():
             raise JobFailure("invalid_data", f"{param}: file {source!r} not found", param=param)
         records = []
