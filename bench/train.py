@@ -202,6 +202,7 @@ def report(
         "loss_last": losses[-1],
         "losses": [round(x, 4) for x in losses],
         "lr": args.lr,
+        "grad_clip": args.grad_clip,
         "lr_warmup_steps": args.lr_warmup_steps,
         "lr_min_ratio": args.lr_min_ratio,
         "lr_decay_steps": args.lr_decay_steps,
@@ -379,9 +380,12 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr, state_dtype)
 
     adam_s: list[float] = []
+    clipped = [p for group in optimizer.param_groups for p in group["params"]]
 
     def step_fn() -> None:
         start = time.perf_counter()
+        if args.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(clipped, args.grad_clip)
         _set_lr(optimizer, train_args.lr_at(args, len(adam_s) + 1))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -162,6 +162,13 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument(
+        "--grad-clip",
+        type=float,
+        default=None,
+        help="clip the gradient norm to this in the step function, as the daemon does with "
+        "train.grad_clip (torch.nn.utils.clip_grad_norm_ over the optimizer's parameters)",
+    )
+    p.add_argument(
         "--lr-warmup-steps",
         type=int,
         default=0,

@@ -18,7 +18,7 @@ from rp_service.jobs.orchestrator import Orchestrator
 from rp_service.jobs.outputs import JobOutputs
 from rp_service.jobs.store import Store
 from rp_service.jobs.store_io import StoreIO
-from rp_service.openai import Chat, FineTuning
+from rp_service.openai import Chat, FineTuning, Graders
 from rp_service.serving.manager import ServingManager
 from rp_service.settings import Settings
 from rp_service.system import SystemProbe
@@ -40,6 +40,7 @@ class Services:
     serving: ServingManager
     chat: Chat
     fine_tuning: FineTuning
+    graders: Graders
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -69,6 +70,7 @@ class Services:
             serving=serving,
             chat=Chat(settings, store, serving),
             fine_tuning=FineTuning(settings, store, orchestrator, outputs),
+            graders=Graders(settings),
         )
 
     async def start(self) -> None:

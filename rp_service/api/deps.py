@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from rp_service.jobs.files import FileService
 from rp_service.jobs.orchestrator import Orchestrator
 from rp_service.jobs.outputs import JobOutputs
-from rp_service.openai import Chat, FineTuning
+from rp_service.openai import Chat, FineTuning, Graders
 from rp_service.services import Services
 from rp_service.settings import Settings
 
@@ -22,6 +22,7 @@ __all__ = [
     "ChatDep",
     "FilesDep",
     "FineTuningDep",
+    "GradersDep",
     "MetricsRegistryDep",
     "OrchestratorDep",
     "OutputsDep",
@@ -60,6 +61,10 @@ async def get_chat(request: Request) -> Chat:
     return request.app.state.services.chat
 
 
+async def get_graders(request: Request) -> Graders:
+    return request.app.state.services.graders
+
+
 async def get_fine_tuning(request: Request) -> FineTuning:
     return request.app.state.services.fine_tuning
 
@@ -72,3 +77,4 @@ OutputsDep = Annotated[JobOutputs, Depends(get_outputs)]
 FilesDep = Annotated[FileService, Depends(get_files)]
 ChatDep = Annotated[Chat, Depends(get_chat)]
 FineTuningDep = Annotated[FineTuning, Depends(get_fine_tuning)]
+GradersDep = Annotated[Graders, Depends(get_graders)]

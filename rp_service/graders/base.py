@@ -27,6 +27,25 @@ class GradeResult:
     errors: int = 0
     # Which samples those are (empty when `errors` is 0 and the grader did not say).
     failed: list[bool] = field(default_factory=list)
+    # Why each failed sample failed ("TemplateError: ...", "TimeoutError: ..."), else None.
+    error_details: list[str | None] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        scores: list[float],
+        details: list[str | None],
+        by_grader: dict[str, list[float]],
+    ) -> GradeResult:
+        """A result whose failures are the samples with a detail (each scored 0.0)."""
+        failed = [detail is not None for detail in details]
+        return cls(
+            scores=scores,
+            by_grader=by_grader,
+            errors=sum(failed),
+            failed=failed,
+            error_details=details,
+        )
 
 
 class GraderConfigError(Exception):

@@ -43,6 +43,8 @@ _FUNCTIONS: dict[str, Callable[..., float]] = {
 }
 # A power's exponent is bounded so `9**9**9` cannot hang the trainer.
 _MAX_EXPONENT = 64.0
+# Nesting is bounded so the recursive evaluation cannot overflow the stack.
+_MAX_DEPTH = 64
 
 
 class FormulaError(ValueError):
@@ -63,6 +65,10 @@ class Formula:
             tree = ast.parse(text.strip(), mode="eval")
         except SyntaxError as exc:
             raise FormulaError(f"does not parse: {exc.msg}") from None
+        except (RecursionError, MemoryError):
+            raise FormulaError(f"nested more than {_MAX_DEPTH} deep") from None
+        if _depth(tree) > _MAX_DEPTH:
+            raise FormulaError(f"nested more than {_MAX_DEPTH} deep")
         for node in ast.walk(tree):
             _check_node(node, names)
         return cls(text=text, tree=tree)
@@ -70,6 +76,17 @@ class Formula:
     def evaluate(self, scores: Mapping[str, float]) -> float:
         """The formula's value with each name bound to its score."""
         return float(_eval(self.tree.body, scores))
+
+
+def _depth(tree: ast.AST) -> int:
+    """The tree's depth, walked without recursion."""
+    deepest = 0
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 def _check_node(node: ast.AST, names: frozenset[str]) -> None:

@@ -30,7 +30,7 @@ class Multi:
     def grade(self, samples: Sequence[Sample], items: Sequence[Mapping[str, Any]]) -> GradeResult:
         """The formula's value per sample; `by_grader` has each sub-grader's scores."""
         by_grader: dict[str, list[float]] = {}
-        failed = [False] * len(samples)
+        details: list[str | None] = [None] * len(samples)
         own: dict[str, list[float]] = {}
         for key, grader in self._graders.items():
             result = grader.grade(samples, items)
@@ -40,20 +40,22 @@ class Multi:
             for sub, scores in result.by_grader.items():
                 if sub != grader.name:
                     by_grader.setdefault(f"{key}.{sub}", scores)
-            for i, bad in enumerate(result.failed or [False] * len(samples)):
-                failed[i] = failed[i] or bad
+            for i, bad in enumerate(result.failed):
+                if bad and details[i] is None:
+                    why = result.error_details[i] if result.error_details else None
+                    details[i] = f"{key}: {why or 'failed'}"
         scores: list[float] = []
         for i in range(len(samples)):
             try:
                 value = self._formula.evaluate({key: own[key][i] for key in own})
                 if not math.isfinite(value):
                     raise ValueError(f"{value} is not finite")
-            except (ArithmeticError, ValueError, TypeError) as exc:
+            except Exception as exc:  # whatever the formula meets on a sample: 0, counted
                 log.debug("grader %s: formula failed on sample %d (%s)", self.name, i, exc)
                 value = 0.0
-                failed[i] = True
+                details[i] = details[i] or f"FormulaError: calculate_output failed ({exc})"
             scores.append(value)
-        return GradeResult(scores=scores, by_grader=by_grader, errors=sum(failed), failed=failed)
+        return GradeResult.of(scores, details, by_grader)
 
     def close(self) -> None:
         """Closes every sub-grader."""

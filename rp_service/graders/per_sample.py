@@ -27,7 +27,7 @@ class PerSampleGrader:
         if len(samples) != len(items):
             raise ValueError(f"{len(samples)} samples but {len(items)} items")
         scores: list[float] = []
-        failed: list[bool] = []
+        details: list[str | None] = []
         for sample, item in zip(samples, items, strict=True):
             try:
                 value = float(self.score(sample, item))
@@ -36,13 +36,11 @@ class PerSampleGrader:
             except Exception as exc:  # a user's template or text must never stop training
                 log.debug("grader %s: sample scored 0 (%s)", self.name, exc)
                 scores.append(0.0)
-                failed.append(True)
+                details.append(f"{type(exc).__name__}: {exc}")
             else:
                 scores.append(value)
-                failed.append(False)
-        return GradeResult(
-            scores=scores, by_grader={self.name: list(scores)}, errors=sum(failed), failed=failed
-        )
+                details.append(None)
+        return GradeResult.of(scores, details, {self.name: list(scores)})
 
     def close(self) -> None:
         """Nothing to free."""

@@ -11,7 +11,9 @@ step 3 of every attempt, "device-fault-once" reports a device fault on its first
 with `train.sample_prompts` it emits a `sample` event at every evaluation step (each
 completion names its prompt, step and attempt);
 a name starting with "real" hands the job to the real worker (exec, same pid and pipes).
-A `train.objective: dpo` job's metrics carry `FAKE_DPO_METRICS` too; every metrics event
+A `train.objective: dpo` job's metrics carry `FAKE_DPO_METRICS` too; a GRPO job's
+(`train.objective: grpo`, or a name starting with "fake-grpo" while the schema lacks it)
+carry `fake_grpo_metrics(step)`, and its samples a reward per grader; every metrics event
 carries a `gpu_share` of its devices, each 50% busy.
 """
 
@@ -37,6 +39,29 @@ FAKE_DPO_METRICS = {
     "logps/chosen": -12.5,
     "logps/rejected": -20.0,
 }
+# A GRPO job's graders (docs/RL.md): the second name looks like HTML, to stay text.
+FAKE_GRADERS = ("exact", "<b>fuzzy</b>")
+
+
+def fake_grpo_metrics(step: int) -> dict[str, Any]:
+    """A GRPO job's metrics at `step` (the contract's names), each a simple function of it."""
+    return {
+        "reward_mean": step / 100,
+        "reward_std": 0.5 / step,
+        "rewards": {FAKE_GRADERS[0]: step / 50, FAKE_GRADERS[1]: 1 - 1 / step},
+        "kl": 0.01 * step,
+        "clip_fraction": 0.25,
+        "completion_tokens_mean": 10.0 + step,
+        "grader_errors": step % 2,
+    }
+
+
+def is_grpo(spec: dict[str, Any]) -> bool:
+    return spec["train"].get("objective") == "grpo" or (spec.get("name") or "").startswith(
+        "fake-grpo"
+    )
+
+
 _journal: list[Any] = []  # the open event journal, as the real worker keeps one
 
 
@@ -89,12 +114,16 @@ def fake_gpu_share() -> list[dict[str, Any]]:
     return [{"device": n, "busy_fraction": 0.5, "busy_s": 0.01, "jobs": 4} for n in names]
 
 
-def emit_samples(prompts: list[str], step: int, attempt: int) -> None:
+def emit_samples(prompts: list[str], step: int, attempt: int, *, grpo: bool = False) -> None:
     completions = [f"{p} at step {step} (attempt {attempt})" for p in prompts]
     samples = [
         {"prompt": p, "completion": c, "tokens": len(c), "finish_reason": "length"}
         for p, c in zip(prompts, completions, strict=True)
     ]
+    if grpo:  # a rollout's reward (i / 4 for the i-th) and each grader's score
+        for i, sample in enumerate(samples):
+            sample["reward"] = i / 4
+            sample["rewards"] = {FAKE_GRADERS[0]: float(i % 2), FAKE_GRADERS[1]: 0.5}
     tokens = sum(len(c) for c in completions)
     data = {"step": step, "samples": samples, "tokens": tokens, "seconds": 0.0}
     emit("sample", f"step {step}: {len(samples)} samples, {tokens} tokens", data)
@@ -163,12 +192,13 @@ def main() -> int:
                 "gpu_share": fake_gpu_share(),
                 "eta_seconds": (total - step) * step_s,
                 **(FAKE_DPO_METRICS if spec["train"].get("objective") == "dpo" else {}),
+                **(fake_grpo_metrics(step) if is_grpo(spec) else {}),
             },
         )
         prompts = spec["train"].get("sample_prompts") or []
         eval_interval = spec["train"].get("eval_interval") or 0
         if prompts and ((eval_interval and step % eval_interval == 0) or step == total):
-            emit_samples(prompts, step, payload["attempt"])
+            emit_samples(prompts, step, payload["attempt"], grpo=is_grpo(spec))
         if spec.get("name") == "disk-full" and step == 2 * interval:
             from types import SimpleNamespace
 

@@ -20,6 +20,9 @@ from rp_service.errors import BODY_NOT_AN_OBJECT, BadRequest, body_is_not_an_obj
 __all__ = ["OpenAIRoute", "bad_request"]
 
 _AUTO_PARAMS = ("hyperparameters.", "method.supervised.hyperparameters.")
+_GRADER_TAGS = frozenset(
+    {"string_check", "text_similarity", "multi", "python", "score_model", "label_model"}
+)
 _UNION_MEMBER = re.compile(r"literal\[.*\]|constrained-\w+|int|float|str")
 
 
@@ -30,6 +33,17 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     # pydantic names the member of a union that failed ("literal['auto']", "constrained-int");
     # the parameter is what the caller knows.
     parts = [p for p in parts if not _UNION_MEMBER.fullmatch(p)]
+    # A grader's discriminated union names its `type` tag after the grader's path
+    # (grader.string_check.operation); the caller's path has no such step.
+    parts = [
+        p
+        for i, p in enumerate(parts)
+        if not (
+            p in _GRADER_TAGS
+            and i > 0
+            and (parts[i - 1] == "grader" or parts[i - 2 : i - 1] == ["graders"])
+        )
+    ]
     return ".".join(parts) or None
 
 

@@ -18,6 +18,7 @@ import {
 } from "../format.js";
 import { chatPanel } from "./chat.js";
 import { preferenceCharts, preferenceSummary } from "./preference.js";
+import { rewardCharts, rewardSummary } from "./rewards.js";
 import { samplesPanel } from "./samples.js";
 
 // The statuses each control applies to (the orchestrator's transitions).
@@ -97,6 +98,7 @@ export function renderJob(view, jobId) {
   };
 
   const preference = preferenceCharts(lossCanvas); // a DPO job's reward charts (pages/preference.js)
+  const rewards = rewardCharts(lossCanvas); // a GRPO job's reward charts (pages/rewards.js)
 
   const checkpointsBody = el("tbody");
   const eventsList = el("ol", { id: "events", class: "events", reversed: true });
@@ -170,6 +172,7 @@ export function renderJob(view, jobId) {
       ["train loss", number(m.train_loss)],
       ["valid loss", number(m.valid_loss)],
       ...preferenceSummary(m),
+      ...rewardSummary(m),
       ["learning rate", number(m.learning_rate, 3)],
       ["tokens/s", number(m.tokens_per_second, 3)],
       ["ETA", job.status === "running" ? duration(p.eta_seconds) : "–"],
@@ -251,6 +254,7 @@ export function renderJob(view, jobId) {
       if (typeof data[key] === "number") chart.push(key, step, data[key]);
     }
     preference.onMetrics(data, step);
+    rewards.onMetrics(data, step);
     for (const [key, value] of Object.entries(data)) {
       if (!MEMORY_KEY.test(key) || typeof value !== "number") continue;
       // a column that has only ever been 0 (GPU memory of a CPU run) is left out

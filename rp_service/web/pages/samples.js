@@ -1,21 +1,21 @@
 // Samples panel of a job's page: the greedy completions of train.sample_prompts that the
 // worker writes at each evaluation (`sample` events, docs/CHAT.md), newest step first.
+// A GRPO job's rollouts carry `reward` and `rewards` (grader name -> score, docs/RL.md):
+// the table then grows a Reward column and a per-grader one.
 //
 // One table body per step: a step trained again after a resume samples again, and its
 // newer completions replace the older ones. Prompts and completions are user text and
 // go in as text nodes (format.js's el), never as HTML.
 
-import { el, integer } from "../format.js";
+import { el, integer, number } from "../format.js";
 
 const MAX_STEPS = 100; // the newest steps kept on the page
 
 export function samplesPanel() {
   const empty = el("p", { id: "samples-empty", class: "muted" }, "No samples yet: they come at each evaluation.");
-  const table = el(
-    "table",
-    { id: "samples-table", class: "samples" },
-    el("thead", {}, el("tr", {}, ["Step", "Prompt", "Completion"].map((h) => el("th", {}, h)))),
-  );
+  const headRow = el("tr", {}, ["Step", "Prompt", "Completion"].map((h) => el("th", {}, h)));
+  const table = el("table", { id: "samples-table", class: "samples" }, el("thead", {}, headRow));
+  let rewarded = false; // whether the Reward columns are in the header
   const node = el("section", { id: "samples", hidden: true }, el("h2", {}, "Samples"), empty, table);
   const bodies = new Map(); // step -> its tbody
 
@@ -24,8 +24,28 @@ export function samplesPanel() {
     if (spec?.train?.sample_prompts?.length) node.hidden = false;
   }
 
+  // "name: score" per grader, as text.
+  function byGrader(rewards) {
+    if (!rewards || typeof rewards !== "object") return "";
+    return Object.entries(rewards)
+      .map(([name, value]) => `${name}: ${typeof value === "number" ? number(value, 3) : "–"}`)
+      .join(", ");
+  }
+
+  function rewardCells(s) {
+    if (!rewarded) return [];
+    return [
+      el("td", { class: "num sample-reward" }, typeof s.reward === "number" ? number(s.reward, 3) : "–"),
+      el("td", { class: "sample-rewards" }, byGrader(s.rewards)),
+    ];
+  }
+
   function body(step, data) {
     const samples = data.samples.filter((s) => s && typeof s === "object");
+    if (!rewarded && samples.some((s) => typeof s.reward === "number")) {
+      rewarded = true;
+      headRow.append(el("th", {}, "Reward"), el("th", {}, "By grader"));
+    }
     const rows = samples.map((s, i) =>
       el(
         "tr",
@@ -39,6 +59,7 @@ export function samplesPanel() {
           { class: "sample-completion", title: `${s.tokens ?? "?"} tokens, ${s.finish_reason ?? ""}` },
           String(s.completion ?? ""),
         ),
+        ...rewardCells(s),
       ),
     );
     return el("tbody", { dataset: { step, attempt: data.attempt ?? "" } }, rows);
