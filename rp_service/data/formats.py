@@ -50,6 +50,12 @@ class DataFormatError(JobFailure, ValueError):
         self.args = (f"line {line}: {message}" if line else message,)
         self.line = line
 
+    def in_field(self, param: str) -> JobFailure:
+        """This error as the job's failure, naming the field that read the file
+        (``data.train line 3: ...``)."""
+        where = f"{param} line {self.line}: " if self.line else f"{param}: "
+        return JobFailure("invalid_data", where + self.message, param=param, line=self.line)
+
 
 # ---------------------------------------------------------------- parsing and validation
 

@@ -123,36 +123,10 @@ def _next_ids(
     return [int(t) for t in out.tolist()]
 
 
-def greedy_completions(
-    rp: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    stop: set[int],
-    max_positions: int,
-    pad_id: int,
-    num_microbatch: int,
-) -> list[Sample]:
-    """Greedy continuations of the token-id `prompts` through the engine's forward.
-
-    Args:
-        max_new_tokens: Most tokens a completion gets.
-        stop: Ids that end a completion (left out of it).
-        max_positions: Longest sequence the model takes: a prompt this long or longer
-            gets an empty completion.
-        pad_id: Fills the rows shorter than the longest (never attended to).
-        num_microbatch: Most micro-batches a forward is split into.
-    """
-    return _complete(
-        rp,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        stop=stop,
-        max_positions=max_positions,
-        pad_id=pad_id,
-        num_microbatch=num_microbatch,
-        draw=None,
-    )
+def greedy_completions(rp: Any, prompts: Sequence[Sequence[int]], **limits: Any) -> list[Sample]:
+    """Greedy continuations of the token-id `prompts` through the engine's forward;
+    `limits` as `_complete`'s."""
+    return _complete(rp, prompts, draw=None, **limits)
 
 
 def top_p_draw(*, temperature: float, top_p: float, generator: torch.Generator) -> Draw:
@@ -175,27 +149,15 @@ def sampled_completions(
     rp: Any,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
-    stop: set[int],
-    max_positions: int,
-    pad_id: int,
-    num_microbatch: int,
     temperature: float,
     top_p: float,
     generator: torch.Generator,
+    **limits: Any,
 ) -> list[Sample]:
-    """Continuations of `prompts` drawn at `temperature` and `top_p` from `generator`
-    (the other arguments as `greedy_completions`'). Rows that share a prompt draw apart."""
-    return _complete(
-        rp,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        stop=stop,
-        max_positions=max_positions,
-        pad_id=pad_id,
-        num_microbatch=num_microbatch,
-        draw=top_p_draw(temperature=temperature, top_p=top_p, generator=generator),
-    )
+    """Continuations of `prompts` drawn at `temperature` and `top_p` from `generator`;
+    `limits` as `_complete`'s. Rows that share a prompt draw apart."""
+    draw = top_p_draw(temperature=temperature, top_p=top_p, generator=generator)
+    return _complete(rp, prompts, draw=draw, **limits)
 
 
 def _complete(
@@ -209,6 +171,16 @@ def _complete(
     num_microbatch: int,
     draw: Draw | None,
 ) -> list[Sample]:
+    """Continuations of `prompts`, each token chosen by `draw` (None: greedy).
+
+    Args:
+        max_new_tokens: Most tokens a completion gets.
+        stop: Ids that end a completion (left out of it).
+        max_positions: Longest sequence the model takes: a prompt this long or longer
+            gets an empty completion.
+        pad_id: Fills the rows shorter than the longest (never attended to).
+        num_microbatch: Most micro-batches a forward is split into.
+    """
     seqs = [list(p) for p in prompts]
     made: list[list[int]] = [[] for _ in seqs]
     stops: list[int | None] = [None for _ in seqs]

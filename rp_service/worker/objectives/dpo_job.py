@@ -60,8 +60,7 @@ def _load_pairs(
                 records.append((line, record))
         return build_pairs(records, tokenizer, seq_len=spec.data.seq_len)
     except DataFormatError as exc:
-        where = f"{param} line {exc.line}: " if exc.line else f"{param}: "
-        raise JobFailure("invalid_data", where + exc.message, param=param, line=exc.line) from exc
+        raise exc.in_field(param) from exc
 
 
 class DpoObjective:

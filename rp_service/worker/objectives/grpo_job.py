@@ -82,8 +82,7 @@ def _load_prompts(source: str, param: str, spec: JobSpec, tokenizer: JobTokenize
             records.append((line, record))
         return build_prompts(records, tokenizer, max_tokens=spec.data.seq_len)
     except DataFormatError as exc:
-        where = f"{param} line {exc.line}: " if exc.line else f"{param}: "
-        raise JobFailure("invalid_data", where + exc.message, param=param, line=exc.line) from exc
+        raise exc.in_field(param) from exc
 
 
 def _sample(text: str) -> Sample:

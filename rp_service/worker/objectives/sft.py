@@ -43,8 +43,7 @@ def load_blocks(
             records, fmt, tokenizer, seq_len=data.seq_len, packing=data.packing
         )
     except DataFormatError as exc:
-        where = f"{param} line {exc.line}: " if exc.line else f"{param}: "
-        raise JobFailure("invalid_data", where + exc.message, param=param, line=exc.line) from exc
+        raise exc.in_field(param) from exc
 
 
 class SftObjective:
