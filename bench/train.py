@@ -385,7 +385,10 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
     def step_fn() -> None:
         start = time.perf_counter()
         if args.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(clipped, args.grad_clip)
+            if hasattr(optimizer, "clip_grad_norm_"):  # engine.optim.Adam's, as the daemon
+                optimizer.clip_grad_norm_(args.grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(clipped, args.grad_clip)
         _set_lr(optimizer, train_args.lr_at(args, len(adam_s) + 1))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,7 +1,8 @@
 /* The C Adam: run-time ISA dispatch, the thread split, and the scalar path.
  *
  * Numerics follow torch's _single_tensor_adam in fp32, one rounding per torch kernel:
- *   g  = maximize ? -grad : grad
+ *   g  = grad * grad_scale                 clip_grad_norm_'s multiply (1: exact no-op)
+ *   g  = maximize ? -g : g
  *   g  = fma(p, wd, g)                     L2 decay (torch's add with alpha is an fma)
  *   p  = p * (1 - lr * wd)                 decoupled decay
  *   m  = fma(w, g - m, m)                  lerp with w = 1 - beta1 when |w| < 0.5,
@@ -145,6 +146,7 @@ static void adam_elem(const rp_adam_hyper *h, float *p_io, float g, float *m_io,
                       float *vm) {
     const float w = h->beta1_weight;
     float p = *p_io, m = *m_io, v = *v_io;
+    g = g * h->grad_scale;
     if (h->maximize) g = -g;
     if (h->use_l2) g = fmaf(p, h->l2_weight_decay, g);
     if (h->use_decoupled) p = p * h->decoupled_decay;
@@ -366,6 +368,84 @@ static void run_chunks(rp_work *w) {
 static void *run_chunks_thread(void *arg) {
     run_chunks((rp_work *)arg);
     return NULL;
+}
+
+/* rp_grad_sumsq's shared work: chunks of RP_CHUNK elements as in rp_adam_step, each one's
+ * sum written to its own slot. */
+typedef struct {
+    const rp_adam_tensor *tensors;
+    const int64_t *first_chunk;
+    int n_tensors;
+    double *sums; /* one per chunk */
+    int64_t next_chunk;
+} rp_sumsq_work;
+
+/* Four running sums (the additions of one chain wait on each other), combined in a
+ * fixed order: the same value on every run and thread count. */
+static double chunk_sumsq(const rp_adam_tensor *t, int64_t lo, int64_t hi) {
+    double a[4] = {0.0, 0.0, 0.0, 0.0};
+    int64_t i = lo;
+    if (t->grad_dtype == RP_DTYPE_FP32) {
+        const float *g = (const float *)t->grad;
+        for (; i + 4 <= hi; i += 4)
+            for (int k = 0; k < 4; ++k) a[k] += (double)g[i + k] * (double)g[i + k];
+    }
+    for (; i < hi; ++i) {
+        double x = (double)load_grad_scalar(t, i);
+        a[i & 3] += x * x;
+    }
+    return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+static void *run_sumsq(void *arg) {
+    rp_sumsq_work *w = (rp_sumsq_work *)arg;
+    int ti = 0;
+    const int64_t total = w->first_chunk[w->n_tensors];
+    for (;;) {
+        int64_t chunk = __atomic_fetch_add(&w->next_chunk, 1, __ATOMIC_RELAXED);
+        if (chunk >= total) return NULL;
+        while (w->first_chunk[ti + 1] <= chunk) ++ti;
+        const rp_adam_tensor *t = &w->tensors[ti];
+        int64_t lo = (chunk - w->first_chunk[ti]) * RP_CHUNK;
+        int64_t hi = lo + RP_CHUNK < t->numel ? lo + RP_CHUNK : t->numel;
+        w->sums[chunk] = chunk_sumsq(t, lo, hi);
+    }
+}
+
+int rp_grad_sumsq(const rp_adam_tensor *tensors, int n_tensors, double *out, int n_threads) {
+    int64_t *first = malloc(sizeof *first * (size_t)(n_tensors + 1));
+    if (!first) return -2;
+    first[0] = 0;
+    for (int i = 0; i < n_tensors; ++i)
+        first[i + 1] = first[i] + (tensors[i].numel + RP_CHUNK - 1) / RP_CHUNK;
+    int64_t chunks = first[n_tensors];
+    double *sums = malloc(sizeof *sums * (size_t)(chunks > 0 ? chunks : 1));
+    if (!sums) {
+        free(first);
+        return -2;
+    }
+    int n = n_threads < 1 ? 1 : n_threads;
+    if (n > RP_MAX_THREADS) n = RP_MAX_THREADS;
+    if (n > chunks) n = chunks > 0 ? (int)chunks : 1;
+    rp_sumsq_work work = {tensors, first, n_tensors, sums, 0};
+    pthread_t stack_ids[16];
+    pthread_t *ids = n > 16 ? malloc(sizeof *ids * (size_t)n) : stack_ids;
+    int started = 0;
+    if (ids) {
+        while (started + 1 < n && pthread_create(&ids[started + 1], NULL, run_sumsq, &work) == 0)
+            ++started;
+    }
+    run_sumsq(&work);
+    for (int k = 1; k <= started; ++k) pthread_join(ids[k], NULL);
+    if (ids && ids != stack_ids) free(ids);
+    for (int i = 0; i < n_tensors; ++i) {
+        double s = 0.0;
+        for (int64_t c = first[i]; c < first[i + 1]; ++c) s += sums[c];
+        out[i] = s;
+    }
+    free(sums);
+    free(first);
+    return 0;
 }
 
 int rp_adam_step(const rp_adam_tensor *tensors, int n_tensors,

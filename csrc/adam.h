@@ -25,6 +25,8 @@ typedef struct {
     float inv_bias_correction2_sqrt; /* 1 / sqrt(1 - beta2 ** step) */
     float eps;
     float neg_step_size;      /* -lr / (1 - beta1 ** step) */
+    float grad_scale;         /* the gradient is multiplied by this first (1: as it is); the
+                               * clip of clip_grad_norm_ without a pass over the gradients */
     int maximize;
     int use_l2;
     int use_decoupled;
@@ -78,10 +80,16 @@ typedef struct {
 #define RP_QMAP_SIGNED_DECADES 1032
 #define RP_QMAP_UNSIGNED_DECADES 1056
 #define RP_QMAP_SIZE 1080
-#define RP_ADAM_ABI_VERSION 6
+#define RP_ADAM_ABI_VERSION 7
 
 /* RP_ADAM_ABI_VERSION of the compiled library (a stale build is rebuilt). */
 int rp_adam_abi_version(void);
+
+/* The sum of squares of each tensor's gradient (grad, grad_dtype, numel; nothing else is
+ * read) into out[i], accumulated in double over fixed chunks that are added in order, so
+ * the result does not depend on the thread count. With up to n_threads threads; returns 0,
+ * or -2 when memory for the chunks' sums cannot be had. */
+int rp_grad_sumsq(const rp_adam_tensor *tensors, int n_tensors, double *out, int n_threads);
 
 /* 1 when this build has the ISA path and the CPU can run it. */
 int rp_adam_isa_supported(int isa);

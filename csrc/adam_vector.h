@@ -28,7 +28,7 @@ static inline const char *rp_ahead(const void *p) {
 }
 
 typedef struct {
-    vf l2, decay, w, w_big, beta2, c2, inv_bc2, eps, nss;
+    vf gscale, l2, decay, w, w_big, beta2, c2, inv_bc2, eps, nss;
     int small_weight, maximize, use_l2, use_decoupled, amsgrad, copy, grad_dtype, bf16_state,
         bf16_param;
     uint32_t sr_seed, param_sr_seed;
@@ -83,6 +83,7 @@ RP_SIMD void store_param(const rp_consts *c, void *dst, vf p, int64_t idx) {
 /* adam_elem (adam.c) in RP_W lanes; `max_sq` is touched only with amsgrad. */
 RP_SIMD void adam_math(const rp_consts *c, vf *p_io, vf g, vf *m_io, vf *v_io, float *max_sq) {
     vf p = *p_io, m = *m_io, v = *v_io;
+    g = vf_mul(g, c->gscale);
     if (c->maximize) g = vf_neg(g);
     if (c->use_l2) g = vf_fmadd(p, c->l2, g);
     if (c->use_decoupled) p = vf_mul(p, c->decay);
@@ -275,7 +276,7 @@ RP_TARGET void RP_KERNEL(const rp_adam_tensor *t, const rp_adam_hyper *h, int64_
     const size_t ssz = t->state_dtype == RP_DTYPE_BF16 ? 2 : 4;
     const size_t psz = t->param_dtype == RP_DTYPE_BF16 ? 2 : 4;
     rp_consts c = {
-        vf_set1(h->l2_weight_decay), vf_set1(h->decoupled_decay),
+        vf_set1(h->grad_scale), vf_set1(h->l2_weight_decay), vf_set1(h->decoupled_decay),
         vf_set1(h->beta1_weight), vf_set1(h->beta1_weight - 1.0f),
         vf_set1(h->beta2), vf_set1(h->one_minus_beta2),
         vf_set1(h->inv_bias_correction2_sqrt), vf_set1(h->eps),

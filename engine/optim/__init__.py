@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -209,6 +210,7 @@ class Adam(torch.optim.Optimizer):
         }
         _check_hyper(defaults, "")
         super().__init__(params, defaults)
+        self._grad_scale = 1.0  # clip_grad_norm_'s coefficient, for the next step()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after checking its parameters and hyper-parameters."""
@@ -226,6 +228,7 @@ class Adam(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore state (also from torch.optim.Adam), filling keys older versions lack."""
         self.__dict__.setdefault("state_dtype", torch.float32)
+        self.__dict__.setdefault("_grad_scale", 1.0)
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -258,6 +261,43 @@ class Adam(torch.optim.Optimizer):
                         self.state[p][name] = value.to(device=p.device, copy=True)
 
     @torch.no_grad()
+    def grad_norm(self) -> Tensor:
+        """The 2-norm of every gradient this optimizer would step with, as an fp32 scalar
+        (`torch.nn.utils.get_total_norm`'s value, summed in double by the C library over
+        all cores: one read of the gradients, in a fraction of torch's time on the CPU)."""
+        grads = [p.grad for group in self.param_groups for p in group["params"]]
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32)
+        if get_isa() == _native.TORCH_FALLBACK:
+            return torch.nn.utils.get_total_norm(grads).to(torch.float32)
+        return torch.tensor(math.sqrt(_native_sumsq(grads)), dtype=torch.float32)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """`torch.nn.utils.clip_grad_norm_(params, max_norm)` over this optimizer's
+        gradients, returning the total norm; the multiply by the clip coefficient
+        (max_norm / (norm + 1e-6), at most 1, in fp32 as torch computes it) is done by the
+        next `step()` as it reads each gradient, not by a pass of its own. So the gradients
+        keep their values until then, and the update is bit for bit the one after torch's
+        clip with the same norm. The norm itself is summed in double (`grad_norm`), so it
+        may differ from torch's fp32 sum in the last bits. `zero_grad()` forgets a clip not
+        yet applied. Without the C library the gradients are multiplied at once, as torch."""
+        norm = self.grad_norm()
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        if get_isa() == _native.TORCH_FALLBACK:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            torch._foreach_mul_(grads, coef)
+        else:
+            self._grad_scale = float(coef)
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad, also dropping a clip that no step applied."""
+        self._grad_scale = 1.0
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update every parameter that has a gradient; returns the closure's loss, if any."""
         loss = None
@@ -265,6 +305,7 @@ class Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         entries = self._collect()
+        grad_scale, self._grad_scale = self._grad_scale, 1.0
         if not entries:
             return loss
         steps = [state["step"] for _, _, state, _ in entries]
@@ -281,7 +322,7 @@ class Adam(torch.optim.Optimizer):
                         h = _hyper_values(group, step)
                         _q8.exact_update(p, grad, state, h, stochastic_round_bf16)
             else:
-                _native_update(batch, batch_steps, isa)
+                _native_update(batch, batch_steps, isa, grad_scale)
             for p, _, _, _ in batch:
                 if hasattr(p, _COPY_ATTR):
                     setattr(p, _WRITTEN_ATTR, p._version)  # after the fallback's in-place ops
@@ -397,6 +438,7 @@ def _hyper_values(group: dict[str, Any], step: float) -> dict[str, Any]:
         "inv_bias_correction2_sqrt": 1 / bias_correction2**0.5,
         "eps": float(group["eps"]),
         "neg_step_size": -(lr / bias_correction1),
+        "grad_scale": 1.0,  # Adam.clip_grad_norm_'s coefficient (_native_update)
         "maximize": int(bool(group["maximize"])),
         "use_l2": int(weight_decay != 0 and not decoupled),
         "use_decoupled": int(weight_decay != 0 and decoupled),
@@ -417,10 +459,29 @@ def _param_sr_seed(step: float) -> int:
     return (int(step) * 0x85EBCA6B + 0x632BE5AB) & _MASK32
 
 
+def _native_sumsq(grads: list[Tensor]) -> float:
+    """The sum of the squares of every element of `grads` (CPU tensors), in double."""
+    native = _native.load()
+    ffi, lib = native.ffi, native.lib
+    dense = [g.contiguous() for g in grads]
+    tensors = ffi.new("rp_adam_tensor[]", len(dense))
+    for k, g in enumerate(dense):
+        if g.dtype not in _GRAD_DTYPES or g.device.type != "cpu":
+            raise ConfigError(f"a gradient must be an fp32, fp16 or bf16 CPU tensor, got {g.dtype}")
+        tensors[k].grad = g.data_ptr()
+        tensors[k].grad_dtype = _GRAD_DTYPES[g.dtype]
+        tensors[k].numel = g.numel()
+    out = ffi.new("double[]", len(dense))
+    if lib.rp_grad_sumsq(tensors, len(dense), out, get_num_threads()) != 0:
+        raise MemoryError("the C library could not allocate its per-chunk sums")
+    return math.fsum(out[k] for k in range(len(dense)))
+
+
 def _native_update(
     entries: list[tuple[Tensor, Tensor, dict[str, Any], dict[str, Any]]],
     step_values: list[float],
     isa: str,
+    grad_scale: float = 1.0,
 ) -> None:
     native = _native.load()
     ffi, lib = native.ffi, native.lib
@@ -432,7 +493,7 @@ def _native_update(
         key = (id(group), step)
         if key not in hyper_index:
             hyper_index[key] = len(hyper_rows)
-            hyper_rows.append(_hyper_values(group, step))
+            hyper_rows.append({**_hyper_values(group, step), "grad_scale": grad_scale})
         desc = tensors[k]
         desc.param = p.data_ptr()
         desc.grad = grad.data_ptr()
