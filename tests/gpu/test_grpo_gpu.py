@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,28 +35,7 @@ SPEC = {
 
 
 def _run_on_cuda(job: Path, on_event: Any = None) -> tuple[int, list[dict[str, Any]]]:
-    """`test_worker.run` with the worker on RP_DEVICES=cuda."""
-
-    def start(job_dir: Path) -> subprocess.Popen[str]:
-        env = dict(os.environ, RP_DEVICES="cuda", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(worker_tests.REPO), env.get("PYTHONPATH")])
-        )
-        log = open(job_dir / "worker.log", "a")  # noqa: SIM115 (the child holds it)
-        return subprocess.Popen(
-            [sys.executable, "-m", "rp_service.worker", str(job_dir)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env=env,
-        )
-
-    original = worker_tests.start
-    worker_tests.start = start
-    try:
-        return worker_tests.run(job, on_event)
-    finally:
-        worker_tests.start = original
+    return worker_tests.run(job, on_event, devices="cuda")
 
 
 @pytest.mark.parametrize("quantization", ["none", "nf4"])
