@@ -24,6 +24,7 @@ from engine.options import (
     RecomputeGrain,
 )
 from engine.planning.memory_plan import MAX_DIM
+from rp_service.graders import GraderSpec
 
 __all__ = [
     "MAX_INT64",
@@ -42,6 +43,7 @@ __all__ = [
     "FileDeleted",
     "FileFormat",
     "GpuShare",
+    "GrpoSection",
     "Health",
     "Job",
     "JobDeleted",
@@ -81,7 +83,7 @@ JobStatus = Literal[
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 EventType = Literal["status", "metrics", "checkpoint", "sample", "log", "message"]
 EventLevel = Literal["info", "warning", "error"]
-FileFormat = Literal["text", "chat", "prompt_completion", "preference"]
+FileFormat = Literal["text", "chat", "prompt_completion", "preference", "prompt"]
 DType = DtypeName
 ConfigValue = int | float | str | bool | None | list[int | float | str | bool | None]
 # Shape fields of a preset's config: whole numbers the model's tensors are built from (and
@@ -185,7 +187,7 @@ class DataSection(_Section):
         description='"file-..." id, an absolute path under RP_DATASET_ROOTS, or "synthetic".',
     )
     valid: str | None = Field(None, min_length=1, max_length=4096, description="Same forms.")
-    format: Literal["auto", "text", "chat", "prompt_completion", "preference"] = "auto"
+    format: Literal["auto", "text", "chat", "prompt_completion", "preference", "prompt"] = "auto"
     seq_len: int = Field(256, ge=2, le=1 << 20, description="Tokens per sequence.")
     packing: bool = True
 
@@ -200,6 +202,9 @@ DEFAULT_LR = {
     "dpo_lora": 2.0e-5,
     "dpo_pretrained": 2.0e-6,
 }
+# Objective grpo takes the fine-tune rates: its updates are scaled by group-normalised
+# advantages, and a tenth of them barely moves a LoRA adapter in a short run.
+_TENTH_RATE_OBJECTIVES = ("dpo",)
 
 
 def default_lr(method: str, pretrained: bool, objective: str = "sft") -> float:
@@ -209,7 +214,7 @@ def default_lr(method: str, pretrained: bool, objective: str = "sft") -> float:
     if method != "lora" and not pretrained:
         return DEFAULT_LR["preset"]
     key = "lora" if method == "lora" else "pretrained"
-    return DEFAULT_LR["dpo_" + key if objective == "dpo" else key]
+    return DEFAULT_LR["dpo_" + key if objective in _TENTH_RATE_OBJECTIVES else key]
 
 
 class TrainSection(_Section):
@@ -237,10 +242,12 @@ class TrainSection(_Section):
     method: Literal["full", "lora"] = Field(
         "full", description="full: train every weight; lora: frozen base + LoRA adapters."
     )
-    objective: Literal["sft", "dpo"] = Field(
+    objective: Literal["sft", "dpo", "grpo"] = Field(
         "sft",
         description="sft: next-token loss on the trained tokens; dpo: preference pairs "
-        "(data format preference), options in the dpo section.",
+        "(data format preference), options in the dpo section; grpo: reinforcement with a "
+        "grader on prompt rows (data format prompt; batch_size counts prompts), options in "
+        "the grpo section, the reward in `grader` (docs/RL.md).",
     )
     sample_prompts: list[str] = Field(
         default_factory=list,
@@ -387,6 +394,59 @@ class DpoSection(_Section):
     )
 
 
+class GrpoSection(_Section):
+    """Options of a `train.objective: grpo` job (TRL's GRPOConfig names where they exist)."""
+
+    group_size: int = Field(
+        8,
+        ge=2,
+        le=256,
+        description="Completions sampled per prompt (TRL's num_generations); advantages are "
+        "relative to the group.",
+    )
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1: off).")
+    max_completion_tokens: int = Field(
+        256, ge=1, le=32768, description="Most tokens of each sampled completion."
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        description="beta: weight of the KL term to the reference (the base with the LoRA "
+        "adapters off); 0 (TRL's default) leaves it out. Needs train.method lora.",
+    )
+    clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip range (epsilon).")
+    clip_epsilon_high: float | None = Field(
+        None, gt=0, le=10, description="Upper clip range (DAPO's clip-higher); null: epsilon."
+    )
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = Field(
+        "dapo",
+        description="How the token losses are averaged (TRL's names and default): dapo, over "
+        "every completion token of the batch; grpo, per completion then over completions; "
+        "dr_grpo, over completions x max_completion_tokens.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Advantages (r - group mean) divided by the group's reward std (group), "
+        "the batch's (batch), or not divided (none), as TRL's scale_rewards.",
+    )
+    sample_interval: int = Field(
+        10,
+        ge=0,
+        le=10**9,
+        description="Steps between `sample` events showing rollouts with their rewards "
+        "(up to 8 rows); 0: none.",
+    )
+    eval_prompts: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Validation prompts completed greedily and graded at each evaluation "
+        "(valid_reward_mean).",
+    )
+
+
 class JobSpec(_Section):
     """What to train and how: the body of `POST /v1/jobs`."""
 
@@ -402,6 +462,15 @@ class JobSpec(_Section):
     )
     dpo: DpoSection | None = Field(
         None, description="With train.objective dpo; null there means the defaults."
+    )
+    grpo: GrpoSection | None = Field(
+        None, description="With train.objective grpo; null there means the defaults."
+    )
+    grader: GraderSpec | None = Field(
+        None,
+        validate_default=True,
+        description="With train.objective grpo: the reward, an OpenAI grader object "
+        "(string_check, text_similarity, multi, python; docs/RL.md#graders).",
     )
 
     @field_validator("name")
@@ -443,6 +512,46 @@ class JobSpec(_Section):
             )
         return dpo
 
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_needs_the_objective(
+        cls, grpo: GrpoSection | None, info: ValidationInfo
+    ) -> GrpoSection | None:
+        train = info.data.get("train")
+        if not isinstance(train, TrainSection) or grpo is None:
+            return grpo
+        if train.objective != "grpo":
+            raise ValueError(
+                f"a grpo section is given but train.objective is {train.objective!r}; set "
+                "train.objective to 'grpo' or remove the grpo section"
+            )
+        if grpo.kl_coef > 0 and train.method != "lora":
+            raise ValueError(
+                "grpo.kl_coef > 0 needs train.method lora: the reference is the base with "
+                "the adapters off, and a full fine-tune would need a second copy of the "
+                "model; set grpo.kl_coef to 0 or train LoRA adapters"
+            )
+        return grpo
+
+    @field_validator("grader")
+    @classmethod
+    def _grader_with_grpo(cls, grader: Any, info: ValidationInfo) -> Any:
+        train = info.data.get("train")
+        if not isinstance(train, TrainSection):
+            return grader
+        if grader is not None and train.objective != "grpo":
+            raise ValueError(
+                f"a grader is given but train.objective is {train.objective!r}; set "
+                "train.objective to 'grpo' or remove the grader"
+            )
+        if grader is None and train.objective == "grpo":
+            raise ValueError(
+                "train.objective grpo needs a grader (the reward), e.g. "
+                '{"type": "string_check", "name": "exact", "input": "{{sample.output_text}}", '
+                '"reference": "{{item.answer}}", "operation": "eq"}'
+            )
+        return grader
+
     @model_validator(mode="after")
     def _lr_by_what_is_trained(self) -> JobSpec:
         # Resolved into the spec (and so shown by GET /v1/jobs/{id}); a given lr stays.
@@ -458,6 +567,8 @@ class JobSpec(_Section):
             self.lora = LoraSection()
         if self.train.objective == "dpo" and self.dpo is None:
             self.dpo = DpoSection()
+        if self.train.objective == "grpo" and self.grpo is None:
+            self.grpo = GrpoSection()
         return self
 
 

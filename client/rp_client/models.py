@@ -245,7 +245,9 @@ class TrainSection(_Model):
     checkpoint_interval: int | None = None
     keep_checkpoints: int | None = None
     method: str | None = None  # "full" | "lora"
-    objective: str | None = None  # "sft" | "dpo" (data format preference, the dpo section)
+    # "sft" | "dpo" (data format preference, the dpo section) | "grpo" (prompt rows, the
+    # grpo section and a grader: docs/RL.md)
+    objective: str | None = None
     sample_prompts: list[str] | None = None  # completed at every evaluation (`sample` events)
     sample_max_tokens: int | None = None
 
@@ -279,6 +281,22 @@ class DpoSection(_Model):
     label_smoothing: float | None = None
 
 
+class GrpoSection(_Model):
+    """GRPO's options (docs/RL.md): completions per prompt, sampling, the loss."""
+
+    group_size: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_completion_tokens: int | None = None
+    kl_coef: float | None = None
+    clip_epsilon: float | None = None
+    clip_epsilon_high: float | None = None
+    loss_type: str | None = None  # dapo | grpo | dr_grpo
+    scale_rewards: str | None = None  # group | batch | none
+    sample_interval: int | None = None
+    eval_prompts: int | None = None
+
+
 class JobSpec(_Model):
     """What to train; `to_body()` sends only the fields that were set."""
 
@@ -291,6 +309,9 @@ class JobSpec(_Model):
     engine: EngineSection | None = None
     lora: LoraSection | None = None
     dpo: DpoSection | None = None
+    grpo: GrpoSection | None = None
+    # An OpenAI grader object (string_check, text_similarity, multi, python): docs/RL.md
+    grader: dict[str, Any] | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> JobSpec:

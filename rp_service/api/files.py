@@ -101,7 +101,7 @@ async def upload_file(
     files: FilesDep,
     services: ServicesDep,
     format: Annotated[
-        Literal["auto", "text", "chat", "prompt_completion", "preference"],
+        Literal["auto", "text", "chat", "prompt_completion", "preference", "prompt"],
         Form(description="jsonl format (preference: DPO pairs)"),
     ] = "auto",
     purpose: Annotated[

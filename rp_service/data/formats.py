@@ -1,9 +1,11 @@
 """jsonl dataset formats and their line checks: what an upload and training both accept.
 
-Four formats, one JSON object a line (blank lines are skipped, but counted in line
+Five formats, one JSON object a line (blank lines are skipped, but counted in line
 numbers): ``text`` ``{"text": str}``; ``chat`` ``{"messages": [{"role", "content"}, ...]}``;
 ``prompt_completion`` ``{"prompt": str, "completion": str}``; ``preference`` (pairs for
-DPO, see `preference`). No torch here: the daemon checks uploads with these functions
+DPO, see `preference`); ``prompt`` (GRPO's rows: ``{"messages": [...]}`` without an
+assistant turn, OpenAI's reinforcement rows, or ``{"prompt": str | messages}`` without a
+completion, TRL's; any other keys are the item the grader reads). No torch here: the daemon checks uploads with these functions
 without loading it.
 """
 
@@ -28,8 +30,8 @@ __all__ = [
     "validate_jsonl",
 ]
 
-DataFormat = Literal["text", "chat", "prompt_completion", "preference"]
-FORMATS: tuple[DataFormat, ...] = ("text", "chat", "prompt_completion", "preference")
+DataFormat = Literal["text", "chat", "prompt_completion", "preference", "prompt"]
+FORMATS: tuple[DataFormat, ...] = ("text", "chat", "prompt_completion", "preference", "prompt")
 IGNORE_INDEX = -100
 """Label value that takes no loss (padding, prompts, non-assistant chat turns)."""
 
@@ -47,6 +49,12 @@ class DataFormatError(JobFailure, ValueError):
         super().__init__("invalid_data", message, line=line)
         self.args = (f"line {line}: {message}" if line else message,)
         self.line = line
+
+    def in_field(self, param: str) -> JobFailure:
+        """This error as the job's failure, naming the field that read the file
+        (``data.train line 3: ...``)."""
+        where = f"{param} line {self.line}: " if self.line else f"{param}: "
+        return JobFailure("invalid_data", where + self.message, param=param, line=self.line)
 
 
 # ---------------------------------------------------------------- parsing and validation
@@ -71,10 +79,10 @@ def _check_prompt_completion(record: dict[str, Any]) -> None:
         raise ValueError('"completion" is empty: there would be nothing to train on')
 
 
-def _check_chat(record: dict[str, Any]) -> None:
-    messages = record.get("messages")
+def _check_messages(messages: Any, key: str = "messages") -> bool:
+    """Check a list of chat messages; return whether an assistant turn is among them."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+        raise ValueError(f'"{key}" must be a non-empty list of {{"role", "content"}} objects')
     has_assistant = False
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -86,10 +94,29 @@ def _check_chat(record: dict[str, Any]) -> None:
             )
         _require_str(message, "content", where=f"messages[{i}].")
         has_assistant = has_assistant or role == "assistant"
-    if not has_assistant:
+    return has_assistant
+
+
+def _check_chat(record: dict[str, Any]) -> None:
+    if not _check_messages(record.get("messages")):
         raise ValueError(
             '"messages" has no "assistant" message: there would be nothing to train on'
         )
+
+
+def _check_prompt(record: dict[str, Any]) -> None:
+    if "messages" in record:
+        if _check_messages(record["messages"]) and record["messages"][-1]["role"] == "assistant":
+            raise ValueError(
+                '"messages" ends with an assistant turn: a prompt row ends where the model '
+                "is to answer (a user or system turn)"
+            )
+        return
+    prompt = record.get("prompt")
+    if isinstance(prompt, list):
+        _check_messages(prompt, "prompt")
+    elif not _require_str(record, "prompt").strip():
+        raise ValueError('"prompt" is empty')
 
 
 _CHECKS = {
@@ -97,6 +124,7 @@ _CHECKS = {
     "chat": _check_chat,
     "prompt_completion": _check_prompt_completion,
     "preference": check_preference,
+    "prompt": _check_prompt,
 }
 
 
@@ -104,7 +132,15 @@ def _detect(record: dict[str, Any]) -> DataFormat:
     if is_preference(record):
         return "preference"
     if "messages" in record:
+        messages = record["messages"]
+        # no assistant turn: nothing to imitate, a prompt to answer (reinforcement rows)
+        if isinstance(messages, list) and not any(
+            isinstance(m, dict) and m.get("role") == "assistant" for m in messages
+        ):
+            return "prompt"
         return "chat"
+    if "prompt" in record and "completion" not in record:
+        return "prompt"
     if "prompt" in record or "completion" in record:
         return "prompt_completion"
     if "text" in record:
@@ -143,7 +179,7 @@ def iter_records(
     Args:
         source: a jsonl file path, or its lines (str or bytes).
         format: ``auto`` (decided by the first record; every later line must match it),
-            ``text``, ``chat``, ``prompt_completion`` or ``preference``.
+            ``text``, ``chat``, ``prompt_completion``, ``preference`` or ``prompt``.
 
     Raises:
         DataFormatError: at the first malformed line, naming it.

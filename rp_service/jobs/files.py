@@ -16,7 +16,7 @@ from rp_service.jobs.store import FileRecord, Store
 
 __all__ = ["FORMATS", "RETRY_WINDOW_S", "FileService"]
 
-FORMATS = ("text", "chat", "prompt_completion", "preference")
+FORMATS = ("text", "chat", "prompt_completion", "preference", "prompt")
 # How far back a client's retry (the OpenAI SDK's x-stainless-retry-count > 0) looks for its
 # first attempt: longer than that SDK's default timeout (600 s) plus its back-off.
 RETRY_WINDOW_S = 900

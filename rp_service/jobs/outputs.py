@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from rp_service.data.preference import PREFERENCE_METRICS
+from rp_service.data.prompts import GRPO_METRICS
 from rp_service.errors import NotFound
 from rp_service.jobs.events import EventHub, sse_stream
 from rp_service.jobs.export import export_job
@@ -18,7 +19,7 @@ from rp_service.jobs.store_io import StoreIO
 from rp_service.schemas import TERMINAL_STATUSES, Export, ExportRequest
 from rp_service.settings import Settings
 
-__all__ = ["PREFERENCE_COLUMNS", "SERIES_COLUMNS", "JobOutputs"]
+__all__ = ["GRPO_COLUMNS", "PREFERENCE_COLUMNS", "SERIES_COLUMNS", "JobOutputs"]
 
 SERIES_COLUMNS = (
     "step",
@@ -30,6 +31,7 @@ SERIES_COLUMNS = (
 )
 # A DPO job's metrics (TRL's names): columns of its series, absent from other jobs'.
 PREFERENCE_COLUMNS = PREFERENCE_METRICS
+GRPO_COLUMNS = GRPO_METRICS  # a GRPO job's series (its `rewards` dict stays in the events)
 _LOG_CHUNK_BYTES = 1 << 20
 _TAR_CHUNK_BYTES = 1 << 20
 
@@ -82,6 +84,8 @@ class JobOutputs:
             for event in page:
                 if names is SERIES_COLUMNS and PREFERENCE_COLUMNS[0] in event.data:
                     names = SERIES_COLUMNS + PREFERENCE_COLUMNS
+                elif names is SERIES_COLUMNS and GRPO_COLUMNS[0] in event.data:
+                    names = SERIES_COLUMNS + GRPO_COLUMNS
                 row = {}
                 for name in names:
                     value = event.data.get(name)

@@ -18,7 +18,7 @@ from typing import IO, Any, Literal
 
 from rp_service.durable import write_bytes
 from rp_service.jobs.faults import MemoryWatch
-from rp_service.jobs.outputs import PREFERENCE_COLUMNS
+from rp_service.jobs.outputs import GRPO_COLUMNS, PREFERENCE_COLUMNS
 from rp_service.jobs.store import CheckpointRecord
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
@@ -219,7 +219,8 @@ class WorkerHandle:
                 self.metrics[key] = data.get(key)
         # A DPO step's TRL-named metrics (the Prometheus exporter reads them here); other
         # jobs' metrics do not get these keys.
-        for key in PREFERENCE_COLUMNS:
+        # A GRPO step's rewards likewise (valid_reward_mean kept from its last evaluation).
+        for key in PREFERENCE_COLUMNS + GRPO_COLUMNS:
             if isinstance(data.get(key), int | float):
                 self.metrics[key] = data[key]
         share = _gpu_share(data.get("gpu_share"))

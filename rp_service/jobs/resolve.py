@@ -126,6 +126,44 @@ def config_max_positions(config: dict[str, Any] | None) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+# The data format each objective needs (None: any but those another objective needs).
+_OBJECTIVE_FORMATS = {"dpo": "preference", "grpo": "prompt"}
+_FORMAT_WORDS = {"preference": "preference pairs", "prompt": "prompt rows"}
+
+
+def _check_format_for_objective(param: str, raw: str, fmt: str, objective: str) -> None:
+    """Refuse an uploaded file whose records the objective does not train on."""
+    want = _OBJECTIVE_FORMATS.get(objective)
+    if want == fmt or (want is None and fmt not in _FORMAT_WORDS):
+        return
+    fitting = next((o for o, f in _OBJECTIVE_FORMATS.items() if f == fmt), "sft")
+    needs = _FORMAT_WORDS.get(want or "", "text, chat or prompt-completion records")
+    raise InvalidRequest(
+        f"{param}: file {raw} holds {fmt} records but train.objective {objective!r} trains "
+        f"on {needs}; set train.objective to {fitting!r} or upload other data",
+        code="format_mismatch",
+        param=param,
+    )
+
+
+def check_grader(spec: JobSpec) -> None:
+    """Refuse a grader this daemon cannot run (a python grader without
+    RP_ALLOW_PYTHON_GRADERS=1, an unknown metric, a bad formula), naming its field."""
+    if spec.grader is None:
+        return
+    import tempfile
+
+    from rp_service.graders import GraderConfigError, build_grader, python_graders_allowed
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="rp-grader-check-") as workdir:
+            build_grader(
+                spec.grader, allow_python=python_graders_allowed(), workdir=Path(workdir)
+            ).close()
+    except GraderConfigError as exc:
+        raise InvalidRequest(exc.message, code="invalid_grader", param=exc.field) from None
+
+
 class SpecResolver:
     """Checks specs at submission and resolves them for the worker at start."""
 
@@ -155,6 +193,7 @@ class SpecResolver:
                 check_lora_rank(spec.lora, config)
         if spec.tokenizer.path is not None:
             self._model_dir(spec.tokenizer.path, param="tokenizer.path")
+        check_grader(spec)
         train_path = self._data(
             "data.train", spec.data.train, spec.data.format, spec.train.objective
         )
@@ -312,15 +351,7 @@ class SpecResolver:
                     code="format_mismatch",
                     param=param,
                 )
-            if (record.format == "preference") != (objective == "dpo"):
-                want = "preference pairs" if objective == "dpo" else "no preference pairs"
-                raise InvalidRequest(
-                    f"{param}: file {raw} holds {record.format} records but train.objective "
-                    f"{objective!r} trains on {want}; set train.objective to "
-                    f"{'sft' if objective == 'dpo' else 'dpo'!r} or upload other data",
-                    code="format_mismatch",
-                    param=param,
-                )
+            _check_format_for_objective(param, raw, record.format, objective)
             return record.path
         path = _under_roots(raw, self.settings.dataset_roots, param=param, env="RP_DATASET_ROOTS")
         if not path.is_file():

@@ -111,6 +111,8 @@ class FineTuning:
             raise
         except (InvalidRequest, JobFailure) as exc:  # the resolver's 422, in OpenAI's terms: a 400
             param = _PARAMS.get(exc.param or "", exc.param)
+            if param is not None and param.split(".")[0] in ("grader", "grpo"):
+                param = f"method.reinforcement.{param}"
             raise BadRequest(exc.message, code=exc.code, param=param) from None
         if created:
             record = OpenAIJobRecord(

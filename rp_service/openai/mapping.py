@@ -23,6 +23,8 @@ from rp_service.openai.schemas import (
     FineTuningJobEvent,
     Hyperparameters,
     OpenAIStatus,
+    ReinforcementMethod,
+    ReinforcementResolvedHyperparameters,
     ResolvedHyperparameters,
 )
 from rp_service.schemas import (
@@ -31,6 +33,7 @@ from rp_service.schemas import (
     DataSection,
     DpoSection,
     EngineSection,
+    GrpoSection,
     JobSpec,
     ModelSection,
     TrainSection,
@@ -78,6 +81,11 @@ BASE_LEARNING_RATE = {"pretrained": 1.0e-5, "preset": 1.0e-3, "lora": 1.0e-4}
 # TRL's DPO default rate is 1e-6 where its SFT default is 1e-5).
 DPO_LEARNING_RATE = {k: v / 10 for k, v in BASE_LEARNING_RATE.items()}
 DPO_BETA = 0.1  # "auto": the JobSpec's dpo.beta default (TRL's and OpenAI's)
+# method.type reinforcement: compute_multiplier scales the completions per prompt from
+# GROUP_SIZE (TRL's num_generations default); eval_samples is the validation prompts graded.
+GROUP_SIZE = 8
+AUTO_COMPUTE_MULTIPLIER = 1.0
+AUTO_EVAL_SAMPLES = 64
 AUTO_EPOCHS = 3
 AUTO_BATCH_SIZE = 8  # the JobSpec's default; at most the training file's example count
 AUTO_LEARNING_RATE_MULTIPLIER = 1.0
@@ -104,29 +112,17 @@ def _hyperparameters(body: FineTuningJobCreate) -> Hyperparameters:
             param="integrations",
         )
     method = body.method
+    for other in ("supervised", "dpo", "reinforcement"):
+        if method is not None and other != method.type and getattr(method, other) is not None:
+            raise BadRequest(
+                f"method.{other} is not supported with method.type {method.type!r}: give the "
+                f"settings under method.{method.type}",
+                code="unsupported_method",
+                param=f"method.{other}",
+            )
     if method is not None and method.type == "reinforcement":
-        raise BadRequest(
-            "method.type 'reinforcement' is not supported: this daemon trains with "
-            "supervised fine-tuning or DPO; use method={'type': 'supervised'} or 'dpo'",
-            code="unsupported_method",
-            param="method.type",
-        )
-    if method is not None and method.reinforcement is not None:
-        raise BadRequest(
-            "method.reinforcement is not supported: only method.supervised or method.dpo "
-            "settings apply",
-            code="unsupported_method",
-            param="method.reinforcement",
-        )
-    other = "dpo" if method is not None and method.type == "supervised" else "supervised"
-    if method is not None and getattr(method, other) is not None:
-        raise BadRequest(
-            f"method.{other} is not supported with method.type {method.type!r}: give the "
-            f"settings under method.{method.type}",
-            code="unsupported_method",
-            param=f"method.{other}",
-        )
-    inner = (method.supervised or method.dpo) if method is not None else None
+        _check_reinforcement(method.reinforcement)
+    inner = _inner(body)
     if body.quantization == "nf4" and (inner is None or inner.lora is None):
         raise BadRequest(
             "quantization 'nf4' freezes the base in 4 bits, which only LoRA adapters can "
@@ -146,8 +142,73 @@ def _hyperparameters(body: FineTuningJobCreate) -> Hyperparameters:
     return nested or body.hyperparameters or Hyperparameters()
 
 
+def _inner(body: FineTuningJobCreate) -> Any:
+    """The settings under method.<type> (None without a method)."""
+    method = body.method
+    if method is None:
+        return None
+    return method.supervised or method.dpo or method.reinforcement
+
+
+def _check_reinforcement(rl: ReinforcementMethod | None) -> None:
+    """Refuse what the reinforcement mapping cannot honour (docs/RL.md's table)."""
+    if rl is None:
+        raise BadRequest(
+            "method.type 'reinforcement' needs method.reinforcement with a grader, e.g. "
+            '{"grader": {"type": "string_check", "name": "exact", "input": '
+            '"{{sample.output_text}}", "reference": "{{item.answer}}", "operation": "eq"}}',
+            code="invalid_value",
+            param="method.reinforcement",
+        )
+    if rl.response_format is not None:
+        raise BadRequest(
+            "method.reinforcement.response_format is not supported: completions are sampled "
+            "as free text (a grader can read JSON output through {{sample.output_json}})",
+            code="unsupported_parameter",
+            param="method.reinforcement.response_format",
+        )
+    hp = rl.hyperparameters
+    if hp is not None and hp.reasoning_effort != "default":
+        raise BadRequest(
+            "method.reinforcement.hyperparameters.reasoning_effort other than 'default' is "
+            "not supported: it applies to OpenAI's reasoning models, and the models here "
+            "sample without a reasoning budget; use 'default' or leave it out",
+            code="unsupported_parameter",
+            param="method.reinforcement.hyperparameters.reasoning_effort",
+        )
+
+
 def _is_dpo(body: FineTuningJobCreate) -> bool:
     return body.method is not None and body.method.type == "dpo"
+
+
+def _is_reinforcement(body: FineTuningJobCreate) -> bool:
+    return body.method is not None and body.method.type == "reinforcement"
+
+
+def _grpo_section(
+    hp: Hyperparameters, rl: ReinforcementMethod
+) -> tuple[GrpoSection, dict[str, Any]]:
+    """The JobSpec's grpo section of a reinforcement request, and the resolved values of
+    OpenAI's reinforcement-only hyperparameters."""
+    multiplier = getattr(hp, "compute_multiplier", "auto")
+    multiplier = AUTO_COMPUTE_MULTIPLIER if multiplier == "auto" else multiplier
+    eval_samples = getattr(hp, "eval_samples", "auto")
+    eval_samples = AUTO_EVAL_SAMPLES if eval_samples == "auto" else eval_samples
+    mapped: dict[str, Any] = {
+        # more compute: more completions explored per prompt
+        "group_size": max(2, round(GROUP_SIZE * multiplier)),
+        "eval_prompts": eval_samples,
+    }
+    # This daemon's extension: grpo fields given under method.reinforcement.grpo win.
+    given = rl.grpo.model_dump(exclude_unset=True) if rl.grpo is not None else {}
+    section = GrpoSection(**{**mapped, **given})
+    resolved = {
+        "compute_multiplier": multiplier,
+        "eval_samples": section.eval_prompts,
+        "reasoning_effort": getattr(hp, "reasoning_effort", "default"),
+    }
+    return section, resolved
 
 
 def plan_job(
@@ -176,10 +237,11 @@ def plan_job(
         if hp.learning_rate_multiplier == "auto"
         else hp.learning_rate_multiplier
     )
-    method = body.method
-    inner = (method.supervised or method.dpo) if method is not None else None
+    inner = _inner(body)
     lora = inner.lora if inner is not None else None
     dpo = _is_dpo(body)
+    rl = _is_reinforcement(body)
+    # reinforcement: the supervised rates (as the JobSpec's objective grpo default)
     rates = DPO_LEARNING_RATE if dpo else BASE_LEARNING_RATE
     if lora is not None:
         base_lr = rates["lora"]
@@ -189,6 +251,12 @@ def plan_job(
     beta = DPO_BETA if beta == "auto" else beta
     steps_per_epoch = max(1, math.ceil(train_examples / batch_size))
     seq_len = min(MAX_SEQ_LEN, max_positions) if max_positions else MAX_SEQ_LEN
+    grpo, rl_resolved = _grpo_section(hp, inner) if rl else (None, {})
+    eval_interval = getattr(hp, "eval_interval", "auto")
+    if eval_interval == "auto":
+        eval_interval = steps_per_epoch if body.validation_file else 0
+    if rl:
+        rl_resolved["eval_interval"] = eval_interval
     spec = JobSpec(
         name=body.suffix,
         model=model.model_copy(
@@ -212,18 +280,20 @@ def plan_job(
             batch_size=batch_size,
             lr=base_lr * multiplier,
             method="lora" if lora is not None else "full",
-            objective="dpo" if dpo else "sft",
+            objective="dpo" if dpo else "grpo" if rl else "sft",
             # Linear decay without warm-up: the Hugging Face Trainer's defaults.
             schedule="linear",
             warmup_steps=0,
             seed=seed,
-            eval_interval=steps_per_epoch if body.validation_file else 0,
+            eval_interval=eval_interval,
             checkpoint_interval=steps_per_epoch,
             keep_checkpoints=KEEP_CHECKPOINTS,
         ),
         engine=EngineSection(gpus=1 if gpu_count else 0),
         lora=lora,
         dpo=DpoSection(beta=beta) if dpo else None,
+        grpo=grpo,
+        grader=inner.grader if rl else None,
     )
     resolved = ResolvedHyperparameters(
         n_epochs=n_epochs, batch_size=batch_size, learning_rate_multiplier=multiplier
@@ -234,7 +304,7 @@ def plan_job(
         "validation_file": body.validation_file,
         "suffix": body.suffix,
         "metadata": body.metadata,
-        "hyperparameters": resolved.model_dump(),
+        "hyperparameters": {**resolved.model_dump(), **rl_resolved},
     }
     return JobPlan(spec, fields)
 
@@ -282,6 +352,12 @@ def openai_job(
         beta = (job.spec.get("dpo") or {}).get("beta")
         dpo_hp = DpoResolvedHyperparameters(**hyperparameters.model_dump(), beta=beta)
         method = {"type": "dpo", "dpo": {"hyperparameters": dpo_hp}}
+    elif job.spec.get("train", {}).get("objective") == "grpo":
+        rl_hp = ReinforcementResolvedHyperparameters.model_validate(fields["hyperparameters"])
+        method = {
+            "type": "reinforcement",
+            "reinforcement": {"grader": job.spec.get("grader"), "hyperparameters": rl_hp},
+        }
     error = job.error if job.status == "failed" and job.error else None
     return FineTuningJob(
         id=job.id,

@@ -9,7 +9,8 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.options import Quantization
-from rp_service.schemas import LoraSection
+from rp_service.graders import GraderSpec
+from rp_service.schemas import GrpoSection, LoraSection
 
 __all__ = [
     "DpoHyperparameters",
@@ -22,6 +23,9 @@ __all__ = [
     "Method",
     "OpenAIList",
     "OpenAIStatus",
+    "ReinforcementHyperparameters",
+    "ReinforcementMethod",
+    "ReinforcementResolvedHyperparameters",
     "ResolvedHyperparameters",
     "SupervisedMethod",
 ]
@@ -66,12 +70,32 @@ class DpoMethod(_Request):
     lora: LoraSection | None = None
 
 
+class ReinforcementHyperparameters(Hyperparameters):
+    """OpenAI's reinforcement hyperparameters (docs/RL.md says what each maps to)."""
+
+    compute_multiplier: Literal["auto"] | Annotated[float, Field(gt=0, le=32)] = "auto"
+    eval_interval: Literal["auto"] | Annotated[int, Field(ge=1, le=10**6)] = "auto"
+    eval_samples: Literal["auto"] | Annotated[int, Field(ge=1, le=4096)] = "auto"
+    reasoning_effort: Literal["default", "low", "medium", "high"] = "default"
+
+
+class ReinforcementMethod(_Request):
+    grader: GraderSpec
+    hyperparameters: ReinforcementHyperparameters | None = None
+    # OpenAI's structured-output schema for the sampled completions: not supported here
+    # (mapping.py refuses it by name rather than failing on an unknown field).
+    response_format: dict[str, Any] | None = None
+    # As in SupervisedMethod: this daemon's LoRA extension, and its GRPO settings (the
+    # JobSpec's grpo section: group_size, max_completion_tokens, temperature, kl_coef, ...).
+    lora: LoraSection | None = None
+    grpo: GrpoSection | None = None
+
+
 class Method(_Request):
     type: Literal["supervised", "dpo", "reinforcement"]
     supervised: SupervisedMethod | None = None
     dpo: DpoMethod | None = None
-    # Accepted as a shape only so the refusal can name it (mapping.py refuses it).
-    reinforcement: dict[str, Any] | None = None
+    reinforcement: ReinforcementMethod | None = None
 
 
 class FineTuningJobCreate(_Request):
@@ -138,6 +162,23 @@ class _DpoMethodOut(BaseModel):
     dpo: _DpoOut
 
 
+class ReinforcementResolvedHyperparameters(ResolvedHyperparameters):
+    compute_multiplier: float | None = None
+    eval_interval: int | None = None
+    eval_samples: int | None = None
+    reasoning_effort: str | None = None
+
+
+class _ReinforcementOut(BaseModel):
+    grader: dict[str, Any] | None = None
+    hyperparameters: ReinforcementResolvedHyperparameters
+
+
+class _ReinforcementMethodOut(BaseModel):
+    type: Literal["reinforcement"] = "reinforcement"
+    reinforcement: _ReinforcementOut
+
+
 class _JobError(BaseModel):
     code: str
     message: str
@@ -157,7 +198,7 @@ class FineTuningJob(BaseModel):
     )
     finished_at: int | None
     hyperparameters: ResolvedHyperparameters
-    method: _MethodOut | _DpoMethodOut
+    method: _MethodOut | _DpoMethodOut | _ReinforcementMethodOut
     model: str
     organization_id: str
     result_files: list[str]

@@ -19,7 +19,7 @@ import logging
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +262,8 @@ class TrainingState:
     num_blocks: int | None  # training sequences when it was written
     rng_tensors: dict[str, torch.Tensor]
     rng_meta: dict[str, Any]
+    # the objective's own state (`Objective.state_dict`); {} in checkpoints from before it
+    objective_state: dict[str, Any] = field(default_factory=dict)
 
     def restore_rng(self) -> None:
         """Put the random generators back to where the checkpoint left them."""
@@ -287,7 +289,7 @@ def save_training_checkpoint(
         model: the model-copy weights the next forward reads (all, or a LoRA job's adapters).
         masters: the optimizer-side weights.
         progress: JSON fields of the run beside the step (total_steps, trained_tokens,
-            num_blocks, data_position, metrics, method).
+            num_blocks, data_position, metrics, method, objective_state).
         config_json: the model's config.json.
         min_free_bytes: as `write_checkpoint`.
     """
@@ -334,4 +336,5 @@ def read_training_checkpoint(info: CheckpointInfo) -> TrainingState:
         num_blocks=state.get("num_blocks"),
         rng_tensors=tensors[RNG_FILE],
         rng_meta=state["rng"],
+        objective_state=dict(state.get("objective_state") or {}),
     )

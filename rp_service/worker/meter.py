@@ -79,8 +79,14 @@ class Meter:
             }
         )
 
-    def flush(self, *, valid_loss: float | None = None) -> None:
-        """Emit every pending step whose update has run (all of them after a sync)."""
+    def flush(
+        self, *, valid_loss: float | None = None, valid: dict[str, float] | None = None
+    ) -> None:
+        """Emit every pending step whose update has run (all of them after a sync);
+        `valid`: the objective's validation metrics (``valid_loss`` or others), set on the
+        last pending step, as `valid_loss` alone is."""
+        if valid_loss is not None:
+            valid = {**(valid or {}), "valid_loss": valid_loss}
         while True:
             try:
                 step, norm, lr = self.updates.get_nowait()
@@ -91,8 +97,8 @@ class Meter:
                 raise RuntimeError(f"grad norm of step {step} arrived for step {data['step']}")
             data["grad_norm"] = norm
             data["learning_rate"] = lr
-            if not self.pending and valid_loss is not None:
-                data["valid_loss"] = valid_loss
+            if not self.pending and valid:
+                data.update(valid)
             self.last = data
             message = f"step {step}/{self.total_steps} loss {data['train_loss']:.4f}"
             if data["valid_loss"] is not None:

@@ -1,4 +1,5 @@
-"""Greedy completions of a job's sample prompts with the weights it is training.
+"""Completions with the weights a job is training: greedy (the sample prompts) or sampled
+at a temperature and top-p, seeded (GRPO's rollouts).
 
 Why the engine's own forward: a job's weights live in the engine (host memory, streamed
 to the devices a layer group at a time), and the GPUs are full of the training's work.
@@ -14,13 +15,18 @@ position. That read happens on the device (`output_fn`): the last hidden state o
 row times the output projection, then its argmax, so a forward brings back one id a row
 instead of its logits. Rows leave the batch at an end-of-text token, at the token limit,
 or when the sequence reaches the model's positions.
+
+Sampling (`sampled_completions`) brings back each row's last-position logits instead and
+draws on the host from a `torch.Generator` the caller seeds: the draw depends on the seed
+and the logits alone, not on the device, so a resumed job that seeds the same generator
+draws the same tokens. The whole batch (every prompt's group) goes through each forward.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +42,9 @@ __all__ = [
     "prompt_ids",
     "sample_event",
     "sample_message",
+    "sampled_completions",
     "stop_ids",
+    "top_p_draw",
 ]
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,7 @@ class Sample:
 
     ids: list[int]
     finish_reason: str  # "stop": an end-of-text token; "length": the token or position limit
+    stop_id: int | None = None  # the end-of-text token that ended it ("stop")
 
 
 def prompt_ids(tokenizer: JobTokenizer, prompts: Sequence[str], *, chat: bool) -> list[list[int]]:
@@ -78,8 +87,15 @@ def stop_ids(tokenizer: JobTokenizer, generation_config: Any = None) -> set[int]
     return ids
 
 
-def _next_ids(rp: Any, input_ids: Tensor, last: Tensor, *, num_microbatch: int) -> list[int]:
-    """The greedy next token of each row of `input_ids` (rows, seq), read at `last`."""
+Draw = Callable[[Tensor], Tensor]
+"""Next ids (rows,) from the last-position logits (rows, vocab), fp32 on the host."""
+
+
+def _next_ids(
+    rp: Any, input_ids: Tensor, last: Tensor, *, num_microbatch: int, draw: Draw | None = None
+) -> list[int]:
+    """The next token of each row of `input_ids` (rows, seq), read at `last`: greedy (on
+    the device), or `draw` from the logits brought back to the host."""
     from engine import RoundPipeRunConfig
     from engine.batch import even_counts, row_bounds, split_rows
 
@@ -91,7 +107,8 @@ def _next_ids(rp: Any, input_ids: Tensor, last: Tensor, *, num_microbatch: int) 
         at = last[a:b].to(hidden.device, non_blocking=True)
         picked = hidden[torch.arange(b - a, device=hidden.device), at]  # (mb, hidden)
         # lm_head is a bias-free Linear: the same product the full logits would hold
-        return torch.nn.functional.linear(picked, weight).argmax(dim=-1)
+        logits = torch.nn.functional.linear(picked, weight)
+        return logits.argmax(dim=-1) if draw is None else logits.float()
 
     config = RoundPipeRunConfig(
         num_microbatch=len(bounds),
@@ -101,10 +118,49 @@ def _next_ids(rp: Any, input_ids: Tensor, last: Tensor, *, num_microbatch: int) 
     )
     with torch.no_grad():
         out = rp.forward(input_ids=input_ids, return_logits=False, roundpipe_run_config=config)
+    if draw is not None:
+        out = draw(out)
     return [int(t) for t in out.tolist()]
 
 
-def greedy_completions(
+def greedy_completions(rp: Any, prompts: Sequence[Sequence[int]], **limits: Any) -> list[Sample]:
+    """Greedy continuations of the token-id `prompts` through the engine's forward;
+    `limits` as `_complete`'s."""
+    return _complete(rp, prompts, draw=None, **limits)
+
+
+def top_p_draw(*, temperature: float, top_p: float, generator: torch.Generator) -> Draw:
+    """A `Draw` sampling softmax(logits / temperature) cut to its top-p nucleus (the
+    smallest set of most likely tokens whose mass reaches `top_p`; at least one)."""
+
+    def draw(logits: Tensor) -> Tensor:
+        probs = torch.softmax(logits.double() / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ahead of each
+            sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    return draw
+
+
+def sampled_completions(
+    rp: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator,
+    **limits: Any,
+) -> list[Sample]:
+    """Continuations of `prompts` drawn at `temperature` and `top_p` from `generator`;
+    `limits` as `_complete`'s. Rows that share a prompt draw apart."""
+    draw = top_p_draw(temperature=temperature, top_p=top_p, generator=generator)
+    return _complete(rp, prompts, draw=draw, **limits)
+
+
+def _complete(
     rp: Any,
     prompts: Sequence[Sequence[int]],
     *,
@@ -113,8 +169,9 @@ def greedy_completions(
     max_positions: int,
     pad_id: int,
     num_microbatch: int,
+    draw: Draw | None,
 ) -> list[Sample]:
-    """Greedy continuations of the token-id `prompts` through the engine's forward.
+    """Continuations of `prompts`, each token chosen by `draw` (None: greedy).
 
     Args:
         max_new_tokens: Most tokens a completion gets.
@@ -126,6 +183,7 @@ def greedy_completions(
     """
     seqs = [list(p) for p in prompts]
     made: list[list[int]] = [[] for _ in seqs]
+    stops: list[int | None] = [None for _ in seqs]
     finish: list[str | None] = [
         "length" if not s or len(s) >= max_positions or max_new_tokens < 1 else None for s in seqs
     ]
@@ -138,17 +196,19 @@ def greedy_completions(
             for row, i in enumerate(active):
                 input_ids[row, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
             last = torch.tensor([len(seqs[i]) - 1 for i in active], dtype=torch.long)
-            for i, token in zip(
-                active, _next_ids(rp, input_ids, last, num_microbatch=num_microbatch), strict=True
-            ):
+            chosen = _next_ids(rp, input_ids, last, num_microbatch=num_microbatch, draw=draw)
+            for i, token in zip(active, chosen, strict=True):
                 if token in stop:
-                    finish[i] = "stop"
+                    finish[i], stops[i] = "stop", token
                     continue
                 seqs[i].append(token)
                 made[i].append(token)
                 if len(made[i]) >= max_new_tokens or len(seqs[i]) >= max_positions:
                     finish[i] = "length"
-    return [Sample(ids=m, finish_reason=f or "length") for m, f in zip(made, finish, strict=True)]
+    return [
+        Sample(ids=m, finish_reason=f or "length", stop_id=e)
+        for m, f, e in zip(made, finish, stops, strict=True)
+    ]
 
 
 def sample_event(

@@ -42,16 +42,17 @@ from engine.adapters.nf4 import host_base_bytes
 from engine.options import EngineOptions
 
 from ..data.chat_template import TemplateError, resolve_template
-from ..data.datasets import BatchOrder, DataFormatError, TokenBlocks, build_blocks, read_records
+from ..data.datasets import BatchOrder
 from ..data.tokenizer import JobTokenizer, load_tokenizer
-from ..demo import SYNTHETIC, SYNTHETIC_TRAIN_RECORDS, SYNTHETIC_VALID_RECORDS, synthetic_records
+from ..demo import SYNTHETIC
 from ..errors import JobFailure
 from ..schemas import JobSpec
 from . import checkpoint as ckpt
 from .engine_setup import apply_lora, check_host_memory, make_optimizer, wrap
-from .evaluation import evaluate, evaluating
+from .evaluation import evaluating
 from .meter import Emit, Meter
 from .modeling import build_model
+from .objectives.base import Objective
 from .output import MERGED_DIR, save_output
 
 __all__ = [
@@ -124,27 +125,6 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str) 
 # ---------------------------------------------------------------- building
 
 
-def _load_blocks(
-    source: str, param: str, spec: JobSpec, tokenizer: JobTokenizer, *, valid: bool
-) -> tuple[str, TokenBlocks]:
-    """The data format the records turned out to be in, and their sequences."""
-    data = spec.data
-    try:
-        if source == SYNTHETIC:
-            count = SYNTHETIC_VALID_RECORDS if valid else SYNTHETIC_TRAIN_RECORDS
-            fmt, records = "text", synthetic_records(count, seed=0, valid=valid)
-        else:
-            if not Path(source).is_file():
-                raise JobFailure("invalid_data", f"{param}: file {source!r} not found", param=param)
-            fmt, records = read_records(source, data.format)
-        return fmt, build_blocks(
-            records, fmt, tokenizer, seq_len=data.seq_len, packing=data.packing
-        )
-    except DataFormatError as exc:
-        where = f"{param} line {exc.line}: " if exc.line else f"{param}: "
-        raise JobFailure("invalid_data", where + exc.message, param=param, line=exc.line) from exc
-
-
 def _tokenizer_dir(spec: JobSpec, paths: JobPaths) -> str | None:
     if paths.tokenizer_path:
         return paths.tokenizer_path
@@ -198,24 +178,9 @@ class _Run:
 
         self.tokenizer = _load_tokenizer(spec, paths)
         valid_source = paths.valid_path or (SYNTHETIC if spec.data.valid == SYNTHETIC else None)
-        # train.objective dpo: pairs instead of blocks, its own step and evaluation
-        self.dpo: Any = None
-        if train.objective == "dpo":
-            from .objectives.dpo_job import DpoObjective
-
-            self.dpo = DpoObjective(spec, paths, self.tokenizer, valid_source=valid_source)
-            self.blocks: Any = self.dpo.train
-            self.valid: Any = self.dpo.valid
-            self.data_format = "preference"
-        else:
-            self.data_format, self.blocks = _load_blocks(
-                paths.train_path, "data.train", spec, self.tokenizer, valid=False
-            )
-            self.valid = (
-                _load_blocks(valid_source, "data.valid", spec, self.tokenizer, valid=True)[1]
-                if valid_source
-                else None
-            )
+        self.objective = _make_objective(spec, paths, self.tokenizer, valid_source, emit)
+        self.blocks = self.objective.train
+        self.valid = self.objective.valid
         self.order = BatchOrder(len(self.blocks), train.batch_size, seed=train.seed)
         self.total_steps = train.steps or self.order.steps_for_epochs(train.epochs or 1.0)
         log.info(
@@ -245,10 +210,13 @@ class _Run:
         if spec.engine.optim_memory != "compact":  # compact always computes with the update
             # engine.step_staleness: which weights the call after an asynchronous step reads
             self.rp.step_staleness = spec.engine.step_staleness
-        if self.dpo is not None:  # the full-tuning reference: before any step moves weights
-            self.dpo.prepare(
-                self.rp, lora=self.adapter_keys is not None, resuming=self.resume is not None
-            )
+        # Before any step moves the weights (DPO's full-tuning reference).
+        self.objective.prepare(
+            self.rp,
+            self.hf_model,
+            lora=self.adapter_keys is not None,
+            resuming=self.resume is not None,
+        )
         self.masters = list(self.rp.optim_parameters())
         self.parameters = {
             "trainable": sum(p.numel() for p in self.masters),
@@ -338,6 +306,7 @@ class _Run:
         # checkpoint recorded for it while the master copy becomes the step-k weights.
         self.rp.step(restore_fn, is_async=self.options.async_step)
         resume.restore_rng()
+        self.objective.load_state_dict(resume.objective_state)
         self.meter.trained_tokens = resume.trained_tokens
         log.info("resumed from %s at step %d", resume.path, self.start_step)
 
@@ -370,28 +339,14 @@ class _Run:
         return step_fn
 
     def _forward_backward(self, step: int) -> tuple[torch.Tensor, int]:
-        from engine.models import causal_lm_loss_fn
+        if self.objective.needs_sync_before_step:
+            self.rp.synchronize()  # the objective reads the model copy: the update is in
+        return self.objective.forward_backward(self.rp, step, self.order.indices(step - 1))
 
-        if self.dpo is not None:
-            return self.dpo.forward_backward(self.rp, self.order.indices(step - 1))
-        input_ids, labels, tokens = self.blocks.batch(self.order.indices(step - 1))
-        loss_fn = causal_lm_loss_fn(labels, shifted=True)
-        loss = self.rp.forward_backward(
-            input_kwargs={"input_ids": input_ids, "return_logits": False},
-            label=labels,
-            loss_fn=loss_fn,
-        )
-        return loss, tokens
-
-    def evaluate(self) -> float:
-        """Mean token loss over the validation sequences with the current (synced) weights."""
-        if self.dpo is not None:
-            return self.dpo.evaluate(self.rp)
+    def evaluate(self) -> dict[str, float]:
+        """The objective's validation metrics with the current (synced) weights."""
         assert self.valid is not None
-        vocab = int(self.hf_model.config.vocab_size)
-        return evaluate(
-            self.rp, self.valid, vocab_size=vocab, batch_size=self.spec.train.batch_size
-        )
+        return self.objective.evaluate(self.rp)
 
     def sample(self, step: int) -> tuple[str, dict[str, Any]]:
         """The `sample` event of `step`: train.sample_prompts completed with the current
@@ -407,7 +362,7 @@ class _Run:
             prompts=train.sample_prompts,
             tokenizer=self.tokenizer,
             # rendered as the data was: chat and pairs in the template, plain text as is
-            chat=self.data_format in ("chat", "preference"),
+            chat=self.objective.data_format in ("chat", "preference", "prompt"),
             max_new_tokens=train.sample_max_tokens,
         )
 
@@ -441,6 +396,7 @@ class _Run:
                 "metrics": metrics,
                 "method": self.spec.train.method,
                 "objective": self.spec.train.objective,
+                "objective_state": self.objective.state_dict(),
             },
             config_json=self.hf_model.config.to_json_string().encode(),
             keep=self.spec.train.keep_checkpoints,
@@ -495,18 +451,18 @@ class _Run:
                 next_model = self._model_tensors()
             self.rp.step(self._step_fn(step), is_async=async_step)
             loss = float(loss_t)  # the one host sync of a step
-            extra = self.dpo.metrics() if self.dpo is not None else None
+            extra = self.objective.metrics()
             self.meter.record(step, loss, tokens, extra)
             if not (sync or pausing):
                 self.meter.flush()
                 continue
             self.rp.synchronize()
-            valid_loss = None
+            valid: dict[str, float] | None = None
             eval_step = train.eval_interval > 0 and step % train.eval_interval == 0
             if self.valid is not None and (eval_step or step == self.total_steps):
                 with evaluating(self.rp):
-                    valid_loss = self.evaluate()
-            self.meter.flush(valid_loss=valid_loss)
+                    valid = self.evaluate()
+            self.meter.flush(valid=valid)
             if train.sample_prompts and (eval_step or step == self.total_steps):
                 with evaluating(self.rp):
                     self.emit("sample", *self.sample(step))
@@ -527,6 +483,28 @@ class _Run:
         )
 
 
+def _make_objective(
+    spec: JobSpec,
+    paths: JobPaths,
+    tokenizer: JobTokenizer,
+    valid_source: str | None,
+    emit: Emit,
+) -> Objective:
+    """The objective `train.objective` names, its data read."""
+    objective = spec.train.objective
+    if objective == "dpo":
+        from .objectives.dpo_job import DpoObjective
+
+        return DpoObjective(spec, paths, tokenizer, valid_source=valid_source)
+    if objective == "grpo":
+        from .objectives.grpo_job import GrpoObjective
+
+        return GrpoObjective(spec, paths, tokenizer, valid_source=valid_source, emit=emit)
+    from .objectives.sft import SftObjective
+
+    return SftObjective(spec, paths, tokenizer, valid_source=valid_source)
+
+
 def run_job(
     spec: JobSpec,
     options: EngineOptions,
@@ -540,4 +518,8 @@ def run_job(
     Raises:
         JobFailure: bad data, tokenizer or model (with the spec field to fix).
     """
-    return _Run(spec, options, paths, emit, pause).train()
+    run = _Run(spec, options, paths, emit, pause)
+    try:
+        return run.train()
+    finally:
+        run.objective.close()

@@ -265,7 +265,8 @@ def test_refusals_come_as_the_sdks_exceptions(real_daemon: Daemon) -> None:
     assert info.value.param == "training_file"
     refused = [
         ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
-        ({"method": {"type": "reinforcement"}}, "method.type"),
+        # reinforcement needs its grader
+        ({"method": {"type": "reinforcement"}}, "method.reinforcement"),
         # DPO trains on preference pairs: a chat file is refused naming it
         ({"method": {"type": "dpo", "dpo": {}}}, "training_file"),
         ({"extra_body": {"warmup_steps": 3}}, "warmup_steps"),
@@ -332,6 +333,74 @@ def test_a_dpo_method_runs_to_succeeded(real_daemon: Daemon) -> None:
     metrics = [e.data for e in events if e.type == "metrics"]
     assert len(metrics) == 4  # 2 epochs of 8 pairs, 4 a step
     assert all("rewards/accuracies" in m and "logps/rejected" in m for m in metrics)
+
+
+def test_a_reinforcement_job_raises_the_held_out_reward(real_daemon: Daemon) -> None:
+    """OpenAI's reinforcement method with a string_check grader: GRPO on LoRA adapters
+    teaches the tiny model to answer with a "y" (tests/integration/test_worker_grpo.py)."""
+    from rp_service.data.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+    from tests.integration.test_worker_grpo import GRADER, prompt_lines
+    from tests.tiny_models import tiny_model
+
+    # The demo model's shape (wider than MODEL): a few LoRA steps move its greedy answers.
+    name = "tiny-qwen3-rl"
+    folder = Path(real_daemon.env["RP_MODEL_ROOTS"]) / name
+    tiny_model(
+        "qwen3",
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=96,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    ).save_pretrained(folder)
+    build_byte_tokenizer().save_pretrained(folder)
+    client = _sdk(real_daemon)
+    train = client.files.create(
+        file=("prompts.jsonl", prompt_lines(64, seed=0).encode()), purpose="fine-tune"
+    )
+    valid = client.files.create(
+        file=("held_out.jsonl", prompt_lines(16, seed=1).encode()), purpose="fine-tune"
+    )
+    with real_daemon.client() as c:
+        assert c.get(f"/v1/files/{train.id}").json()["format"] == "prompt"
+    job = client.fine_tuning.jobs.create(
+        model=name,
+        training_file=train.id,
+        validation_file=valid.id,
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": GRADER,
+                "hyperparameters": {
+                    "n_epochs": 2,
+                    "batch_size": 8,
+                    "learning_rate_multiplier": 10,
+                    "eval_samples": 16,
+                },
+                # this daemon's extensions: LoRA adapters, short completions
+                "lora": {"rank": 16},
+                "grpo": {"max_completion_tokens": 12},
+            },
+        },
+        seed=3,
+    )
+    assert job.method.type == "reinforcement"
+    assert job.method.reinforcement.grader.type == "string_check"
+    done = _wait(client, job.id, lambda j: j.status in TERMINAL, timeout_s=300)
+    with real_daemon.client() as c:
+        log = c.get(f"/v1/jobs/{done.id}/logs").text
+        series = c.get(f"/v1/jobs/{done.id}/metrics").json()["columns"]
+    assert done.status == "succeeded", (done, log[-3000:])
+    events = list(client.fine_tuning.jobs.list_events(done.id, limit=100))
+    metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda m: m["step"])
+    assert [m["step"] for m in metrics] == list(range(1, 17))  # 2 epochs of 64 prompts, 8 a step
+    assert metrics[0]["valid_reward_initial"] < 0.5
+    assert metrics[-1]["valid_reward_mean"] >= 0.9, [m["reward_mean"] for m in metrics]
+    assert series["reward_mean"] == [m["reward_mean"] for m in metrics]
+    assert series["valid_reward_mean"][-1] == metrics[-1]["valid_reward_mean"]
 
 
 # ---------------------------------------------------------------- the fake worker

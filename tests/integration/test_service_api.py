@@ -141,6 +141,16 @@ def _error(r: httpx.Response, status: int) -> dict:
         ({"engine": {"gpus": 0, "colour": "red"}}, "engine.colour", "Extra inputs"),
         # more micro-batches than the 8 sequences of a step (train.batch_size's default)
         ({"engine": {"gpus": 0, "num_microbatch": 9}}, "engine.num_microbatch", "at most 8"),
+        # GRPO (docs/RL.md): its grader required, checked before anything is queued
+        ({"train": {"objective": "grpo"}}, "grader", "needs a grader"),
+        (
+            {
+                "train": {"objective": "grpo"},
+                "grader": {"type": "python", "name": "p", "source": "def grade(s, i): return 1"},
+            },
+            "grader.type",
+            "RP_ALLOW_PYTHON_GRADERS=1",
+        ),
     ],
 )
 def test_bad_job_specs_are_422_naming_the_field(
@@ -148,7 +158,7 @@ def test_bad_job_specs_are_422_naming_the_field(
 ) -> None:
     body = spec()
     for key, value in overrides.items():
-        body[key] = value if key == "model" else {**body[key], **value}
+        body[key] = value if key == "model" or key not in body else {**body[key], **value}
     with module_daemon.client() as c:
         err = _error(c.post("/v1/jobs", json=body), 422)
     assert err["type"] == "invalid_request_error"

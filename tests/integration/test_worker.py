@@ -74,8 +74,8 @@ def make_job(job_dir: Path, overrides: dict[str, Any] | None = None, **resolved:
     return job_dir
 
 
-def start(job_dir: Path) -> subprocess.Popen[str]:
-    env = dict(os.environ, RP_DEVICES="cpu:1", PYTHONUNBUFFERED="1")
+def start(job_dir: Path, devices: str = "cpu:1") -> subprocess.Popen[str]:
+    env = dict(os.environ, RP_DEVICES=devices, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = open(job_dir / "worker.log", "a")  # noqa: SIM115 (the child holds it)
     return subprocess.Popen(
@@ -91,9 +91,10 @@ def run(
     job_dir: Path,
     on_event: Callable[[subprocess.Popen[str], dict[str, Any]], None] | None = None,
     timeout_s: float = 300,
+    devices: str = "cpu:1",
 ) -> tuple[int, list[dict[str, Any]]]:
     """Run the worker to its exit; return (exit code, events). Every stdout line is JSON."""
-    proc = start(job_dir)
+    proc = start(job_dir, devices)
     events = []
     assert proc.stdout is not None
     for line in proc.stdout:

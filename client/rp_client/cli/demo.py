@@ -29,6 +29,25 @@ from .progress import follow_job, report_outcome
 
 _LORA_DEMO_LR = 1e-2
 _DPO_DEMO_BETA = 0.1
+# `--grpo`: prompts "say y <n>" (the daemon's synthetic prompt rows), rewarded when the
+# answer holds a "y"; the tiny demo model learns it in a few dozen steps on the CPU.
+_GRPO_DEMO = {
+    "grpo": {"group_size": 8, "max_completion_tokens": 12, "sample_interval": 5},
+    "grader": {
+        "type": "string_check",
+        "name": "has_y",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.answer}}",
+        "operation": "like",
+    },
+}
+_GRPO_DEMO_TRAIN = {
+    "steps": 30,
+    "lr": 3e-3,
+    "warmup_steps": 0,
+    "eval_interval": 10,
+    "checkpoint_interval": 10,
+}
 
 
 @app.command()
@@ -62,6 +81,12 @@ def demo(
         help="Preference-tune the demo model with DPO (train.objective dpo) on generated "
         "pairs: a counting prompt, its continuation preferred over a repeated number.",
     ),
+    grpo: bool = typer.Option(
+        False,
+        "--grpo",
+        help="Reinforcement-tune the demo model with GRPO (train.objective grpo) on generated "
+        "prompts, a string_check grader rewarding answers that hold a 'y' (docs/RL.md).",
+    ),
 ) -> None:
     """Start a local daemon, train the embedded demo model, print where it is saved."""
     if quantization not in ("none", "nf4"):
@@ -72,6 +97,8 @@ def demo(
             "on; add --lora",
             EXIT_USAGE,
         )
+    if dpo and grpo:
+        raise fail("--dpo and --grpo are two objectives: give one", EXIT_USAGE)
     if not server_installed():
         raise fail(INSTALL_HINT, EXIT_FAILED)
     data = (data_dir or Path(tempfile.mkdtemp(prefix="rp-demo-"))).resolve()
@@ -103,6 +130,7 @@ def demo(
                     lora=lora,
                     steps=steps,
                     dpo=dpo,
+                    grpo=grpo,
                     quantization=quantization,
                 )
             )
@@ -135,11 +163,17 @@ def _demo_body(
     lora: bool,
     steps: int | None,
     dpo: bool = False,
+    grpo: bool = False,
     quantization: str = "none",
 ) -> dict[str, Any]:
     """The demo spec, as LoRA (with the merged model saved), over a 4-bit base (QLoRA), as
-    DPO on generated preference pairs, and/or with other step counts."""
+    DPO on generated preference pairs, as GRPO on generated prompts, and/or with other step
+    counts."""
     train = dict(spec.get("train") or {})
+    if grpo:
+        train.update(_GRPO_DEMO_TRAIN, objective="grpo")
+        data = {**(spec.get("data") or {}), "format": "auto"}
+        spec = {**spec, "data": data, **_GRPO_DEMO}
     if steps is not None:
         train.update(steps=steps, epochs=None)
         # keep a checkpoint and an evaluation inside a short run

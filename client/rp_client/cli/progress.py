@@ -28,11 +28,16 @@ def _fmt_num(value: Any, spec: str) -> str:
 
 def _loss_text(data: dict[str, Any]) -> str:
     """The bar's loss field; a DPO step adds its reward accuracy and margin (TRL's
-    rewards/accuracies and rewards/margins)."""
+    rewards/accuracies and rewards/margins), a GRPO step its mean reward (and the held-out
+    one of its last evaluation)."""
     text = _fmt_num(data.get("train_loss"), ".4f")
     if isinstance(data.get("rewards/accuracies"), int | float):
         text += f" acc {data['rewards/accuracies']:.2f}"
         text += f" margin {_fmt_num(data.get('rewards/margins'), '+.3f')}"
+    if isinstance(data.get("reward_mean"), int | float):
+        text += f" reward {data['reward_mean']:.3f}"
+        if isinstance(data.get("valid_reward_mean"), int | float):
+            text += f" held-out {data['valid_reward_mean']:.3f}"
     return text
 
 

@@ -19,7 +19,7 @@ export function renderNewJob(view) {
   const format = el(
     "select",
     { id: "data-format", "aria-label": "Dataset format" },
-    ["auto", "text", "chat", "prompt_completion", "preference"].map((f) => el("option", { value: f }, f)),
+    ["auto", "text", "chat", "prompt_completion", "preference", "prompt"].map((f) => el("option", { value: f }, f)),
   );
   const uploadResult = el("div", { id: "upload-result", role: "alert" });
 

@@ -60,12 +60,14 @@ def _load_pairs(
                 records.append((line, record))
         return build_pairs(records, tokenizer, seq_len=spec.data.seq_len)
     except DataFormatError as exc:
-        where = f"{param} line {exc.line}: " if exc.line else f"{param}: "
-        raise JobFailure("invalid_data", where + exc.message, param=param, line=exc.line) from exc
+        raise exc.in_field(param) from exc
 
 
 class DpoObjective:
-    """Pairs, reference and loss of one attempt of a DPO job."""
+    """Pairs, reference and loss of one attempt of a DPO job (an `Objective`)."""
+
+    data_format = "preference"
+    needs_sync_before_step = False
 
     def __init__(
         self, spec: JobSpec, paths: JobPaths, tokenizer: JobTokenizer, *, valid_source: str | None
@@ -89,7 +91,7 @@ class DpoObjective:
 
     # -- the reference
 
-    def prepare(self, rp: Any, *, lora: bool, resuming: bool) -> None:
+    def prepare(self, rp: Any, hf_model: Any, *, lora: bool, resuming: bool) -> None:
         """Before the first step of this attempt: a LoRA job needs nothing; a full one loads
         its stored reference, or (first attempt only) computes and stores it."""
         self.lora = lora
@@ -153,7 +155,9 @@ class DpoObjective:
 
     # -- a step
 
-    def forward_backward(self, rp: Any, indices: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def forward_backward(
+        self, rp: Any, step: int, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
         """Forward and backward of the pairs at `indices`; the loss and the policy tokens."""
         from engine import RoundPipeRunConfig
 
@@ -182,7 +186,7 @@ class DpoObjective:
         _, named = dpo.metrics_of(self._values)
         return {k: round(v, 6) for k, v in named.items()}
 
-    def evaluate(self, rp: Any) -> float:
+    def evaluate(self, rp: Any) -> dict[str, float]:
         """Mean DPO loss over the validation pairs with the current (synced) weights."""
         assert self.valid is not None
         count = min(len(self.valid), _MAX_EVAL_PAIRS)
@@ -199,4 +203,13 @@ class DpoObjective:
             beta=self.beta,
             label_smoothing=self.label_smoothing,
         )
-        return loss
+        return {"valid_loss": loss}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the full-tuning reference is its own file (`reference`)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

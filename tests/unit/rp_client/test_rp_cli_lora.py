@@ -140,3 +140,25 @@ def test_demo_body_as_qlora_and_nf4_needs_lora() -> None:
     assert result.exit_code == 2 and "add --lora" in result.output
     result = CliRunner().invoke(app, ["demo", "--lora", "--quantization", "int8"])
     assert result.exit_code == 2 and "none or nf4" in result.output
+
+
+def test_demo_body_as_grpo_on_generated_prompts() -> None:
+    demo = {"name": "demo", "data": {"train": "synthetic", "format": "text"}, "train": {"steps": 9}}
+    body = _demo_body(demo, lora=False, steps=None, grpo=True)
+    assert body["train"]["objective"] == "grpo" and body["train"]["steps"] == 30
+    assert body["data"] == {"train": "synthetic", "format": "auto"}
+    assert body["grader"]["type"] == "string_check" and body["grpo"]["group_size"] == 8
+    assert demo["data"]["format"] == "text" and "grader" not in demo  # not changed
+    short = _demo_body(demo, lora=True, steps=4, grpo=True)
+    assert short["train"]["steps"] == 4 and short["train"]["method"] == "lora"
+    assert short["train"]["eval_interval"] == 4  # an evaluation inside a short run
+
+
+def test_the_progress_bar_shows_a_grpo_reward() -> None:
+    from rp_client.cli.progress import _loss_text
+
+    step = {"train_loss": -0.01, "reward_mean": 0.5}
+    assert _loss_text(step) == "-0.0100 reward 0.500"
+    assert (
+        _loss_text({**step, "valid_reward_mean": 0.9375}) == "-0.0100 reward 0.500 held-out 0.938"
+    )

@@ -93,13 +93,37 @@ def test_auto_batch_size_never_exceeds_the_examples_and_presets_use_their_rate()
     assert gpu.spec.model.dtype == "bfloat16" and gpu.spec.engine.gpus == 1
 
 
+_RL = {
+    "grader": {
+        "type": "string_check",
+        "name": "exact",
+        "input": "{{sample.output_text}}",
+        "reference": "{{item.answer}}",
+        "operation": "eq",
+    }
+}
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
         ({"method": {"type": "dpo", "supervised": {}}}, "method.supervised"),
-        ({"method": {"type": "reinforcement"}}, "method.type"),
         ({"method": {"type": "supervised", "dpo": {}}}, "method.dpo"),
+        ({"method": {"type": "supervised", "reinforcement": _RL}}, "method.reinforcement"),
+        (
+            {"method": {"type": "reinforcement", "reinforcement": {**_RL, "response_format": {}}}},
+            "method.reinforcement.response_format",
+        ),
+        (
+            {
+                "method": {
+                    "type": "reinforcement",
+                    "reinforcement": {**_RL, "hyperparameters": {"reasoning_effort": "high"}},
+                }
+            },
+            "method.reinforcement.hyperparameters.reasoning_effort",
+        ),
         (
             {
                 "hyperparameters": {"n_epochs": 1},
@@ -376,3 +400,36 @@ def test_dpo_maps_onto_a_dpo_job_and_reads_back_as_dpo() -> None:
             training_file="f",
             method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0}}},
         )
+
+
+def test_reinforcement_maps_to_a_grpo_job_with_openais_hyperparameters() -> None:
+    hp = {
+        "n_epochs": 2,
+        "batch_size": 4,
+        "learning_rate_multiplier": 3,
+        "compute_multiplier": 0.5,
+        "eval_interval": 5,
+        "eval_samples": 10,
+    }
+    method = {
+        "type": "reinforcement",
+        "reinforcement": {**_RL, "hyperparameters": hp, "lora": {"rank": 4}},
+    }
+    plan = _plan({"method": method, "validation_file": "file-v"})
+    spec = plan.spec
+    assert spec.train.objective == "grpo" and spec.train.method == "lora"
+    assert (spec.train.epochs, spec.train.batch_size, spec.train.eval_interval) == (2.0, 4, 5)
+    assert spec.train.lr == pytest.approx(BASE_LEARNING_RATE["lora"] * 3)
+    assert spec.grpo is not None and (spec.grpo.group_size, spec.grpo.eval_prompts) == (4, 10)
+    assert spec.grader is not None and spec.grader.type == "string_check"
+    assert plan.fields["hyperparameters"]["compute_multiplier"] == 0.5
+    assert plan.fields["hyperparameters"]["eval_samples"] == 10
+    # the daemon's extension: the grpo section's own fields win over the mapped ones
+    method["reinforcement"]["grpo"] = {"group_size": 3, "max_completion_tokens": 9}
+    del hp["eval_interval"]
+    spec = _plan({"method": method}).spec
+    assert spec.grpo is not None and (spec.grpo.group_size, spec.grpo.max_completion_tokens) == (
+        3,
+        9,
+    )
+    assert spec.train.eval_interval == 0  # auto without a validation file: no evaluation

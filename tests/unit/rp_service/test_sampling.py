@@ -215,3 +215,47 @@ def test_the_event_line_counts_in_the_singular_where_one() -> None:
     assert sample_message(5, 1, 1) == "step 5: 1 sample, 1 token"
     assert sample_message(50, 2, 97) == "step 50: 2 samples, 97 tokens"
     assert sample_message(7, 1, 0) == "step 7: 1 sample, 0 tokens"
+
+
+def test_top_p_draws_only_from_the_nucleus_and_repeats_with_its_seed() -> None:
+    from rp_service.worker.sampling import top_p_draw
+
+    # probabilities 0.5, 0.3, 0.15, 0.05: a top-p of 0.7 keeps the first two only
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(2000, 1)
+    draw = top_p_draw(temperature=1.0, top_p=0.7, generator=torch.Generator().manual_seed(3))
+    ids = draw(logits)
+    counts = torch.bincount(ids, minlength=4).tolist()
+    assert counts[2] == counts[3] == 0 and counts[0] > counts[1] > 0
+    assert abs(counts[0] / 2000 - 0.5 / 0.8) < 0.05  # renormalised over the nucleus
+    again = top_p_draw(temperature=1.0, top_p=0.7, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(again(logits), ids)
+    # a low temperature sharpens towards the top token; top_p 1 keeps every token
+    cold = top_p_draw(temperature=0.05, top_p=1.0, generator=torch.Generator().manual_seed(0))
+    assert (cold(logits) == 0).float().mean() > 0.99
+
+
+def test_sampled_completions_are_seeded_and_rows_of_one_prompt_differ() -> None:
+    from rp_service.worker.sampling import sampled_completions
+
+    rp = wrap_model_to_roundpipe(tiny("qwen3"), optim_dtype=torch.float32)
+
+    def sample(seed: int) -> list[list[int]]:
+        out = sampled_completions(
+            rp,
+            [PROMPTS[0]] * 4,
+            max_new_tokens=4,
+            stop=set(),
+            max_positions=POSITIONS,
+            pad_id=PAD,
+            num_microbatch=2,
+            temperature=1.5,
+            top_p=1.0,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        assert all(s.finish_reason == "length" and s.stop_id is None for s in out)
+        return [s.ids for s in out]
+
+    first = sample(5)
+    assert sample(5) == first
+    assert len({tuple(ids) for ids in first}) > 1  # one prompt, different completions
+    assert sample(6) != first

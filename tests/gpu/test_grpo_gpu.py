@@ -1,0 +1,68 @@
+"""GRPO jobs in the real worker on CUDA (RP_DEVICES=cuda): the CPU test's task
+(tests/integration/test_worker_grpo.py) on a bfloat16 base with LoRA and the KL term, and
+on an NF4 base (QLoRA), learns, and a kill -9 resumes bit for bit on the GPU too."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration import test_worker as worker_tests
+from tests.integration.test_worker_grpo import make_job
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+SPEC = {
+    "model.dtype": "bfloat16",
+    "train.steps": 12,
+    "train.method": "lora",
+    "train.lr": 0.003,
+    "train.checkpoint_interval": 4,
+    "engine.gpus": 1,
+    "grpo": {"group_size": 8, "max_completion_tokens": 12, "kl_coef": 0.02, "sample_interval": 0},
+}
+
+
+def _run_on_cuda(job: Path, on_event: Any = None) -> tuple[int, list[dict[str, Any]]]:
+    return worker_tests.run(job, on_event, devices="cuda")
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_grpo_learns_on_cuda(tmp_path: Path, quantization: str) -> None:
+    job = make_job(tmp_path / quantization, {**SPEC, "model.quantization": quantization})
+    code, events = _run_on_cuda(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    steps = worker_tests.metrics(events)
+    assert all(math.isfinite(m["kl"]) for m in steps)
+    assert steps[0]["valid_reward_initial"] < 0.5
+    assert steps[-1]["valid_reward_mean"] >= 0.9
+    print(
+        json.dumps([{k: m[k] for k in ("step", "step_seconds", "rollout_seconds")} for m in steps])
+    )
+
+
+def test_grpo_resumes_bit_for_bit_on_cuda(tmp_path: Path) -> None:
+    straight = make_job(tmp_path / "straight", SPEC)
+    assert _run_on_cuda(straight)[0] == 0
+    job = make_job(tmp_path / "killed", SPEC)
+
+    def kill(proc: subprocess.Popen[str], event: dict[str, Any]) -> None:
+        if event["type"] == "metrics" and event["data"]["step"] == 6:
+            proc.send_signal(signal.SIGKILL)
+
+    assert _run_on_cuda(job, kill)[0] == -signal.SIGKILL
+    assert _run_on_cuda(job)[0] == 0, (job / "worker.log").read_text()[-3000:]
+    ours = load_file(str(job / "output" / "adapter_model.safetensors"))
+    theirs = load_file(str(straight / "output" / "adapter_model.safetensors"))
+    assert all(ours[k].equal(theirs[k]) for k in theirs)

@@ -1,0 +1,146 @@
+"""GRPO jobs in the real worker (`python -m rp_service.worker`, RP_DEVICES=cpu:1) on the
+demo's tiny model: it learns a task its grader rewards, its metrics and rollout tables
+follow the contract, and a `kill -9` mid-job resumes bit for bit (sampler, prompt order,
+the adapters-off reference of the KL term).
+
+The task: answer prompts with text containing the letter "y" (string_check `like`); the
+untrained model's greedy answers never do, a dozen steps of GRPO make nearly all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.integration.test_worker import make_job as make_worker_job
+from tests.integration.test_worker import metrics, run
+
+GRADER = {
+    "type": "string_check",
+    "name": "has_y",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "operation": "like",
+}
+CONTRACT = (
+    "reward_mean",
+    "reward_std",
+    "rewards",
+    "kl",
+    "clip_fraction",
+    "completion_tokens_mean",
+    "grader_errors",
+)
+
+
+def prompt_lines(count: int, seed: int) -> str:
+    rng = random.Random(seed)
+    rows = [
+        {"messages": [{"role": "user", "content": f"say y {rng.randrange(1000)}"}], "answer": "y"}
+        for _ in range(count)
+    ]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def make_job(job_dir: Path, overrides: dict[str, Any]) -> Path:
+    job_dir.mkdir(parents=True)
+    (job_dir / "train.jsonl").write_text(prompt_lines(64, seed=0))
+    (job_dir / "valid.jsonl").write_text(prompt_lines(16, seed=1))
+    spec = {
+        "data.format": "auto",
+        "data.seq_len": 64,
+        "train.objective": "grpo",
+        "train.batch_size": 8,
+        "train.lr": 0.003,
+        "train.warmup_steps": 0,
+        "train.eval_interval": 0,
+        "train.checkpoint_interval": 0,
+        "grpo": {"group_size": 8, "max_completion_tokens": 12, "sample_interval": 4},
+        "grader": GRADER,
+        **overrides,
+    }
+    return make_worker_job(
+        job_dir,
+        spec,
+        train_path=str(job_dir / "train.jsonl"),
+        valid_path=str(job_dir / "valid.jsonl"),
+    )
+
+
+def test_grpo_raises_the_held_out_reward_to_0_9(tmp_path: Path) -> None:
+    job = make_job(tmp_path / "learn", {"train.steps": 12})
+    code, events = run(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    steps = metrics(events)
+    assert [m["step"] for m in steps] == list(range(1, 13))
+    for name in CONTRACT:
+        assert name in steps[0], name
+    assert steps[0]["kl"] is None  # no KL term: kl_coef 0
+    assert steps[0]["rewards"] == {"has_y": steps[0]["reward_mean"]}
+    assert all(m["clip_fraction"] == 0.0 and m["grader_errors"] == 0 for m in steps)
+    assert 0 < steps[0]["completion_tokens_mean"] <= 12
+    # held out: the untrained model's greedy answers, then the trained one's
+    assert steps[0]["valid_reward_initial"] < 0.5
+    assert steps[-1]["valid_reward_mean"] >= 0.9
+    assert steps[-1]["reward_mean"] > steps[0]["reward_mean"]
+
+    tables = [e["data"] for e in events if e["type"] == "sample"]
+    assert [t["step"] for t in tables] == [4, 8, 12]
+    row = tables[0]["samples"][0]
+    assert len(tables[0]["samples"]) == 8
+    assert set(row) >= {"prompt", "completion", "tokens", "finish_reason", "reward", "rewards"}
+    assert row["reward"] == float("y" in row["completion"])
+    assert row["rewards"] == {"has_y": row["reward"]}
+    assert (job / "output" / "model.safetensors").is_file()
+
+
+LORA_KL = {
+    "train.steps": 6,
+    "train.method": "lora",
+    "train.checkpoint_interval": 3,
+    "train.lr": 0.01,
+    "grpo": {"group_size": 4, "max_completion_tokens": 6, "kl_coef": 0.05, "sample_interval": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    job = make_job(tmp_path_factory.mktemp("grpo") / "straight", LORA_KL)
+    code, events = run(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    return job, events
+
+
+def test_kill_9_mid_job_resumes_bit_for_bit(uninterrupted_lora, tmp_path: Path) -> None:
+    straight, straight_events = uninterrupted_lora
+    want = metrics(straight_events)
+    assert all(isinstance(m["kl"], float) for m in want)
+    assert any(m["kl"] > 0 for m in want[1:])  # the adapters moved away from the base
+    job = make_job(tmp_path / "killed", LORA_KL)
+
+    def kill_after_checkpoint(proc: subprocess.Popen[str], event: dict[str, Any]) -> None:
+        if event["type"] == "metrics" and event["data"]["step"] == 4:
+            proc.send_signal(signal.SIGKILL)
+
+    code, first = run(job, kill_after_checkpoint)
+    assert code == -signal.SIGKILL
+    code, second = run(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    assert second[0]["data"]["step"] == 3
+    got = metrics(first)[:3] + metrics(second)
+    assert [m["step"] for m in got] == list(range(1, 7))
+    for a, b in zip(got, want, strict=True):
+        for key in ("train_loss", "reward_mean", "kl", "completion_tokens_mean"):
+            assert a[key] == b[key], (a["step"], key)
+    ours = load_file(str(job / "output" / "adapter_model.safetensors"))
+    theirs = load_file(str(straight / "output" / "adapter_model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert ours[name].equal(theirs[name]), name

@@ -1,0 +1,107 @@
+"""GRPO's surfaces without a model: the prompt data format, the JobSpec's grpo section and
+grader (422s naming the field), the grader check at submission."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from rp_service.data.formats import DataFormatError, validate_jsonl
+from rp_service.errors import InvalidRequest
+from rp_service.jobs.resolve import check_grader
+from rp_service.schemas import DEFAULT_LR, JobSpec
+
+GRADER = {
+    "type": "string_check",
+    "name": "exact",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "operation": "eq",
+}
+
+
+def _spec(**sections: Any) -> dict[str, Any]:
+    train = {"objective": "grpo", **sections.pop("train", {})}
+    return {"model": {"preset": "qwen3"}, "data": {"train": "x"}, "train": train, **sections}
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"},
+        {"prompt": "2+2=", "answer": "4"},
+        {"prompt": [{"role": "user", "content": "hi"}]},
+    ],
+)
+def test_prompt_rows_are_detected(row: dict[str, Any]) -> None:
+    assert validate_jsonl([json.dumps(row)]) == (1, "prompt")
+
+
+def test_chat_and_prompt_completion_rows_keep_their_formats() -> None:
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert validate_jsonl([json.dumps(chat)]) == (1, "chat")
+    assert (
+        validate_jsonl([json.dumps({"prompt": "a", "completion": "b"})])[1] == "prompt_completion"
+    )
+
+
+@pytest.mark.parametrize(
+    ("row", "needle"),
+    [
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            "ends with an assistant turn",
+        ),
+        ({"prompt": "  "}, "empty"),
+        ({"prompt": 3}, '"prompt" must be a string'),
+    ],
+)
+def test_bad_prompt_rows_name_the_line(row: dict[str, Any], needle: str) -> None:
+    with pytest.raises(DataFormatError) as info:
+        validate_jsonl(['{"prompt": "ok"}', json.dumps(row)], "prompt")
+    assert info.value.line == 2 and needle in info.value.message
+
+
+def test_a_grpo_spec_fills_its_defaults_and_takes_the_fine_tune_rate() -> None:
+    spec = JobSpec.model_validate(_spec(grader=GRADER, train={"method": "lora"}))
+    assert spec.grpo is not None and spec.grpo.group_size == 8 and spec.grpo.loss_type == "dapo"
+    assert spec.train.lr == DEFAULT_LR["lora"]
+    assert spec.grader is not None and spec.grader.type == "string_check"
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "needle"),
+    [
+        (_spec(), "grader", "needs a grader"),
+        (_spec(grader=GRADER, grpo={"kl_coef": 0.1}), "grpo", "train.method lora"),
+        ({**_spec(grader=GRADER), "train": {"objective": "sft"}}, "grader", "objective"),
+        ({**_spec(grpo={}), "train": {"objective": "dpo"}}, "grpo", "objective"),
+        (_spec(grader={**GRADER, "operation": "startswith"}), "grader", "operation"),
+    ],
+)
+def test_bad_grpo_specs_are_422s_naming_the_field(
+    body: dict[str, Any], field: str, needle: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(body)
+    error = info.value.errors()[0]
+    assert error["loc"][0] == field and needle in str(error), error
+
+
+def test_a_python_grader_is_refused_at_submission_unless_the_operator_allows_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RP_ALLOW_PYTHON_GRADERS", raising=False)
+    source = "def grade(sample, item):\n    return 1.0\n"
+    spec = JobSpec.model_validate(_spec(grader={"type": "python", "name": "p", "source": source}))
+    with pytest.raises(InvalidRequest) as info:
+        check_grader(spec)
+    assert info.value.param == "grader.type" and "RP_ALLOW_PYTHON_GRADERS" in info.value.message
+    formula = {"type": "multi", "name": "m", "graders": {"a": GRADER}, "calculate_output": "a +"}
+    with pytest.raises(InvalidRequest) as info:
+        check_grader(JobSpec.model_validate(_spec(grader=formula)))
+    assert info.value.param == "grader.calculate_output"
+    check_grader(JobSpec.model_validate(_spec(grader=GRADER)))  # a runnable one passes
