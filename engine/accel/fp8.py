@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Container
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ..errors import ConfigError
+from ..options import Fp8Recipe, MatmulPrecision
 
 __all__ = [
     "E4M3",
@@ -52,11 +55,11 @@ __all__ = [
     "fp8_linear",
     "fp8_recipe",
     "fp8_shape_ok",
+    "use_fp8_matmuls",
 ]
 
 log = logging.getLogger(__name__)
 
-Fp8Recipe = Literal["rowwise", "tensorwise"]
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 # The smallest amax a scale is computed from: an all-zero row gets a finite scale (torchao's
@@ -65,9 +68,9 @@ _AMAX_FLOOR = 1e-12
 # torch._scaled_mm wants both dimensions of its second operand and the inner dimension
 # divisible by 16 (cuBLASLt's FP8 alignment).
 _ALIGN = 16
-# Linears left in bf16 by default: the output head, and mixture-of-experts routers (whose
-# top-k choice small errors could flip).
-DEFAULT_SKIP_MODULES = ("lm_head", "gate", "router")
+# Linears left in bf16 by default: the output head, mixture-of-experts routers (whose top-k
+# choice small errors could flip) and LoRA's adapter factors (fp32, tiny GEMMs).
+DEFAULT_SKIP_MODULES = ("lm_head", "gate", "router", "lora_A", "lora_B")
 
 
 def cast_to_fp8(
@@ -240,6 +243,28 @@ def fp8_recipe(linear: nn.Module, x: Tensor) -> Fp8Recipe | None:
     return linear.recipe
 
 
+def _convertible(
+    model: nn.Module, skip_modules: Container[str]
+) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) of each plain `nn.Linear` `convert_linears` replaces."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is not nn.Linear or name in skip_modules:
+                continue
+            if not fp8_shape_ok(child.in_features, child.out_features):
+                log.info(
+                    "FP8: %s (%d -> %d) stays as it is: sizes not multiples of %d",
+                    name,
+                    child.in_features,
+                    child.out_features,
+                    _ALIGN,
+                )
+                continue
+            found.append((parent, name, child))
+    return found
+
+
 def convert_linears(
     model: nn.Module,
     recipe: Fp8Recipe,
@@ -253,23 +278,45 @@ def convert_linears(
 
     Args:
         skip_modules: Linears kept as they are when their attribute name is listed (the
-            output head, MoE routers). Linears whose sizes are not multiples of 16 are kept
-            too (FP8 GEMM alignment).
+            output head, MoE routers, LoRA's adapter factors). Linears whose sizes are not
+            multiples of 16 are kept too (FP8 GEMM alignment).
     """
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or name in skip_modules:
-                continue
-            if not fp8_shape_ok(child.in_features, child.out_features):
-                log.info(
-                    "FP8: %s (%d -> %d) stays bf16: sizes not multiples of %d",
-                    name,
-                    child.in_features,
-                    child.out_features,
-                    _ALIGN,
-                )
-                continue
-            setattr(parent, name, Fp8Linear.from_linear(child, recipe))
-            count += 1
+    found = _convertible(model, skip_modules)
+    for parent, name, child in found:
+        setattr(parent, name, Fp8Linear.from_linear(child, recipe))
+    return len(found)
+
+
+def use_fp8_matmuls(
+    name: str, layers: list[nn.Module], matmul_precision: str, fp8_recipe: str
+) -> int:
+    """RoundPipe's `matmul_precision` / `fp8_recipe` applied to its layers (before their
+    parameters are pinned or replicated): the linears converted, or none for 'bf16'.
+
+    Raises:
+        ConfigError: An unknown value, or 'fp8' with linear weights other than bf16.
+    """
+    for option, value, alias in (
+        ("matmul_precision", matmul_precision, MatmulPrecision),
+        ("fp8_recipe", fp8_recipe, Fp8Recipe),
+    ):
+        if value not in get_args(alias):
+            choices = " or ".join(repr(c) for c in get_args(alias))
+            raise ConfigError(f"{option} must be {choices}, got {value!r}", field=option)
+    if matmul_precision == "bf16":
+        return 0
+    dtypes = {
+        child.weight.dtype
+        for layer in layers
+        for _, _, child in _convertible(layer, DEFAULT_SKIP_MODULES)
+    }
+    if dtypes - {torch.bfloat16}:
+        raise ConfigError(
+            "matmul_precision='fp8' multiplies bfloat16 weights and activations in float8; "
+            f"this model's linear weights are {sorted(str(d) for d in dtypes)}: convert it "
+            "with model.to(torch.bfloat16), or use matmul_precision='bf16'",
+            field="matmul_precision",
+        )
+    count = sum(convert_linears(layer, fp8_recipe) for layer in layers)  # type: ignore[arg-type]
+    log.info("%s: %d linear layers multiply in FP8 (%s scales)", name, count, fp8_recipe)
     return count
