@@ -123,8 +123,10 @@ def _mm_nt(
     dimension last, which is what `_scaled_mm` wants (its second operand column-major).
     """
     rowwise = recipe == "rowwise"
-    qa, sa = cast_to_fp8(a, a_dtype, rowwise=rowwise, pow2=rowwise)
-    qb, sb = cast_to_fp8(b, E4M3, rowwise=rowwise, pow2=rowwise)
+    # The casts keep their input's layout; _scaled_mm wants a row-major and b^T
+    # column-major, i.e. both contiguous (a no-op for the usual contiguous activations).
+    qa, sa = cast_to_fp8(a.contiguous(), a_dtype, rowwise=rowwise, pow2=rowwise)
+    qb, sb = cast_to_fp8(b.contiguous(), E4M3, rowwise=rowwise, pow2=rowwise)
     if rowwise:
         sb = sb.reshape(1, -1)  # (n, 1) -> (1, n): b's per-row scales are output columns
     return _scaled_mm(qa, sa, qb.t(), sb, fast=fast)
@@ -168,13 +170,8 @@ class _Fp8Linear(torch.autograd.Function):
             flat = x.reshape(-1, x.shape[-1])
             gt = _pad_rows(g, _ALIGN).t()  # (out, tokens)
             xt = _pad_rows(flat, _ALIGN).t()  # (in, tokens)
-            grad_w = _mm_nt(
-                gt.contiguous(),
-                xt.contiguous(),
-                recipe=recipe,
-                a_dtype=_grad_dtype(recipe),
-                fast=False,
-            ).to(weight.dtype)
+            grad_w = _mm_nt(gt, xt, recipe=recipe, a_dtype=_grad_dtype(recipe), fast=False)
+            grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b, None
@@ -199,7 +196,7 @@ def fp8_grad_input(grad: Tensor, weight: Tensor, recipe: Fp8Recipe) -> Tensor:
     """grad @ weight (the input gradient of x W^T) in FP8: grad (..., out) -> (..., in)."""
     g = grad.reshape(-1, grad.shape[-1])  # (tokens, out)
     # Inner dimension `out`: the weight transposed, (in, out), scaled along it.
-    wt = weight.t().contiguous()
+    wt = weight.t()
     out = _mm_nt(g, wt, recipe=recipe, a_dtype=_grad_dtype(recipe), fast=False)
     return out.view(*grad.shape[:-1], weight.shape[1])
 
