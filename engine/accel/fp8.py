@@ -53,8 +53,10 @@ __all__ = [
     "fp8_forward",
     "fp8_grad_input",
     "fp8_linear",
+    "fp8_matmul_nt",
     "fp8_recipe",
     "fp8_shape_ok",
+    "grad_dtype",
     "use_fp8_matmuls",
 ]
 
@@ -109,7 +111,7 @@ def _scaled_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, *, fast: 
     )
 
 
-def _mm_nt(
+def fp8_matmul_nt(
     a: Tensor,
     b: Tensor,
     *,
@@ -132,7 +134,8 @@ def _mm_nt(
     return _scaled_mm(qa, sa, qb.t(), sb, fast=fast)
 
 
-def _grad_dtype(recipe: Fp8Recipe) -> torch.dtype:
+def grad_dtype(recipe: Fp8Recipe) -> torch.dtype:
+    """The float8 type of the output gradient under `recipe`."""
     # tensorwise: one scale must cover the whole gradient's range, which e5m2 has room for.
     return E5M2 if recipe == "tensorwise" else E4M3
 
@@ -170,7 +173,7 @@ class _Fp8Linear(torch.autograd.Function):
             flat = x.reshape(-1, x.shape[-1])
             gt = _pad_rows(g, _ALIGN).t()  # (out, tokens)
             xt = _pad_rows(flat, _ALIGN).t()  # (in, tokens)
-            grad_w = _mm_nt(gt, xt, recipe=recipe, a_dtype=_grad_dtype(recipe), fast=False)
+            grad_w = fp8_matmul_nt(gt, xt, recipe=recipe, a_dtype=grad_dtype(recipe), fast=False)
             grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
@@ -186,7 +189,7 @@ def fp8_forward(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Fp8Recip
     """F.linear(x, weight, bias) computed in FP8, outside autograd (for autograd Functions
     that give their own backward, as `fp8_linear` and LoRA's merged linear do)."""
     flat = x.reshape(-1, x.shape[-1])  # (tokens, in)
-    out = _mm_nt(flat, weight, recipe=recipe, fast=True)  # (tokens, out)
+    out = fp8_matmul_nt(flat, weight, recipe=recipe, fast=True)  # (tokens, out)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -197,7 +200,7 @@ def fp8_grad_input(grad: Tensor, weight: Tensor, recipe: Fp8Recipe) -> Tensor:
     g = grad.reshape(-1, grad.shape[-1])  # (tokens, out)
     # Inner dimension `out`: the weight transposed, (in, out), scaled along it.
     wt = weight.t()
-    out = _mm_nt(g, wt, recipe=recipe, a_dtype=_grad_dtype(recipe), fast=False)
+    out = fp8_matmul_nt(g, wt, recipe=recipe, a_dtype=grad_dtype(recipe), fast=False)
     return out.view(*grad.shape[:-1], weight.shape[1])
 
 
