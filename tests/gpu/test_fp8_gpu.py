@@ -16,7 +16,6 @@ Tolerances, and why:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,35 +59,6 @@ def _model(layers: int = 4) -> torch.nn.Module:
 def _ids(seed: int = 3, rows: int = 6, seq: int = 256) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, SIZES["vocab_size"], (rows, seq), generator=g)
-
-
-@pytest.fixture
-def math_attention() -> Iterator[None]:
-    backends = torch.backends.cuda
-    saved = (
-        backends.flash_sdp_enabled(),
-        backends.mem_efficient_sdp_enabled(),
-        backends.cudnn_sdp_enabled(),
-    )
-    backends.enable_flash_sdp(False)
-    backends.enable_mem_efficient_sdp(False)
-    backends.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        backends.enable_flash_sdp(saved[0])
-        backends.enable_mem_efficient_sdp(saved[1])
-        backends.enable_cudnn_sdp(saved[2])
-
-
-@pytest.fixture
-def replay_settings() -> Iterator[None]:
-    saved = graphs.ENABLED, graphs.REPLAY_MAX_TOKENS
-    try:
-        yield
-    finally:
-        graphs.ENABLED, graphs.REPLAY_MAX_TOKENS = saved
-        graphs.drop_all_slots()
 
 
 def _reference_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict]:
@@ -161,12 +131,14 @@ def test_a_preset_trains_in_fp8_within_3_percent_of_bf16(cuda_devices: int, reci
         assert a == pytest.approx(b, rel=0.03), f"step {step}: fp8 {a:.4f}, bf16 {b:.4f}"
 
 
-def _wrap_deterministic(model: torch.nn.Module) -> Any:
+def _wrap_deterministic(model: torch.nn.Module, plan: ModelExecutePlan | None = None) -> Any:
+    """`model` in FP8 (rowwise) through RoundPipe, attention recomputed (with the
+    math_attention fixture: deterministic)."""
     return wrap_model_to_roundpipe(
         model,
         use_sequential_preset=True,
         optim_dtype=torch.float32,
-        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+        model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan),
         recompute_attention=True,
         matmul_precision="fp8",
     )
@@ -210,14 +182,7 @@ def test_fp8_layers_replay_as_cuda_graphs_bit_for_bit(
         graphs.ENABLED = replay
         graphs.REPLAY_MAX_TOKENS = None
         model = _model()
-        rp = wrap_model_to_roundpipe(
-            model,
-            use_sequential_preset=True,
-            optim_dtype=torch.float32,
-            model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan),
-            recompute_attention=True,
-            matmul_precision="fp8",
-        )
+        rp = _wrap_deterministic(model, plan)
         opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-3)
 
         def step_fn(opt: torch.optim.Optimizer = opt) -> None:
