@@ -185,16 +185,19 @@ class SpecResolver:
         gpu_capabilities: Sequence[str | None] | None = None,
     ) -> None:
         """Raise InvalidRequest or JobFailure, naming the field, for what this daemon
-        cannot run (the engine options' rules first: `spec_to_engine`).
+        cannot run (what its devices cannot do first, then the engine options' rules:
+        `spec_to_engine`).
 
         Args:
             gpu_capabilities: The compute capability of each GPU the daemon schedules
                 (None: unknown, `gpu_count` of them).
         """
-        options = spec_to_engine(spec)
         if gpu_capabilities is None:
             gpu_capabilities = [None] * gpu_count
+        # Before the options' rules: on a daemon without FP8 GPUs, "set model.dtype to
+        # bfloat16" would be the wrong advice (and the OpenAI facade's jobs have no dtype).
         check_fp8_devices(spec, gpu_capabilities)
+        options = spec_to_engine(spec)
         path_config = self._path_config(spec)  # config.json of a model folder, read once
         if spec.model.path is not None and path_config is not None:
             folder = self._model_dir(spec.model.path, param="model.path")

@@ -99,6 +99,15 @@ def test_fp8_off_fp8_gpus_is_refused_naming_the_field(
     assert named in refused.value.message and "'bf16'" in refused.value.message
 
 
+def test_fp8_on_fp8_gpus_still_needs_bfloat16(resolver: SpecResolver) -> None:
+    with pytest.raises(JobFailure) as failure:
+        resolver.check(_fp8_spec(model={"dtype": "float32"}), gpu_count=1, gpu_capabilities=["9.0"])
+    assert (failure.value.code, failure.value.param) == (
+        "fp8_needs_bfloat16",
+        "engine.matmul_precision",
+    )
+
+
 def test_fp8_on_fp8_gpus_and_bf16_anywhere_pass(resolver: SpecResolver) -> None:
     resolver.check(_fp8_spec(), gpu_count=2, gpu_capabilities=["8.9", "9.0"])
     resolver.check(JobSpec.model_validate(_spec()), gpu_count=1, gpu_capabilities=["7.5"])
@@ -117,6 +126,10 @@ def test_the_api_answers_422_on_a_daemon_without_gpus(client: TestClient) -> Non
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert (error["code"], error["param"]) == ("fp8_needs_gpu", "engine.matmul_precision")
+    # the devices first: a float32 model too is told to use GPUs, not to change its dtype
+    r = client.post("/v1/jobs", json=_spec(engine={"gpus": 1, "matmul_precision": "fp8"}))
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "fp8_needs_gpu"
     r = client.post("/v1/jobs", json=_spec(engine={"matmul_precision": "fp4"}))
     assert r.status_code == 422, r.text
     assert r.json()["error"]["param"] == "engine.matmul_precision"
@@ -157,3 +170,16 @@ def test_rp_system_shows_fp8_per_gpu() -> None:
         "fp8 no"
     )
     assert _device_line({"name": "cpu"}).endswith("fp8 -")  # an older daemon: no such field
+
+
+def test_the_openai_facade_answers_400_naming_its_field(client: TestClient) -> None:
+    lines = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    up = client.post(
+        "/v1/files", files={"file": ("d.jsonl", lines * 4)}, data={"purpose": "fine-tune"}
+    )
+    assert up.status_code == 201, up.text
+    body = {"model": "qwen3", "training_file": up.json()["id"], "matmul_precision": "fp8"}
+    r = client.post("/v1/fine_tuning/jobs", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("fp8_needs_gpu", "matmul_precision")
