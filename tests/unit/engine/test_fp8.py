@@ -266,3 +266,21 @@ def test_fp8_is_refused_for_other_dtypes_and_unknown_values(cpu3: int) -> None:
     with pytest.raises(ConfigError, match="'rowwise' or 'tensorwise'") as refused:
         wrap_model_to_roundpipe(hf, matmul_precision="fp8", fp8_recipe="blockwise")
     assert refused.value.field == "fp8_recipe"
+
+
+def test_the_fp8_linear_traces_whole_under_torch_compile() -> None:
+    """The engine compiles its decoder layers: the FP8 linear must trace without a graph
+    break (fullgraph) and compute what it computes eagerly, forward and backward."""
+    torch._dynamo.reset()
+    lin = Fp8Linear.from_linear(nn.Linear(64, 48).to(torch.bfloat16), "rowwise")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 16, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(3, 16, 48, generator=gen).to(torch.bfloat16)
+    results = []
+    for call in (lin, torch.compile(lin, backend="aot_eager", fullgraph=True, dynamic=False)):
+        out = call(x)
+        out.backward(g)
+        results.append((out.detach(), x.grad, lin.weight.grad, lin.bias.grad))
+        x.grad = lin.weight.grad = lin.bias.grad = None
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
