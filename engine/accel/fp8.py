@@ -19,12 +19,14 @@ without it, as torchao's defaults do.
 Why not torchao's `Float8Linear` itself: the engine's LoRA merges the adapter into the
 uploaded base weight and runs its own autograd Function on it (`engine.adapters.lora`),
 which a swapped module cannot reach, and its NF4 base is recognised as plain `nn.Linear`.
-One autograd Function here serves all three (its pieces `fp8_forward` and
-`fp8_grad_input` serve LoRA's merged linear too), compiles
-inside the decoder layers' torch.compile graphs and captures into CUDA graphs (no host
-synchronisation: scales stay on the device). `torch._scaled_mm` also runs on the CPU
-(torch 2.13), so CI checks the arithmetic; only CUDA GPUs of compute capability >= 8.9
-make it fast (`engine.options.FP8_MIN_CAPABILITY`).
+One autograd Function here serves full fine-tunes, LoRA and NF4 bases (its pieces
+`fp8_forward` and `fp8_grad_input` serve LoRA's merged linear), traces whole inside the
+decoder layers' torch.compile graphs and captures into CUDA graphs (no host
+synchronisation: scales stay on the device). It matched torchao 0.18's Float8Linear bit for
+bit on the CPU (both recipes: output, input and weight gradients), checked once; torchao
+is not a dependency. `torch._scaled_mm` runs on the CPU in torch 2.13 (fp32 accumulation),
+so CI checks the arithmetic; only CUDA GPUs of compute capability >= 8.9 make it fast
+(`engine.options.FP8_MIN_CAPABILITY`).
 
 Memory: nothing persistent. The backward keeps the bf16 input and the (streamed) bf16
 weight as a bf16 linear does; the float8 copies live only inside one matmul.
@@ -44,6 +46,7 @@ from ..errors import ConfigError
 from ..options import Fp8Recipe, MatmulPrecision
 
 __all__ = [
+    "DEFAULT_SKIP_MODULES",
     "E4M3",
     "E5M2",
     "Fp8Linear",
