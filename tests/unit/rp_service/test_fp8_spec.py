@@ -4,7 +4,7 @@ FP8 ability in /v1/system and `rp system`."""
 
 from __future__ import annotations
 
-import subprocess
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,6 @@ from rp_service.jobs.resolve import SpecResolver
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 from rp_service.spec_to_engine import spec_to_engine
-from rp_service.system import SystemProbe
 from tests.unit.rp_service.test_one_catalog import AUTH, LOOPBACK, _spec
 from tests.unit.rp_service.test_openai_mapping import _plan
 
@@ -141,18 +140,6 @@ def test_the_openai_extension_maps_to_the_field() -> None:
     assert (spec.engine.matmul_precision, spec.model.dtype) == ("fp8", "bfloat16")
 
 
-def test_system_says_which_gpus_can_do_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
-    probed = (
-        '[{"index": 0, "name": "H100", "total_memory_bytes": 85899345920, "capability": "9.0"},'
-        ' {"index": 1, "name": "A100", "total_memory_bytes": 42949672960, "capability": "8.0"}]'
-    )
-    monkeypatch.setattr(
-        subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, probed + "\n", "")
-    )
-    devices = SystemProbe(probe_cuda=True).devices
-    assert [(d["index"], d["fp8"]) for d in devices] == [(0, True), (1, False)]
-
-
 def test_rp_system_shows_fp8_per_gpu() -> None:
     from rp_client.cli.system import _device_line
 
@@ -183,3 +170,25 @@ def test_the_openai_facade_answers_400_naming_its_field(client: TestClient) -> N
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["code"], error["param"]) == ("fp8_needs_gpu", "matmul_precision")
+
+
+def test_a_daemon_refuses_fp8_for_the_gpu_that_lacks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's capabilities reach the submission check: an H100 and an A100 (8.0)."""
+    import rp_service.system
+
+    probed = [
+        {"index": 0, "name": "H100", "total_memory_bytes": 2**36, "capability": "9.0"},
+        {"index": 1, "name": "A100", "total_memory_bytes": 2**35, "capability": "8.0"},
+    ]
+    monkeypatch.setattr(rp_service.system, "_CUDA_PROBE", f"print({json.dumps(probed)!r})")
+    settings = Settings(data_dir=tmp_path, gpus="all", host_memory_budget="160GiB", token="tok")
+    with TestClient(create_app(settings), base_url=LOOPBACK, headers=AUTH) as c:
+        devices = c.get("/v1/system").json()["devices"]
+        assert [(d["name"], d["fp8"]) for d in devices] == [("H100", True), ("A100", False)]
+        r = c.post("/v1/jobs", json=_spec(**FP8))
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("fp8_unsupported_gpu", "engine.matmul_precision")
+    assert "GPU 1 (8.0)" in error["message"] and "GPU 0" not in error["message"]
