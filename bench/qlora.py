@@ -101,7 +101,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="GIB",
         help="cap the engine's GPU memory (RoundPipe max_gpu_memory), e.g. 24",
     )
+    p.add_argument(
+        "--matmul-precision",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="RoundPipe's matmul_precision: fp8 multiplies the decoded base in float8 "
+        "(engine.accel.fp8; the adapters stay bf16)",
+    )
+    p.add_argument("--fp8-recipe", choices=["rowwise", "tensorwise"], default="rowwise")
     args = p.parse_args(argv)
+    if args.tiny and args.matmul_precision == "fp8":
+        p.error("--tiny runs an fp32 model; --matmul-precision fp8 needs the bf16 shapes")
     if args.max_gpu_memory is not None and not args.max_gpu_memory > 0:
         p.error("--max-gpu-memory must be > 0 GiB")
     if args.tiny:
@@ -296,6 +306,8 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
         pin_model="arena" if torch.cuda.is_available() else "off",
         recompute_attention=args.recompute_attention,
         max_gpu_memory=args.max_gpu_memory,
+        matmul_precision=args.matmul_precision,
+        fp8_recipe=args.fp8_recipe,
     )
     opt = Adam(rp.optim_parameters(), lr=1e-5)
     phases.mark("wrap")
@@ -331,6 +343,8 @@ def run_engine(args: argparse.Namespace, *, nf4: bool) -> dict[str, Any]:
     tokens = args.steps * args.seqs_per_step * args.seq_len
     out = {
         "run": "engine-nf4" if nf4 else "engine-bf16-base",
+        "matmul_precision": args.matmul_precision,
+        "fp8_recipe": args.fp8_recipe if args.matmul_precision == "fp8" else None,
         "base_host_bytes": base_bytes,
         "tokens_per_s": round(tokens / elapsed, 1),
         "step_s": round(elapsed / args.steps, 3),

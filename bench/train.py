@@ -18,6 +18,7 @@ convention), peak GPU memory (torch.cuda.max_memory_allocated) and peak host mem
     torchrun --nproc-per-node 2 bench/train.py             # data parallel: a process per GPU
     python bench/train.py --model qwen3-8b --seqs-per-step 32 --optim-state-dtype bfloat16 \
         --optim-grad-dtype model --pin-model arena --recompute-attention   # 12 bytes/param
+    python bench/train.py --matmul-precision fp8 --fp8-recipe rowwise   # FP8 (bench/fp8.sh)
 
 `--lora`: rank-16 adapters (alpha 32) on every attention and MLP projection
 (engine.adapters.lora), the fp16 base frozen (no master, gradient or optimizer state), fp32
@@ -369,6 +370,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         shard_optimizer=args.shard_optimizer,
         overlap_calls=args.overlap_calls,
         double_buffer_weights=_double_buffer(args),
+        matmul_precision=args.matmul_precision,
+        fp8_recipe=args.fp8_recipe,
     )
     wrap_s = time.perf_counter() - t0
     if args.optim_memory != "compact":
@@ -443,6 +446,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         optimizer=optimizer_name,
         optimizer_s_median=round(statistics.median(adam_s[args.warmup :] or adam_s), 4),
         model_dtype=args.dtype,
+        matmul_precision=args.matmul_precision,
+        fp8_recipe=args.fp8_recipe if args.matmul_precision == "fp8" else None,
         experts_implementation=getattr(model.config, "_experts_implementation", None),
         optim_dtype="bfloat16" if compact else "float32",
         optim_state_dtype="uint8" if compact else args.optim_state_dtype,

@@ -116,6 +116,19 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         help="model dtype (float16; bfloat16 for MoE shapes: torch's grouped_mm, which "
         "transformers' experts use on CUDA, takes bf16 only)",
     )
+    p.add_argument(
+        "--matmul-precision",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="RoundPipe's matmul_precision: fp8 multiplies the decoder's linear layers in "
+        "float8 (engine.accel.fp8; needs --dtype bfloat16, the default with fp8)",
+    )
+    p.add_argument(
+        "--fp8-recipe",
+        choices=["rowwise", "tensorwise"],
+        default="rowwise",
+        help="RoundPipe's fp8_recipe (with --matmul-precision fp8)",
+    )
     p.add_argument("--lora", action="store_true", help="LoRA fine-tuning (see above)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument(
@@ -203,7 +216,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     if args.check is None:
         args.check = tiny
     if args.dtype is None:
-        args.dtype = "bfloat16" if "family" in SHAPES[args.model] else "float16"
+        fp8 = args.matmul_precision == "fp8"
+        args.dtype = "bfloat16" if fp8 or "family" in SHAPES[args.model] else "float16"
+    if args.matmul_precision == "fp8" and args.dtype != "bfloat16":
+        p.error("--matmul-precision fp8 multiplies bfloat16 models: pass --dtype bfloat16")
     if args.seqs_per_step % args.num_microbatch:
         p.error("--seqs-per-step must be a multiple of --num-microbatch")
     if (args.baseline or args.baseline_only) and args.seqs_per_step % args.baseline_microbatch:

@@ -20,10 +20,13 @@ from typing import Any, Literal, get_args
 from .errors import ConfigError
 
 __all__ = [
+    "FP8_MIN_CAPABILITY",
     "AdamOptions",
     "DtypeName",
     "EngineOptions",
+    "Fp8Recipe",
     "LoraOptions",
+    "MatmulPrecision",
     "OptimMemory",
     "OptimStateDtype",
     "OptionError",
@@ -31,6 +34,7 @@ __all__ = [
     "Quantization",
     "RecomputeGrain",
     "default_num_microbatch",
+    "fp8_capable",
 ]
 
 DtypeName = Literal["float32", "float16", "bfloat16"]
@@ -40,6 +44,25 @@ OptimMemory = Literal["default", "compact"]
 PinModel = Literal["alloc", "register", "arena", "off"]
 # "nf4": the frozen base's linear weights held 4-bit (engine.adapters.nf4), adapters only.
 Quantization = Literal["none", "nf4"]
+# "fp8": the decoder's linear layers multiply in float8 (engine.accel.fp8); "bf16": in the
+# model's own dtype.
+MatmulPrecision = Literal["bf16", "fp8"]
+# How FP8 operands are scaled: a scale per row (every operand e4m3) or per tensor (the
+# output gradient e5m2); torchao's recipes of those names.
+Fp8Recipe = Literal["rowwise", "tensorwise"]
+# CUDA compute capability from which GPUs multiply float8 in hardware (Ada, Hopper, newer).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_capable(capability: str | tuple[int, int]) -> bool:
+    """Whether a CUDA GPU of `capability` ('9.0' or (9, 0)) has FP8 matmuls."""
+    if isinstance(capability, str):
+        major, _, minor = capability.partition(".")
+        try:
+            capability = (int(major), int(minor or 0))
+        except ValueError:
+            return False
+    return tuple(capability) >= FP8_MIN_CAPABILITY
 
 
 class OptionError(ConfigError):
@@ -103,6 +126,10 @@ class EngineOptions:
         max_gpu_memory_gib: RoundPipe's max_gpu_memory (GiB); None: the engine's default.
         layers_per_group: RoundPipe's layers_per_group (an explicit plan of equal layer
             groups); None: the automatic plan.
+        matmul_precision: RoundPipe's matmul_precision: 'bf16', or 'fp8' (the decoder's
+            linear layers in float8; needs model_dtype bfloat16 and, to be fast, GPUs of
+            compute capability >= 8.9, which the caller checks: it knows the devices).
+        fp8_recipe: RoundPipe's fp8_recipe: 'rowwise' or 'tensorwise' (with 'fp8' only).
         names: How a caller calls each option in messages and in `ConfigError.field`
             (e.g. {'num_microbatch': 'engine.num_microbatch'}); unnamed options keep
             their own name. Not compared.
@@ -124,6 +151,8 @@ class EngineOptions:
     quantization: Quantization = "none"
     max_gpu_memory_gib: float | None = None
     layers_per_group: int | None = None
+    matmul_precision: MatmulPrecision = "bf16"
+    fp8_recipe: Fp8Recipe = "rowwise"
     names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,7 +169,13 @@ class EngineOptions:
             _positive(self, name, getattr(self, name), integer=True)
         _positive(self, "max_gpu_memory_gib", self.max_gpu_memory_gib)
         _positive(self, "adam.lr", self.adam.lr)
-        for rule in (self._micro_batches_fit, self._nf4_has_adapters, self._compact_is_bf16):
+        rules = (
+            self._micro_batches_fit,
+            self._nf4_has_adapters,
+            self._compact_is_bf16,
+            self._fp8_is_bf16,
+        )
+        for rule in rules:
             refusal = rule()
             if refusal is not None:
                 option, code, message = refusal
@@ -186,6 +221,17 @@ class EngineOptions:
             f"(got {self.model_dtype})",
         )
 
+    def _fp8_is_bf16(self) -> tuple[str, str, str] | None:
+        if self.matmul_precision != "fp8" or self.model_dtype == "bfloat16":
+            return None
+        return (
+            "matmul_precision",
+            "fp8_needs_bfloat16",
+            f"{self._name('matmul_precision')}: fp8 multiplies bfloat16 activations and "
+            f"weights in float8; set {self._name('model_dtype')} to bfloat16 (got "
+            f"{self.model_dtype}) or {self._name('matmul_precision')} to 'bf16'",
+        )
+
     def num_microbatch_on(self, num_devices: int) -> int:
         """The micro-batches per step on `num_devices` devices: num_microbatch, else the
         engine's default, at most batch_size (a micro-batch holds at least one row)."""
@@ -204,6 +250,8 @@ _CHOICES: dict[str, Any] = {
     "optim_state_dtype": OptimStateDtype,
     "optim_memory": OptimMemory,
     "quantization": Quantization,
+    "matmul_precision": MatmulPrecision,
+    "fp8_recipe": Fp8Recipe,
 }
 
 

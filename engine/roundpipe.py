@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .accel import graphs
+from .accel.fp8 import use_fp8_matmuls
 from .accel.weight_buffers import attach_second_copies
 from .attribute import LayerAttribute, ParamAttribute, resolve_optim_memory
 from .autograd_bridge import attach_backward, attach_backward_packed, backprop_to_inputs
@@ -165,6 +166,13 @@ class RoundPipe(RoundPipeBase):
         layers_per_group: Every call runs groups of this many consecutive layers
             (`ModelExecutePlan.grouped` over this model's layers, the last group the fused
             tail) instead of the automatic plan; not with model_run_config.execute_plan.
+        matmul_precision: 'bf16' (default): linear layers multiply in the model's dtype.
+            'fp8': every `nn.Linear` of the layers but the output head (and MoE routers)
+            multiplies bf16 inputs in float8, forward and backward, with scales from each
+            operand's amax (engine.accel.fp8); needs a bf16 model, and GPUs of compute
+            capability >= 8.9 to be faster (CPU devices emulate it, for tests).
+        fp8_recipe: With 'fp8': 'rowwise' (default; a scale per row, all e4m3) or
+            'tensorwise' (a scale per tensor, gradients e5m2). docs/PERFORMANCE.md ("FP8").
     """
 
     def __init__(
@@ -185,6 +193,8 @@ class RoundPipe(RoundPipeBase):
         max_gpu_memory: float | str | None = None,
         layers_per_group: int | None = None,
         step_staleness: int = 1,
+        matmul_precision: str = "bf16",
+        fp8_recipe: str = "rowwise",
     ) -> None:
         optim_grad_dtype = resolve_optim_memory(
             optim_memory,
@@ -218,6 +228,7 @@ class RoundPipe(RoundPipeBase):
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ConfigError("model is an empty nn.Sequential; give it at least one layer")
+        use_fp8_matmuls(self.name, layers, matmul_precision, fp8_recipe)
         if double_buffer_weights is None:
             double_buffer_weights = overlap_calls
         gpu_cap = resolve_max_gpu_memory(max_gpu_memory)

@@ -17,6 +17,8 @@ from pydantic import (
 from engine import catalog
 from engine.options import (
     DtypeName,
+    Fp8Recipe,
+    MatmulPrecision,
     OptimMemory,
     OptimStateDtype,
     PinModel,
@@ -351,6 +353,18 @@ class EngineSection(_Section):
         description="GiB of each GPU the engine may use (its plan sizes for a card that "
         "large; CUDA allocations past it fail). null: the daemon's RP_GPU_MEMORY_GIB, else "
         "the whole GPU. At most the daemon's RP_GPU_MEMORY_GIB where that is set.",
+    )
+    matmul_precision: MatmulPrecision = Field(
+        "bf16",
+        description="bf16: the linear layers multiply in the model's dtype; fp8: the decoder's "
+        "linear layers multiply in float8, forward and backward (embeddings, norms, "
+        "attention, the loss and the output head stay bf16). fp8 needs model.dtype "
+        "bfloat16 and GPUs of compute capability >= 8.9 (docs/PERFORMANCE.md, FP8).",
+    )
+    fp8_recipe: Fp8Recipe = Field(
+        "rowwise",
+        description="With matmul_precision fp8: rowwise (a scale per row, all e4m3) or "
+        "tensorwise (a scale per tensor, gradients e5m2).",
     )
 
 

@@ -76,8 +76,9 @@ class Services:
     async def start(self) -> None:
         """Open the store, count the GPUs, start taking jobs off the queue."""
         await asyncio.to_thread(self.store.open)
-        gpu_count = await asyncio.to_thread(self.system.cuda_device_count)
-        await self.orchestrator.start(gpu_count=gpu_count)
+        devices = await asyncio.to_thread(lambda: self.system.devices)
+        capabilities = {d["index"]: d["capability"] for d in devices if "capability" in d}
+        await self.orchestrator.start(gpu_count=len(devices), capabilities=capabilities)
 
     async def close(self) -> None:
         """Stop the served models, then the jobs, then the store (each even if one before

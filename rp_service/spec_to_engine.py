@@ -36,6 +36,8 @@ SPEC_FIELDS = MappingProxyType(
         "lora": "set train.method to 'lora'",
         "max_gpu_memory_gib": "engine.max_gpu_memory_gib",
         "layers_per_group": "engine.layers_per_group",
+        "matmul_precision": "engine.matmul_precision",
+        "fp8_recipe": "engine.fp8_recipe",
     }
 )
 
@@ -78,6 +80,8 @@ def spec_to_engine(spec: JobSpec) -> EngineOptions:
             quantization=model.quantization,
             max_gpu_memory_gib=engine.max_gpu_memory_gib,
             layers_per_group=engine.layers_per_group,
+            matmul_precision=engine.matmul_precision,
+            fp8_recipe=engine.fp8_recipe,
             names=SPEC_FIELDS,
         )
     except OptionError as exc:

@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from engine.options import fp8_capable
 from rp_service import __version__
 from rp_service.schemas import JobSpec
 
@@ -115,7 +116,8 @@ class SystemProbe:
 
     @cached_property
     def devices(self) -> list[dict[str, Any]]:
-        """CUDA devices, probed in a child process so the daemon never holds a CUDA context."""
+        """CUDA devices, probed in a child process so the daemon never holds a CUDA context;
+        each says whether it multiplies in float8 (`fp8`: engine.matmul_precision fp8)."""
         if not self.probe_cuda:
             return []
         try:
@@ -130,7 +132,12 @@ class SystemProbe:
         except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
             log.warning("probing CUDA devices failed (%s); running without GPUs", exc)
             return []
-        return devices if isinstance(devices, list) else []
+        if not isinstance(devices, list):
+            return []
+        for device in devices:
+            if isinstance(device, dict) and "capability" in device:
+                device["fp8"] = fp8_capable(str(device["capability"]))
+        return devices
 
     @cached_property
     def versions(self) -> dict[str, str | None]:

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..accel.fp8 import Fp8Recipe, fp8_forward, fp8_grad_input, fp8_recipe
 from ..catalog import LORA_TARGET_MODULES, max_lora_rank
 from ..errors import ConfigError
 from ..memory import packed_form
@@ -209,14 +210,26 @@ def _from_peft(config: Any) -> LoraConfig:
 class _MergedLoraLinear(torch.autograd.Function):
     """y = x W'^T (+ bias) with W' = W + s B A already in `weight`; backward gives the
     input gradient through W' and the adapter gradients from the factors:
-    dA = s (g B)^T x, dB = s g^T (x A^T). The frozen W and bias get none."""
+    dA = s (g B)^T x, dB = s g^T (x A^T). The frozen W and bias get none. With an FP8
+    `recipe` (the base is an `engine.accel.fp8.Fp8Linear`) the two matmuls through W' run in
+    FP8; the adapter gradients stay in the activations' dtype."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, s: float
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        a: Tensor,
+        b: Tensor,
+        s: float,
+        recipe: Fp8Recipe | None,
     ) -> Tensor:
         ctx.save_for_backward(x, weight, a, b)
         ctx.scaling = s
+        ctx.recipe = recipe
+        if recipe is not None:
+            return fp8_forward(x, weight, bias, recipe)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -225,7 +238,12 @@ class _MergedLoraLinear(torch.autograd.Function):
         s = ctx.scaling
         g = grad.reshape(-1, grad.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            if ctx.recipe is not None:
+                grad_x = fp8_grad_input(grad, weight, ctx.recipe).to(grad.dtype)
+            else:
+                grad_x = grad @ weight
         grad_a = grad_b = None
         if ctx.needs_input_grad[3]:
             gb = g @ b.to(g.dtype)  # (tokens, rank)
@@ -233,7 +251,7 @@ class _MergedLoraLinear(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             low = x2 @ a.to(x2.dtype).t()  # (tokens, rank)
             grad_b = ((g.t() @ low) * s).to(b.dtype)
-        return grad_x, None, None, grad_a, grad_b, None
+        return grad_x, None, None, grad_a, grad_b, None, None
 
 
 class LoraLinear(nn.Module):
@@ -310,6 +328,7 @@ class LoraLinear(nn.Module):
                 self.lora_A.weight,
                 self.lora_B.weight,
                 self.scaling,
+                fp8_recipe(self.base_layer, x),
             )
         out = self.base_layer(x)
         a = self.lora_A.weight

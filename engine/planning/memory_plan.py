@@ -38,6 +38,12 @@ attention outputs (on CUDA unless attention is recomputed; pieces as well) and
 the runtime itself (CUDA context, libraries). Frozen parameters (LoRA bases) have only
 the model copy; with quantization='nf4' the projections' copy is packed (half a byte
 a parameter plus a 4-byte absmax per 64: engine.adapters.nf4).
+
+matmul_precision = fp8 (engine.accel.fp8) adds nothing here: the float8 copies of a
+linear's operands and their scales exist on the device only, inside one matmul (at most
+the input, output gradient and weight of one linear, a byte an element), and the host
+keeps the bf16 weights it uploads. An FP8 copy of the weights on the host (half the
+upload bytes, issue 49) is not built.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import signal
 import sqlite3
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import IO, Any
 
@@ -74,6 +74,7 @@ class Orchestrator:
         self.io = io if io is not None else StoreIO(store)
         self.resolver = SpecResolver(settings, store)
         self.gpu_ids: list[int] = []
+        self.gpu_capabilities: list[str | None] = []  # of gpu_ids, in order
         self.ready = False
         self.events_appended = 0
         self._workers: dict[str, WorkerHandle] = {}
@@ -91,9 +92,15 @@ class Orchestrator:
 
     # ------------------------------------------------------------ start and stop
 
-    async def start(self, *, gpu_count: int) -> None:
-        """Reconcile the store with reality, then start taking jobs off the queue."""
+    async def start(self, *, gpu_count: int, capabilities: Mapping[int, str] | None = None) -> None:
+        """Reconcile the store with reality, then start taking jobs off the queue.
+
+        Args:
+            capabilities: CUDA compute capability by device index ('9.0'), where probed.
+        """
         self.gpu_ids = self.settings.gpu_ids(gpu_count)
+        known = capabilities or {}
+        self.gpu_capabilities = [known.get(g) for g in self.gpu_ids]
         await asyncio.to_thread(self.reconcile)
         self._loop_task = asyncio.create_task(self._schedule_loop(), name="rp-scheduler")
         self._disk_task = asyncio.create_task(self._disk_watch_loop(), name="rp-disk-watch")
@@ -200,8 +207,12 @@ class Orchestrator:
                 "when some have started",
                 code="queue_full",
             )
-        gpu_count = len(self.gpu_ids)
-        await asyncio.to_thread(self.resolver.check, spec, gpu_count=gpu_count)
+        await asyncio.to_thread(
+            self.resolver.check,
+            spec,
+            gpu_count=len(self.gpu_ids),
+            gpu_capabilities=self.gpu_capabilities,
+        )
         record = JobRecord(
             id="job-" + secrets.token_hex(12),
             status="queued",

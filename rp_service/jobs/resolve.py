@@ -2,18 +2,21 @@
 
 Pydantic checks each value alone; this module checks what needs the daemon's state: that
 a file id exists, that a local path lies under a configured root once symlinks are
-resolved, that `data.seq_len` fits the model, that enough GPUs exist.
+resolved, that `data.seq_len` fits the model, that enough GPUs exist, that they can do
+what the spec asks of them (FP8 matmuls).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from engine.catalog import FAMILIES, max_lora_rank, projection_shapes
+from engine.options import FP8_MIN_CAPABILITY, fp8_capable
 from rp_service.data.chat_template import CHOOSE_HINT, folder_has_template
 from rp_service.data.formats import DataFormatError, iter_records
 from rp_service.errors import InvalidRequest
@@ -24,7 +27,13 @@ from rp_service.schemas import JobSpec, LoraSection
 from rp_service.settings import Settings
 from rp_service.spec_to_engine import spec_to_engine
 
-__all__ = ["SpecResolver", "check_lora_rank", "config_max_positions", "under_roots"]
+__all__ = [
+    "SpecResolver",
+    "check_fp8_devices",
+    "check_lora_rank",
+    "config_max_positions",
+    "under_roots",
+]
 
 
 def _within(path: Path, root: Path) -> bool:
@@ -106,6 +115,41 @@ def check_lora_rank(lora: LoraSection, config: dict[str, Any]) -> None:
         )
 
 
+def check_fp8_devices(spec: JobSpec, capabilities: Sequence[str | None]) -> None:
+    """Refuse `engine.matmul_precision: fp8` unless the job runs on GPUs that multiply in
+    float8: CUDA compute capability >= 8.9 on every GPU the daemon hands out (a job may get
+    any of them), none of it on CPU devices.
+
+    Args:
+        capabilities: Each schedulable GPU's compute capability ('9.0'); None where unknown.
+    """
+    if spec.engine.matmul_precision != "fp8":
+        return
+    field = "engine.matmul_precision"
+    need = "{}.{}".format(*FP8_MIN_CAPABILITY)
+    if not capabilities or spec.engine.gpus == 0:
+        where = "engine.gpus is 0" if capabilities else "this daemon has no GPUs"
+        raise InvalidRequest(
+            f"{field}: fp8 needs CUDA GPUs of compute capability >= {need} and this job "
+            f"would run on CPU devices ({where}); set {field} to 'bf16'",
+            code="fp8_needs_gpu",
+            param=field,
+        )
+    lacking = [
+        f"GPU {i} ({cap or 'capability unknown'})"
+        for i, cap in enumerate(capabilities)
+        if cap is None or not fp8_capable(cap)
+    ]
+    if lacking:
+        raise InvalidRequest(
+            f"{field}: fp8 needs GPUs of compute capability >= {need} (Ada, Hopper or "
+            f"newer); this daemon's {', '.join(lacking)} cannot multiply in float8; set "
+            f"{field} to 'bf16'",
+            code="fp8_unsupported_gpu",
+            param=field,
+        )
+
+
 def _holds_messages(path: str, fmt: str) -> bool:
     """Whether a dataset's first record is chat: messages, or a pair with a message prompt."""
     if path == "synthetic":
@@ -171,9 +215,26 @@ class SpecResolver:
         self.settings = settings
         self.store = store
 
-    def check(self, spec: JobSpec, *, gpu_count: int) -> None:
+    def check(
+        self,
+        spec: JobSpec,
+        *,
+        gpu_count: int,
+        gpu_capabilities: Sequence[str | None] | None = None,
+    ) -> None:
         """Raise InvalidRequest or JobFailure, naming the field, for what this daemon
-        cannot run (the engine options' rules first: `spec_to_engine`)."""
+        cannot run (what its devices cannot do first, then the engine options' rules:
+        `spec_to_engine`).
+
+        Args:
+            gpu_capabilities: The compute capability of each GPU the daemon schedules
+                (None: unknown, `gpu_count` of them).
+        """
+        if gpu_capabilities is None:
+            gpu_capabilities = [None] * gpu_count
+        # Before the options' rules: on a daemon without FP8 GPUs, "set model.dtype to
+        # bfloat16" would be the wrong advice (and the OpenAI facade's jobs have no dtype).
+        check_fp8_devices(spec, gpu_capabilities)
         options = spec_to_engine(spec)
         path_config = self._path_config(spec)  # config.json of a model folder, read once
         if spec.model.path is not None and path_config is not None:

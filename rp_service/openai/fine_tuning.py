@@ -50,6 +50,7 @@ _PARAMS = {
     "model.preset": "model",
     "tokenizer.path": "model",
     "engine.gpus": "model",
+    "engine.matmul_precision": "matmul_precision",
 }
 _MODELS_NAMED = 20  # model folders listed in an unknown-model error
 

@@ -289,7 +289,7 @@ def plan_job(
             checkpoint_interval=steps_per_epoch,
             keep_checkpoints=KEEP_CHECKPOINTS,
         ),
-        engine=EngineSection(gpus=1 if gpu_count else 0),
+        engine=EngineSection(gpus=1 if gpu_count else 0, matmul_precision=body.matmul_precision),
         lora=lora,
         dpo=DpoSection(beta=beta) if dpo else None,
         grpo=grpo,

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.options import Quantization
+from engine.options import MatmulPrecision, Quantization
 from rp_service.graders import GraderSpec
 from rp_service.schemas import GrpoSection, LoraSection
 
@@ -113,6 +113,9 @@ class FineTuningJobCreate(_Request):
     # This daemon's extension (the SDK's extra_body): the JobSpec's model.quantization;
     # "nf4" holds the frozen base 4-bit (QLoRA) and needs method.<type>.lora.
     quantization: Quantization = "none"
+    # This daemon's extension (extra_body): the JobSpec's engine.matmul_precision; "fp8"
+    # multiplies the decoder's linear layers in float8 (GPUs of compute capability >= 8.9).
+    matmul_precision: MatmulPrecision = "bf16"
 
     @field_validator("metadata")
     @classmethod

@@ -123,6 +123,8 @@ def _wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
         "recompute_attention": options.recompute_attention,
         "max_gpu_memory": options.max_gpu_memory_gib,
         "layers_per_group": options.layers_per_group,
+        "matmul_precision": options.matmul_precision,
+        "fp8_recipe": options.fp8_recipe,
     }
     if options.optim_memory == "compact":  # the bf16 weights are the masters
         return wrap_model_to_roundpipe(hf_model, optim_memory="compact", **kwargs)

@@ -29,3 +29,37 @@ def cuda_devices() -> Iterator[int]:
         else:
             os.environ["RP_DEVICES"] = old
         reset_devices()
+
+
+@pytest.fixture
+def replay_settings() -> Iterator[None]:
+    """engine.accel.graphs' switches restored (and no slots left) after the test."""
+    from engine.accel import graphs
+
+    saved = graphs.ENABLED, graphs.REPLAY_MAX_TOKENS
+    try:
+        yield
+    finally:
+        graphs.ENABLED, graphs.REPLAY_MAX_TOKENS = saved
+        graphs.drop_all_slots()
+
+
+@pytest.fixture
+def math_attention() -> Iterator[None]:
+    """Deterministic attention: SDPA's math kernels (not cuDNN's); the tests using it
+    also recompute attention (`recompute_attention=True`)."""
+    backends = torch.backends.cuda
+    saved = (
+        backends.flash_sdp_enabled(),
+        backends.mem_efficient_sdp_enabled(),
+        backends.cudnn_sdp_enabled(),
+    )
+    backends.enable_flash_sdp(False)
+    backends.enable_mem_efficient_sdp(False)
+    backends.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        backends.enable_flash_sdp(saved[0])
+        backends.enable_mem_efficient_sdp(saved[1])
+        backends.enable_cudnn_sdp(saved[2])

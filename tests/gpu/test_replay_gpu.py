@@ -11,8 +11,6 @@ follow measured times, and a layer moved into the fused tail runs other kernels.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -22,37 +20,6 @@ from tests.tiny_models import WIDE, tiny_model
 from tests.unit.engine._models import lm_steps
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def replay_settings() -> Iterator[None]:
-    saved = graphs.ENABLED, graphs.REPLAY_MAX_TOKENS
-    try:
-        yield
-    finally:
-        graphs.ENABLED, graphs.REPLAY_MAX_TOKENS = saved
-        graphs.drop_all_slots()
-
-
-@pytest.fixture
-def math_attention() -> Iterator[None]:
-    """Deterministic attention: SDPA's math kernels (not cuDNN's); the tests using it
-    also recompute attention (`_train(recompute_attention=True)`)."""
-    backends = torch.backends.cuda
-    saved = (
-        backends.flash_sdp_enabled(),
-        backends.mem_efficient_sdp_enabled(),
-        backends.cudnn_sdp_enabled(),
-    )
-    backends.enable_flash_sdp(False)
-    backends.enable_mem_efficient_sdp(False)
-    backends.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        backends.enable_flash_sdp(saved[0])
-        backends.enable_mem_efficient_sdp(saved[1])
-        backends.enable_cudnn_sdp(saved[2])
 
 
 def _model() -> torch.nn.Module:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import typer
 
@@ -30,7 +31,7 @@ def system(
         out.append(f"  {name:<15}{version}")
     out.append(f"devices          {len(info.devices)}")
     for device in info.devices:
-        out.append(f"  {device}")
+        out.append(f"  {_device_line(device)}")
     out.append(f"host memory      {_gib(info.host_memory_bytes)}")
     out.append(f"pinned budget    {_gib(info.pinned_budget_bytes)}")
     out.append(f"job host budget  {_gib(info.host_memory_budget_bytes)}")
@@ -43,6 +44,17 @@ def system(
     out.append(f"jobs             {counts}")
     out += _share_lines(info.gpu_share)
     sys.stdout.write("\n".join(out) + "\n")
+
+
+def _device_line(device: Any) -> str:
+    """'0  NVIDIA H100 80GB HBM3  capability 9.0  79.1 GiB  fp8 yes' (a probe's fields)."""
+    if not isinstance(device, dict) or "name" not in device:
+        return str(device)
+    fp8 = {True: "yes", False: "no"}.get(device.get("fp8"), "-")
+    return (
+        f"{device.get('index', '-')}  {device['name']}  capability "
+        f"{device.get('capability', '-')}  {_gib(device.get('total_memory_bytes'))}  fp8 {fp8}"
+    )
 
 
 def _share_lines(rows: list[GpuShare]) -> list[str]:

@@ -91,3 +91,12 @@ def test_cosine_decay_after_the_warm_up_or_over_the_last_steps() -> None:
     assert late[:2] == [1.0, 1.0] and late[2] < 1.0
     assert abs(late[3] - 0.55) < 1e-9 and abs(late[4] - 0.1) < 1e-12
     assert train_args.scheduled_lr(1.0, 200, 10, 200) == 1.0  # min_ratio 1: constant
+
+
+def test_fp8_runs_a_bfloat16_model_and_refuses_float16(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _parse("--matmul-precision fp8 --fp8-recipe tensorwise")
+    assert (args.matmul_precision, args.fp8_recipe, args.dtype) == ("fp8", "tensorwise", "bfloat16")
+    assert _parse("").dtype == "float16"  # the bf16 twin keeps the shapes' default
+    with pytest.raises(SystemExit):
+        _parse("--matmul-precision fp8 --dtype float16")
+    assert "--dtype bfloat16" in capsys.readouterr().err
