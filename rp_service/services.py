@@ -50,7 +50,10 @@ class Services:
         hub = EventHub()
         orchestrator = Orchestrator(settings, store, hub, io=io)
         outputs = JobOutputs(settings, store, hub, io=io)
-        serving = ServingManager(settings, orchestrator)
+        # Served models count against the budget jobs are planned with (issue 46).
+        serving = ServingManager(
+            settings, orchestrator, host_budget=lambda: orchestrator.resolver.host_budget_bytes
+        )
         return cls(
             settings=settings,
             store=store,

@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     # many seconds without a request, and must load within the second limit.
     serve_idle_s: float = Field(600.0, gt=0)
     serve_load_timeout_s: float = Field(600.0, gt=0)
+    # A chat request's deadline, from its arrival (queue wait included): past it the
+    # serving process stops generating it and the client gets 504.
+    serve_request_timeout_s: float = Field(600.0, gt=0)
+    # Requests that may wait behind the one a serving process generates; one more is 503.
+    serve_max_queued: int = Field(8, ge=0)
     serving_module: str = "rp_service.serving"
 
     @field_validator("data_dir")

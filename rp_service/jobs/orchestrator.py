@@ -31,7 +31,7 @@ from typing import IO, Any
 
 from rp_service.errors import Conflict, DiskFull, InvalidRequest, NotFound, TooManyRequests
 from rp_service.jobs.events import EventHub
-from rp_service.jobs.faults import MemoryWatch, classify_death
+from rp_service.jobs.faults import MemoryWatch, classify_death, tree_rss_bytes
 from rp_service.jobs.idempotency import body_sha256
 from rp_service.jobs.journal import recover
 from rp_service.jobs.pipe import WorkerHandle, prepare_job_dir, proc_start_time
@@ -89,6 +89,8 @@ class Orchestrator:
         # Set by chat serving (rp_service/serving/manager.py): called when a queued job
         # waits for GPUs, so that idle served models return the ones they were lent.
         self.gpus_wanted: Callable[[], None] | None = None
+        # Told of a deleted job (its served model unloads: rp_service/serving/manager.py).
+        self.job_deleted: Callable[[JobRecord], None] | None = None
 
     # ------------------------------------------------------------ start and stop
 
@@ -319,6 +321,8 @@ class Orchestrator:
         if job is None:
             raise NotFound(f"no job with id {job_id!r}", code="job_not_found", param="job_id")
         self.hub.notify(job_id)  # its followers re-read the store and end
+        if self.job_deleted is not None:
+            self.job_deleted(job)
         return job
 
     async def _retain(self, job_id: str) -> None:
@@ -422,6 +426,11 @@ class Orchestrator:
     def gpu_jobs(self) -> dict[int, str]:
         """GPU id -> the job whose worker holds it."""
         return {g: w.job_id for w in self._workers.values() for g in w.gpus}
+
+    def worker_host_bytes(self) -> dict[str, int]:
+        """Job id -> resident bytes of its worker's process tree now (blocking: /proc)."""
+        workers = list(self._workers.values())
+        return {w.job_id: tree_rss_bytes(w.proc.pid) for w in workers if w.proc is not None}
 
     def gpu_share(self) -> list[dict[str, Any]]:
         """Each GPU of the daemon: the job whose worker holds it and the busy fraction that

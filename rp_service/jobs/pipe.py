@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from rp_service.durable import write_bytes
+from rp_service.child_env import child_env
 from rp_service.jobs.faults import MemoryWatch
 from rp_service.jobs.outputs import GRPO_COLUMNS, PREFERENCE_COLUMNS
 from rp_service.jobs.store import CheckpointRecord
@@ -38,8 +39,6 @@ _PROGRESS_KEYS = ("step", "total_steps", "epoch", "eta_seconds")
 _METRIC_KEYS = ("train_loss", "valid_loss", "learning_rate", "grad_norm", "tokens_per_second")
 _MESSAGE_CHARS = 4000
 _GPU_SHARE_DEVICES = 64  # at most this many devices of a metrics event's gpu_share are kept
-_SECRET_ENV = frozenset({"RP_TOKEN"})
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 Outcome = Literal["cancelled", "succeeded", "paused", "failed"]
 
@@ -93,11 +92,7 @@ def prepare_job_dir(
     log_file.write(f"--- rp_service: attempt {attempt} starting at {stamp}\n".encode())
     log_file.flush()
     # Not the daemon's secrets: a worker runs code from user-supplied model folders.
-    env = {k: v for k, v in os.environ.items() if k not in _SECRET_ENV}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p
-    )
+    env = child_env()
     if gpus:
         env["RP_DEVICES"] = "cuda"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))

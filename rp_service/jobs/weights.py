@@ -14,6 +14,7 @@ are not listed: a folder that has every projection but lacks those is not what t
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +23,13 @@ from typing import Any
 from engine.catalog import FAMILIES
 from rp_service.errors import InvalidRequest
 
-__all__ = ["check_weights_cover", "expected_tensor_names", "safetensors_names"]
+__all__ = [
+    "check_weights_cover",
+    "expected_tensor_names",
+    "safetensors_header",
+    "safetensors_names",
+    "safetensors_numel",
+]
 
 _MAX_HEADER_BYTES = 100 << 20  # the format's own limit on a header
 _NAMED_MISSING = 5  # names given in the message; details carry the count
@@ -33,6 +40,12 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 def safetensors_names(path: Path) -> set[str]:
     """The tensor names in one .safetensors file's header. Raises ValueError when the
     file is not a safetensors file (short, a header too long or not a JSON object)."""
+    return set(safetensors_header(path))
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """Tensor name -> its header entry (`dtype`, `shape`, `data_offsets`), without
+    `__metadata__`. Raises ValueError as `safetensors_names`."""
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -43,7 +56,24 @@ def safetensors_names(path: Path) -> set[str]:
         header = json.loads(f.read(size))
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
-    return {name for name in header if name != "__metadata__"}
+    return {name: entry for name, entry in header.items() if name != "__metadata__"}
+
+
+def safetensors_numel(folder: Path) -> int | None:
+    """Elements of every tensor in the folder's *.safetensors files (headers only); None
+    when there is none, or one cannot be read."""
+    files = sorted(folder.glob("*.safetensors"))
+    total = 0
+    try:
+        for file in files:
+            for entry in safetensors_header(file).values():
+                shape = entry.get("shape") if isinstance(entry, dict) else None
+                if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+                    return None
+                total += math.prod(shape)
+    except (OSError, ValueError, RecursionError):
+        return None
+    return total if files else None
 
 
 def _positive_int(value: Any) -> int | None:

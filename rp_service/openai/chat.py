@@ -5,6 +5,11 @@ as the server-sent `chat.completion.chunk`s OpenAI streams, ending in `data: [DO
 A stream is opened before the response starts (`Chat.open`: the model is resolved, its
 process started, the prompt rendered and counted), so an unknown model, a busy GPU or a
 missing chat template is an ordinary error response, never a broken stream.
+
+A whole answer (no stream) is cancelled when its client disconnects (`complete`'s `gone`):
+the serving process stops generating it, so the next request does not wait behind an
+answer nobody reads (the OpenAI SDK retries a timed-out request on a new connection).
+A stream is cancelled the same way by Starlette, which stops iterating it.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rp_service.errors import ServiceError
 from rp_service.jobs.store import Store
 from rp_service.openai.chat_schemas import (
     AssistantMessage,
@@ -36,6 +42,14 @@ from rp_service.settings import Settings
 __all__ = ["Chat", "OpenedChat"]
 
 _FINGERPRINT = "fp_roundpipe"
+_DISCONNECT_POLL_S = 0.25  # how often a whole answer's connection is checked
+
+
+class ClientGone(ServiceError):
+    """The client disconnected before its answer was complete (nginx's 499; never read)."""
+
+    status_code = 499
+    default_code = "client_closed_request"
 
 
 def _error(message: dict[str, Any]) -> GenerationError:
@@ -115,8 +129,25 @@ class Chat:
             replies=replies,
         )
 
-    async def complete(self, opened: OpenedChat) -> ChatCompletion:
-        """The whole answer as one `chat.completion`."""
+    async def complete(
+        self, opened: OpenedChat, *, gone: Callable[[], Awaitable[bool]] | None = None
+    ) -> ChatCompletion:
+        """The whole answer as one `chat.completion`; cancelled (ClientGone) as soon as
+        `gone()` says the client disconnected."""
+        answer = asyncio.ensure_future(self._complete(opened))
+        if gone is None:
+            return await answer
+        while True:
+            done, _ = await asyncio.wait({answer}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return answer.result()
+            if await gone():
+                answer.cancel()  # the process is told to cancel it (ServingProcess.request)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answer
+                raise ClientGone("the client disconnected; its answer was cancelled")
+
+    async def _complete(self, opened: OpenedChat) -> ChatCompletion:
         parts: list[str] = []
         async with contextlib.aclosing(opened.replies) as replies:
             async for message in replies:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
+    "MAX_STOP_CHARS",
     "ChatCompletion",
     "ChatCompletionCreate",
     "ChatMessage",
@@ -20,6 +21,9 @@ __all__ = [
 ]
 
 _MAX_STOPS = 4  # OpenAI's limit on stop sequences
+# Characters in one stop sequence (OpenAI states no limit): a stop is held back while the
+# answer may be starting it, so it is bounded like any other per-token cost.
+MAX_STOP_CHARS = 1024
 
 
 class _Request(BaseModel):
@@ -76,6 +80,12 @@ class ChatCompletionCreate(_Request):
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > _MAX_STOPS:
             raise ValueError(f"at most {_MAX_STOPS} stop sequences, got {len(value)}")
+        stops = [value] if isinstance(value, str) else value or []
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(
+                f"a stop sequence has at most {MAX_STOP_CHARS} characters, got one of {longest}"
+            )
         return value
 
     def stops(self) -> list[str]:

@@ -5,10 +5,19 @@ GPUs: a serving process takes one GPU out of the orchestrator's pool (`lend_gpu`
 same set that jobs are scheduled from, and gives it back when it stops. While no GPU is
 free, an idle serving process of another base is stopped to make room; failing that the
 request gets `ServingBusy` (503, Retry-After) naming the jobs that hold the GPUs. A daemon
-without GPUs serves on the CPU (at most `_CPU_PROCESSES` bases loaded at once).
+without GPUs serves on the CPU (at most `_CPU_PROCESSES` bases loaded at once; past it an
+idle one is stopped, else 503: never a load beyond the cap).
+
+Host memory: before a process starts, what it will hold (rp_service/serving/footprint.py)
+plus what the running workers and the other serving processes hold must fit the budget
+jobs are planned with (RP_HOST_MEMORY_BUDGET); idle served models are stopped to make
+room, else 503 (422 when the model alone is over the budget). Its folder's weights are
+checked as at submission (422 `invalid_model`).
 
 Requests to one process are written to its stdin and answered by id on its stdout
-(protocol in rp_service/serving/process.py); the process generates one at a time.
+(protocol in rp_service/serving/process.py); the process generates one at a time. At most
+RP_SERVE_MAX_QUEUED wait behind the one it generates (503 past it), and each has
+RP_SERVE_REQUEST_TIMEOUT_S from when it is written (504 past it, the generation cancelled).
 """
 
 from __future__ import annotations
@@ -27,7 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from rp_service.errors import ServiceError
+from rp_service.child_env import child_env
+from rp_service.errors import InvalidRequest, ServiceError
+from rp_service.jobs.faults import tree_rss_bytes
+from rp_service.jobs.hostmem import budget_bytes
+from rp_service.jobs.store import JobRecord
+from rp_service.serving.footprint import base_footprint
 from rp_service.serving.models import BaseModel, ServedModel
 from rp_service.settings import Settings
 
@@ -37,18 +51,19 @@ log = logging.getLogger(__name__)
 
 _CPU_PROCESSES = 2
 _LINE_LIMIT_BYTES = 1 << 20
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent.parent)
+_BUSY_RETRY_S = 5  # Retry-After while every process that could be stopped is generating
+_GIB = 1 << 30
 
 
 class ServingBusy(ServiceError):
-    """Every GPU is held (by jobs or other models in use): 503 with Retry-After."""
+    """No room now (GPUs, the CPU cap, host memory, a process's queue): 503, Retry-After."""
 
     status_code = 503
     error_type = "server_error"
     default_code = "gpus_busy"
 
-    def __init__(self, message: str, *, retry_after_s: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, retry_after_s: int, code: str | None = None) -> None:
+        super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
 
 
@@ -76,6 +91,10 @@ class GpuPool(Protocol):
 
     def gpu_jobs(self) -> dict[int, str]: ...
 
+    job_deleted: Callable[[JobRecord], None] | None
+
+    def worker_host_bytes(self) -> dict[str, int]: ...
+
 
 @dataclass(eq=False)
 class ServingProcess:
@@ -92,6 +111,13 @@ class ServingProcess:
     stopping: bool = False
     loaded: bool = False  # the model is in memory (a loading process is never evicted)
     reader: asyncio.Task[None] | None = None
+    footprint_bytes: int = 0  # host bytes it will hold once loaded (serving/footprint.py)
+
+    @property
+    def counted(self) -> bool:
+        """Holds (or is about to hold) a slot and memory: starting, loading or running."""
+        running = self.proc is None or self.proc.returncode is None
+        return running and not self.stopping
 
     @property
     def pid(self) -> int | None:
@@ -145,17 +171,37 @@ class ServingProcess:
                 {"type": "error", "status": 500, "code": "serving_died", "message": failure}
             )
 
-    async def request(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The process's replies to one request, up to its `done` or `error`."""
+    def host_bytes(self) -> int:
+        """What it holds now, or will once loaded (blocking: reads /proc)."""
+        rss = tree_rss_bytes(self.proc.pid) if self.proc is not None else 0
+        return max(rss, self.footprint_bytes)
+
+    async def request(
+        self, payload: dict[str, Any], *, timeout_s: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The process's replies to one request, up to its `done` or `error`; an `error`
+        504 once `timeout_s` have passed (waiting behind others included)."""
         rid = "r-" + secrets.token_hex(8)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.replies[rid] = queue
         self.in_flight += 1
         finished = False
+        deadline = time.monotonic() + timeout_s
         try:
             await self.write({"op": "generate", "id": rid, **payload})
             while True:
-                message = await queue.get()
+                try:
+                    message = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                except TimeoutError:
+                    yield {
+                        "type": "error",
+                        "status": 504,
+                        "code": "generation_timeout",
+                        "message": f"the answer took longer than {timeout_s:g} s "
+                        "(RP_SERVE_REQUEST_TIMEOUT_S, waiting behind other requests included); "
+                        "ask for fewer tokens (max_completion_tokens) or try again",
+                    }
+                    return  # not finished: the process is told to cancel it
                 finished = message.get("type") in ("done", "error")
                 yield message
                 if finished:
@@ -171,14 +217,24 @@ class ServingProcess:
 class ServingManager:
     """Starts, finds and stops serving processes; the service behind the chat route."""
 
-    def __init__(self, settings: Settings, pool: GpuPool) -> None:
+    def __init__(
+        self, settings: Settings, pool: GpuPool, *, host_budget: Callable[[], int] | None = None
+    ) -> None:
+        """`host_budget`: the jobs' host-memory budget (the submission check's); default
+        RP_HOST_MEMORY_BUDGET, else the available memory less the margin, at first use."""
         self.settings = settings
         self.pool = pool
+        self.host_budget = host_budget or self._default_budget
         self.processes: dict[str, ServingProcess] = {}
         self._starting: dict[str, asyncio.Lock] = {}
         self._idle_task: asyncio.Task[None] | None = None
         self._yielding: set[asyncio.Task[None]] = set()
+        # Held while a new process is given its device and memory and registered: two
+        # requests for two bases never both take the last slot.
+        self._capacity = asyncio.Lock()
+        self._budget: int | None = None  # the default budget, once computed
         pool.gpus_wanted = self.yield_gpus
+        pool.job_deleted = self.job_deleted
 
     def process_of(self, base: BaseModel) -> ServingProcess | None:
         """The live process serving `base`, if any."""
@@ -191,12 +247,24 @@ class ServingManager:
         """Replies of the process for `served.base` to one request (starting it if needed).
 
         Raises:
-            ServingBusy: no GPU can be had now.
+            ServingBusy: no GPU, CPU slot or host memory can be had now, or the process's
+                queue is full.
+            InvalidRequest: the model is over the host-memory budget alone, or its
+                folder's weights do not cover it.
             GenerationError: the process could not start.
         """
         process = await self._process(served.base)
+        if process.in_flight > self.settings.serve_max_queued:
+            raise ServingBusy(
+                f"the model's serving process has {process.in_flight - 1} requests waiting "
+                f"behind the one it generates (RP_SERVE_MAX_QUEUED={self.settings.serve_max_queued})"
+                "; try again shortly",
+                retry_after_s=_BUSY_RETRY_S,
+                code="serving_queue_full",
+            )
         body = {**payload, "tokenizer": served.tokenizer, "adapter": served.adapter}
-        async for message in process.request(body):
+        timeout_s = self.settings.serve_request_timeout_s
+        async for message in process.request(body, timeout_s=timeout_s):
             yield message
 
     async def _process(self, base: BaseModel) -> ServingProcess:
@@ -214,9 +282,15 @@ class ServingManager:
     async def _device(self) -> int | None:
         """A GPU for a new process (None: the CPU), stopping an idle process if needed."""
         if not self.pool.gpu_ids:
-            loaded = [p for p in self.processes.values() if p.alive]
-            if len(loaded) >= _CPU_PROCESSES:
-                await self._evict(loaded, "CPU")
+            counted = [p for p in self.processes.values() if p.counted]
+            if len(counted) >= _CPU_PROCESSES and not await self._evict(counted, "CPU"):
+                busy = ", ".join(p.base.path or str(p.base.preset) for p in counted)
+                raise ServingBusy(
+                    f"at most {_CPU_PROCESSES} models are served on the CPU at once, and "
+                    f"every one is generating or loading ({busy}); try again shortly",
+                    retry_after_s=_BUSY_RETRY_S,
+                    code="serving_busy",
+                )
             return None
         gpu = self.pool.lend_gpu()
         if gpu is not None:
@@ -260,10 +334,66 @@ class ServingManager:
         await self._stop(victim)
         return True
 
+    def _default_budget(self) -> int:
+        if self._budget is None:
+            self._budget = budget_bytes(self.settings.host_memory_budget)
+        return self._budget
+
+    async def _admit(self, process: ServingProcess) -> None:
+        """Count what `process` will hold; stop idle served models until it fits the
+        budget beside the running workers and the other processes.
+
+        Raises:
+            InvalidRequest: it alone is over the budget, or its weights are not whole.
+            ServingBusy: it fits once something now running ends.
+        """
+        cuda = process.gpu is not None
+        need = await asyncio.to_thread(base_footprint, process.base, cuda=cuda)
+        process.footprint_bytes = need
+        budget = self.host_budget()
+        name = process.base.path or process.base.preset
+        if need > budget:
+            raise InvalidRequest(
+                f"model: serving {name} needs about {need / _GIB:.1f} GiB of host memory, over "
+                f"this daemon's budget of {budget / _GIB:.1f} GiB (RP_HOST_MEMORY_BUDGET)",
+                code="host_memory_exceeded",
+                param="model",
+                details={"need_bytes": need, "budget_bytes": budget},
+            )
+        while True:
+            held = await asyncio.to_thread(self._held_bytes, process)
+            if need + sum(held.values()) <= budget:
+                return
+            others = [p for p in self.processes.values() if p is not process and p.counted]
+            if not await self._evict(others, "host memory"):
+                break
+        holders = "; ".join(f"{k}: {v / _GIB:.1f} GiB" for k, v in held.items() if v)
+        raise ServingBusy(
+            f"serving {name} needs about {need / _GIB:.1f} GiB of host memory; with what runs "
+            f"now ({holders}) that is over the budget of {budget / _GIB:.1f} GiB "
+            "(RP_HOST_MEMORY_BUDGET); try again when a job or an answer ends",
+            retry_after_s=max(1, min(60, int(self.settings.serve_idle_s))),
+            code="host_memory_busy",
+        )
+
+    def _held_bytes(self, process: ServingProcess) -> dict[str, int]:
+        """What else holds host memory now: each running worker, each serving process."""
+        held = {f"job {j}": b for j, b in self.pool.worker_host_bytes().items()}
+        for other in list(self.processes.values()):
+            if other is not process and other.counted:
+                held[f"serving {other.base.path or other.base.preset}"] = other.host_bytes()
+        return held
+
     async def _start(self, base: BaseModel) -> ServingProcess:
-        gpu = await self._device()
-        process = ServingProcess(base=base, gpu=gpu)
-        self.processes[base.key] = process
+        async with self._capacity:
+            gpu = await self._device()
+            process = ServingProcess(base=base, gpu=gpu)
+            self.processes[base.key] = process  # counted from now on
+            try:
+                await self._admit(process)
+            except BaseException:
+                await self._stop(process)
+                raise
         try:
             await self._spawn(process)
         except BaseException:
@@ -273,11 +403,7 @@ class ServingManager:
         return process
 
     async def _spawn(self, process: ServingProcess) -> None:
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p
-        )
+        env = child_env()  # no RP_TOKEN: a model folder's code runs in it, as in a worker
         env["CUDA_VISIBLE_DEVICES"] = "" if process.gpu is None else str(process.gpu)
         env["RP_LOG_LEVEL"] = self.settings.log_level
         directory = self.settings.data_dir / "serving"
@@ -374,6 +500,24 @@ class ServingManager:
                     if not dead:
                         log.info("serving: %s idle for %.0f s", process.pid, process.idle_s())
                     await self._stop(process)
+
+    def job_deleted(self, job: JobRecord) -> None:
+        """A job was deleted: its model leaves memory now, not at the idle timeout (a
+        full fine-tune's process stops; a LoRA adapter is unloaded from its base's)."""
+        folder = job.output_model_path
+        if not folder:
+            return
+        for process in list(self.processes.values()):
+            if process.base.path == folder:
+                task = asyncio.get_running_loop().create_task(self._stop(process))
+            elif process.alive:
+                task = asyncio.get_running_loop().create_task(
+                    process.write({"op": "unload", "adapter": folder})
+                )
+            else:
+                continue
+            self._yielding.add(task)
+            task.add_done_callback(self._yielding.discard)
 
     async def stop(self) -> None:
         """Stop every process (the daemon is stopping)."""

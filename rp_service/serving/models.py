@@ -22,6 +22,7 @@ from typing import Any, get_args
 
 from rp_service.data.chat_template import folder_has_template
 from rp_service.errors import BadRequest, NotFound
+from rp_service.jobs.resolve import under_roots
 from rp_service.jobs.store import JobRecord, Store
 from rp_service.schemas import ModelSection
 from rp_service.settings import Settings
@@ -141,15 +142,30 @@ def _not_found(model: str, why: str) -> NotFound:
 
 
 def _base_folders(settings: Settings) -> dict[str, Path]:
-    """Name (relative to its root) -> folder of every model folder under RP_MODEL_ROOTS."""
+    """Name (relative to its root) -> folder of every model folder under RP_MODEL_ROOTS,
+    resolved; a folder whose symlinks lead out of every root is left out (the jobs' check,
+    `under_roots`)."""
     found: dict[str, Path] = {}
-    for root in settings.model_roots:
+    roots = settings.model_roots
+    for root in roots:
         for config in sorted([*root.glob("*/config.json"), *root.glob("*/*/config.json")]):
-            found.setdefault(config.parent.relative_to(root).as_posix(), config.parent)
+            name = config.parent.relative_to(root).as_posix()
+            resolved = under_roots(str(config.parent.absolute()), roots)
+            if name not in found and resolved is not None:
+                found[name] = resolved
     return found
 
 
-def _job_model(store: Store, model: str, job_id: str) -> ServedModel:
+def _job_base(model: str, path: str, settings: Settings) -> Path:
+    """A LoRA job's base folder, checked again as at submission (it may have been
+    replaced by a symlink out of the roots since)."""
+    resolved = under_roots(path, settings.model_roots)
+    if resolved is None:
+        raise _not_found(model, f"its base folder {path!r} is no longer under RP_MODEL_ROOTS")
+    return resolved
+
+
+def _job_model(settings: Settings, store: Store, model: str, job_id: str) -> ServedModel:
     job = store.get_job(job_id)
     if job is None:
         raise _not_found(model, f"no job {job_id!r}")
@@ -173,7 +189,7 @@ def _job_model(store: Store, model: str, job_id: str) -> ServedModel:
     spec = job.spec
     path = spec.get("model", {}).get("path")
     if path is not None:
-        base = BaseModel(path=str(path))
+        base = BaseModel(path=str(_job_base(model, str(path), settings)))
     else:
         base = BaseModel(
             preset=spec["model"]["preset"],
@@ -199,7 +215,7 @@ def resolve_model(
     """
     job_id = job_id_of(model)
     if job_id is not None:
-        served = _job_model(store, model, job_id)
+        served = _job_model(settings, store, model, job_id)
     elif model in preset_names():
         if not chat:
             return None

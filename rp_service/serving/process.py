@@ -12,7 +12,9 @@ that prints cannot break the protocol):
     <- {"id": "r1", "type": "done", "finish_reason": "stop"|"length", "completion_tokens": N,
         "prompt_tokens": N}
     <- {"id": "r1", "type": "error", "status": 400, "code": "...", "message": "..."}
-    -> {"op": "cancel", "id": "r1"}            stop that generation at its next token
+    -> {"op": "cancel", "id": "r1"}            stop that generation at its next token (or
+                                               drop it unanswered if it has not started)
+    -> {"op": "unload", "adapter": DIR}        forget that adapter (its job was deleted)
 
 It writes `{"type": "ready", "load_s": s}` once the base is loaded, and exits at the end of
 stdin (the daemon stopped it, or died: the process never outlives its daemon).
@@ -50,6 +52,7 @@ from contextlib import nullcontext
 from typing import IO, Any
 
 from rp_service.serving.models import BaseModel
+from rp_service.serving.stops import StopMatcher
 
 __all__ = ["main"]
 
@@ -396,32 +399,48 @@ class Server:
     def _relay(self, rid: str, streamer: Any, stops: list[str], flag: threading.Event) -> bool:
         """Send the streamer's text on, cut at the first stop sequence; True if one matched.
 
-        Text that could be the start of a stop sequence is held back until it is not.
+        Text that could be the start of a stop sequence is held back until it is not
+        (rp_service/serving/stops.py: linear in the text, whatever the stops' length).
         """
-        held = ""
+        matcher = StopMatcher(stops)
         matched = False
         for piece in streamer:
             if matched or flag.is_set():
                 continue  # drain: generate ends at its next token
-            held += piece
-            cut = min((i for s in stops if (i := held.find(s)) >= 0), default=-1)
-            if cut >= 0:
-                held, matched = held[:cut], True
+            send, matched = matcher.feed(piece)
+            if matched:
                 flag.set()
-                send, held = held, ""
-            else:
-                keep = max(
-                    (k for s in stops for k in range(1, len(s)) if held.endswith(s[:k])), default=0
-                )
-                send, held = held[: len(held) - keep], held[len(held) - keep :]
             if send:
                 self.out.send(id=rid, type="delta", text=send)
+        held = matcher.flush()
         if held and not flag.is_set():
             self.out.send(id=rid, type="delta", text=held)
         return matched
 
+    def unload(self, adapter: str) -> None:
+        """Forget an adapter (its job was deleted): its weights leave memory now."""
+        name = self.adapters.pop(adapter, None)
+        self.compiled.pop(adapter, None)
+        if name is None:
+            return
+        if self.folded is not None and self.folded.name == name:
+            self.folded.unfold()
+        if self.adapters:
+            self.model.set_adapter(next(reversed(self.adapters.values())))
+            self.model.delete_adapter(name)
+        else:  # the last one: the plain base again, with no LoRA layers left in it
+            self.model = self.model.unload()
+            self.base = self.model
+        log.info("adapter %s unloaded (%s)", adapter, name)
+
     def answer(self, request: dict[str, Any]) -> None:
         rid = request.get("id", "")
+        if request.get("op") == "unload":
+            self.unload(str(request.get("adapter")))
+            return
+        if (flag := self.cancelled.get(rid)) is not None and flag.is_set():
+            self.cancelled.pop(rid, None)  # its client left while it waited: not generated
+            return
         try:
             self.generate(request)
             self._warm_up(request.get("adapter"))  # answered: compile before the next one
@@ -455,8 +474,8 @@ def _read_requests(server: Server, requests: queue.Queue[dict[str, Any] | None])
             continue
         if message.get("op") == "cancel":
             server.cancelled.setdefault(message.get("id", ""), threading.Event()).set()
-        elif message.get("op") == "generate":
-            requests.put(message)
+        elif message.get("op") in ("generate", "unload"):
+            requests.put(message)  # in order: an unload waits for the answer before it
     for flag in list(server.cancelled.values()):
         flag.set()
     requests.put(None)

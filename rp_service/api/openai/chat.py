@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from rp_service.api.deps import ChatDep
@@ -17,7 +17,16 @@ router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 _ERRORS = {
     400: {"model": ErrorEnvelope, "description": "an invalid or unsupported parameter"},
     404: {"model": ErrorEnvelope, "description": "no such model"},
-    503: {"model": ErrorEnvelope, "description": "every GPU is in use (see Retry-After)"},
+    422: {
+        "model": ErrorEnvelope,
+        "description": "a stop sequence too long, a model over the "
+        "host-memory budget, or a model folder missing weights",
+    },
+    503: {
+        "model": ErrorEnvelope,
+        "description": "no GPU, CPU slot, host memory or queue place free now (see Retry-After)",
+    },
+    504: {"model": ErrorEnvelope, "description": "the answer passed RP_SERVE_REQUEST_TIMEOUT_S"},
 }
 
 
@@ -34,7 +43,7 @@ _ERRORS = {
     },
 )
 async def create_chat_completion(
-    body: ChatCompletionCreate, service: ChatDep
+    body: ChatCompletionCreate, service: ChatDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
     """`chat.completions.create`: the model's answer to `messages` (its chat template)."""
     opened = await service.open(body)
@@ -45,4 +54,4 @@ async def create_chat_completion(
             media_type="text/event-stream",
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
-    return await service.complete(opened)
+    return await service.complete(opened, gone=request.is_disconnected)

@@ -123,6 +123,9 @@ class _Pool:
     def gpu_jobs(self) -> dict[int, str]:
         return dict(self.held)
 
+    def worker_host_bytes(self) -> dict[str, int]:
+        return {}
+
 
 class _Proc:
     pid = 4242
