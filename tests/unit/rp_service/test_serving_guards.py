@@ -461,3 +461,23 @@ def test_a_symlink_out_of_the_model_roots_is_neither_listed_nor_served(tmp_path:
         store.close()
     assert "inside" in names and "org/link" in names and "escape" not in names
     assert served is not None and served.base.path == str((root / "inside").resolve())
+
+
+def test_children_get_no_token_and_import_this_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rp_service.child_env import child_env
+
+    monkeypatch.setenv("RP_TOKEN", "secret-token")
+    env = child_env()
+    assert "RP_TOKEN" not in env and env["PYTHONUNBUFFERED"] == "1"
+    repo = Path(__file__).resolve().parents[3]
+    assert Path(env["PYTHONPATH"].split(":")[0]) == repo  # where rp_service/ lies
+
+
+def test_the_daemon_wires_deletes_and_worker_memory_to_serving(tmp_path: Path) -> None:
+    from rp_service.services import Services
+
+    services = Services.build(Settings(data_dir=tmp_path, gpus="none"))
+    assert services.orchestrator.job_deleted == services.serving.job_deleted
+    assert services.orchestrator.worker_host_bytes() == {}  # no worker runs
+    budget = services.orchestrator.resolver.host_budget_bytes
+    assert services.serving.host_budget() == budget  # the jobs' budget, the same number
