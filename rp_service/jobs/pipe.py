@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from rp_service.durable import write_bytes
 from rp_service.child_env import child_env
+from rp_service.durable import write_bytes
 from rp_service.jobs.faults import MemoryWatch
 from rp_service.jobs.outputs import GRPO_COLUMNS, PREFERENCE_COLUMNS
 from rp_service.jobs.store import CheckpointRecord

@@ -19,7 +19,7 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +68,7 @@ class OpenedChat:
     created: int
     model: str
     prompt_tokens: int
-    replies: AsyncIterator[dict[str, Any]]
+    replies: AsyncGenerator[dict[str, Any], None]
 
 
 class Chat:

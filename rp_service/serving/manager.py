@@ -31,7 +31,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -186,12 +186,15 @@ class ServingProcess:
         self.replies[rid] = queue
         self.in_flight += 1
         finished = False
-        deadline = time.monotonic() + timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             await self.write({"op": "generate", "id": rid, **payload})
             while True:
                 try:
-                    message = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                    # Not wait_for: on 3.11 it swallows a cancel that meets a reply arriving
+                    # (the abandoned answer would then be read to its end).
+                    async with asyncio.timeout_at(deadline):
+                        message = await queue.get()
                 except TimeoutError:
                     yield {
                         "type": "error",
@@ -243,7 +246,7 @@ class ServingManager:
 
     async def generate(
         self, served: ServedModel, payload: dict[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Replies of the process for `served.base` to one request (starting it if needed).
 
         Raises:

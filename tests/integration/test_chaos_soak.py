@@ -14,8 +14,13 @@ the free space (a full disk, injected: CI cannot mount a small filesystem), whil
 has checkpointed is re-queued; every submission must get a clear 507 disk_full, the job must
 pause (waiting_for_disk) at its next checkpoint with no half-written one left and its
 checkpoints all kept and loading; once space is back (the floor lowered again) a new job
-runs to success and the paused one resumes by itself and finishes. Seeded by
-RP_SOAK_SEED; the figures are printed at the end.
+runs to success and the paused one resumes by itself and finishes. Phase 4 (serving):
+while jobs train, threads send chat requests to a served model (the fake serving process,
+tests/integration/fake_serving.py): plain ones (answers checked), ones with four stop
+sequences of the longest length allowed, a stop over it (400), whole answers whose client
+hangs up (the process must be told to cancel each), streams closed after two chunks;
+no answer may wait behind an abandoned one, and every job must succeed with gap-free
+events. Seeded by RP_SOAK_SEED; the figures are printed at the end.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
+from rp_service.openai.chat_schemas import MAX_STOP_CHARS
 from rp_service.worker import checkpoint as ckpt
 from tests.integration.service_daemon import Daemon, spec
+from tests.unit.rp_service.test_serving_guards import _folder, _reference
 
 SEED = int(os.environ.get("RP_SOAK_SEED", "21"))
 CYCLES = 24
@@ -293,6 +300,168 @@ def _disk_full_phase(daemon: Daemon) -> dict[str, Any]:
     }
 
 
+class _Chatter(threading.Thread):
+    """Sends chat requests of random kinds until stopped; tallies what came back."""
+
+    def __init__(self, daemon: Daemon, rng: random.Random, model: str) -> None:
+        super().__init__(name="soak-chatter", daemon=True)
+        self.daemon_ = daemon
+        self.rng = rng
+        self.model = model
+        self.stop = threading.Event()
+        self.tally: Counter[str] = Counter()
+        self.slowest_s = 0.0  # the slowest plain answer (8 tokens)
+        self.failures: list[str] = []
+
+    def post(self, body: dict[str, Any], timeout_s: float = 30) -> httpx.Response:
+        return httpx.post(
+            f"{self.daemon_.base_url}/v1/chat/completions",
+            json={"model": self.model, **body},
+            headers=self.daemon_.headers(),
+            timeout=timeout_s,
+        )
+
+    def plain(self) -> None:
+        text = self.rng.choice(["abcab", "hello world", "xyzzy"])
+        stop = [self.rng.choice(["ca", "o w", "zz", "q"])]
+        started = time.monotonic()
+        r = self.post({"messages": [{"role": "user", "content": text}], "max_tokens": 8,
+                       "stop": stop})  # fmt: skip
+        if r.status_code == 503:  # the queue was full: said so, with when to come back
+            assert r.json()["error"]["code"] == "serving_queue_full", r.text
+            assert int(r.headers["retry-after"]) >= 1
+            self.tally["queue_full_503"] += 1
+            return
+        assert r.status_code == 200, r.text
+        self.slowest_s = max(self.slowest_s, time.monotonic() - started)
+        want, _ = _reference((text * 8)[:8], stop)
+        assert r.json()["choices"][0]["message"]["content"] == want, (text, stop, r.text)
+        self.tally["plain"] += 1
+
+    def big_stops(self) -> None:
+        stops = ["a" * (MAX_STOP_CHARS - 1) + c for c in "bcde"]
+        r = self.post({"messages": [{"role": "user", "content": "a"}], "max_tokens": 200,
+                       "stop": stops})  # fmt: skip
+        if r.status_code == 503:
+            self.tally["queue_full_503"] += 1
+            return
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == "a" * 200 and choice["finish_reason"] == "length"
+        too_long = self.post({"messages": [{"role": "user", "content": "a"}],
+                              "stop": "a" * 250_000})  # fmt: skip
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "stop"
+        self.tally["big_stops"] += 1
+
+    def hang_up(self) -> None:
+        """A whole answer of 100,000 tokens (~17 min) whose client leaves after 0.3 s."""
+        body = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 100_000}
+        try:
+            r = self.post(body, timeout_s=0.3)
+        except httpx.ReadTimeout:
+            self.tally["disconnects"] += 1
+            return
+        assert r.status_code == 503, r.text  # the queue was full: nothing to cancel
+        self.tally["queue_full_503"] += 1
+
+    def stream_closed(self) -> None:
+        body = {"messages": [{"role": "user", "content": "stream"}], "max_tokens": 100_000,
+                "stream": True}  # fmt: skip
+        with httpx.stream(
+            "POST",
+            f"{self.daemon_.base_url}/v1/chat/completions",
+            json={"model": self.model, **body},
+            headers=self.daemon_.headers(),
+            timeout=30,
+        ) as r:
+            if r.status_code == 503:
+                self.tally["queue_full_503"] += 1
+                return
+            assert r.status_code == 200
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 4:  # the role chunk and one of text (each line + a blank one)
+                    break
+        self.tally["streams_closed"] += 1
+
+    def run(self) -> None:
+        kinds = [self.plain, self.plain, self.big_stops, self.hang_up, self.stream_closed]
+        while not self.stop.is_set():
+            queue_full = self.tally["queue_full_503"]
+            try:
+                self.rng.choice(kinds)()
+            except (AssertionError, httpx.HTTPError) as exc:
+                self.failures.append(repr(exc)[:500])
+            if self.tally["queue_full_503"] > queue_full:
+                self.stop.wait(0.2)  # not Retry-After's 5 s: the phase lasts 10 s
+
+
+def _serving_phase(daemon: Daemon, rng: random.Random) -> dict[str, Any]:
+    """Phase 4: chat requests of every kind against a served model while jobs train."""
+    root = daemon.data_dir.parent / "models"
+    _folder(root, "served")
+    log = daemon.data_dir.parent / "fake-serving.log"
+    daemon.stop()
+    daemon.env.update(
+        RP_MODEL_ROOTS=str(root),
+        RP_SERVING_MODULE="fake_serving",
+        FAKE_SERVE_TOKEN_S="0.01",
+        FAKE_SERVE_LOG=str(log),
+        RP_SERVE_MAX_QUEUED="3",
+    )
+    daemon.start()
+    with daemon.client() as c:
+        job_ids = [
+            c.post("/v1/jobs", json=spec(name=f"beside-chat-{n}", train={"steps": 250,
+                   "checkpoint_interval": 25})).json()["id"]
+            for n in range(3)
+        ]  # fmt: skip
+    chatters = [_Chatter(daemon, random.Random(rng.random()), "served") for _ in range(4)]
+    for chatter in chatters:
+        chatter.start()
+    time.sleep(10.0)
+    for chatter in chatters:
+        chatter.stop.set()
+    for chatter in chatters:
+        chatter.join(timeout=60)
+    failures = [f for chatter in chatters for f in chatter.failures]
+    assert failures == [], failures[:5]
+    tally = sum((chatter.tally for chatter in chatters), Counter())
+    # No answer waits behind an abandoned one: the next request is answered at once.
+    started = time.monotonic()
+    with daemon.client() as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={"model": "served", "messages": [{"role": "user", "content": "ok"}],
+                  "max_tokens": 2},
+        )  # fmt: skip
+    after_s = time.monotonic() - started
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok", r.text
+    assert after_s < 5.0, after_s
+    done = [line.split() for line in log.read_text().splitlines() if line.startswith("done ")]
+    cancels = sum(line.startswith(("cancel ", "skipped ")) for line in log.read_text().splitlines())
+    longest = max(int(d[3]) for d in done)
+    assert longest < 100_000 and tally["disconnects"] > 0 and tally["streams_closed"] > 0
+    assert cancels >= tally["disconnects"] + tally["streams_closed"], (cancels, tally)
+    jobs = _wait_all(daemon, job_ids, timeout_s=120)
+    assert {j["status"] for j in jobs.values()} == {"succeeded"}, jobs
+    with daemon.client() as c:
+        for job_id in job_ids:
+            events = _all_events(c, job_id)
+            assert [e["id"] for e in events] == list(range(1, len(events) + 1)), job_id
+    return {
+        "chat_plain_answers": tally["plain"],
+        "chat_big_stop_requests": tally["big_stops"],
+        "chat_disconnects_cancelled": tally["disconnects"],
+        "chat_streams_closed": tally["streams_closed"],
+        "chat_queue_full_503": tally["queue_full_503"],
+        "chat_cancels_seen_by_process": cancels,
+        "chat_longest_generation_tokens": longest,
+        "chat_slowest_plain_s": round(max(c.slowest_s for c in chatters), 2),
+        "chat_answer_after_s": round(after_s, 2),
+        "jobs_beside_chat_succeeded": len(jobs),
+    }
+
+
 @pytest.mark.timeout(540)
 def test_chaos_soak(make_daemon, capsys: pytest.CaptureFixture[str]) -> None:
     started = time.monotonic()
@@ -417,6 +586,7 @@ def test_chaos_soak(make_daemon, capsys: pytest.CaptureFixture[str]) -> None:
         "total_s": round(time.monotonic() - started, 1),
     }
     report.update(_disk_full_phase(daemon))
+    report.update(_serving_phase(daemon, rng))
     report["total_s"] = round(time.monotonic() - started, 1)
     with capsys.disabled():
         print("\nchaos soak:", json.dumps(report))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from rp_service.api.deps import ChatDep
 from rp_service.api.openai._route import OpenAIRoute
@@ -30,6 +34,24 @@ _ERRORS = {
 }
 
 
+class _ClosingStream(StreamingResponse):
+    """A stream that closes its answer however it ends: a client that leaves before the
+    first chunk is sent cancels a stream that never started iterating (so its own
+    clean-up never ran), and the serving process must still be told."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], *, close: Callable[[], Awaitable[Any]], **kw: Any
+    ) -> None:
+        super().__init__(content, **kw)
+        self._close = close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
+
+
 @router.post(
     "/chat/completions",
     response_model=ChatCompletion,
@@ -49,8 +71,9 @@ async def create_chat_completion(
     opened = await service.open(body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return _ClosingStream(
             service.chunks(opened, include_usage=include_usage),
+            close=opened.replies.aclose,
             media_type="text/event-stream",
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )

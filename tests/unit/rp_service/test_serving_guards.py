@@ -217,6 +217,57 @@ def test_a_whole_answer_is_cancelled_when_its_client_disconnects(
     assert first[2] == "stop" and int(first[3]) < 100
 
 
+def test_a_cancel_is_never_swallowed_by_a_reply_arriving_with_it() -> None:
+    """The client left just as a token arrived: the answer must still end (asyncio.wait_for
+    on 3.11 returned the token and dropped the cancel, and the answer ran to its end)."""
+
+    async def scenario() -> list[str]:
+        process = ServingProcess(base=BaseModel(path="/a"), gpu=None)  # no process: no writes
+        ended = []
+        for _ in range(20):
+            replies = process.request({}, timeout_s=60)
+
+            async def consume(replies: Any = replies) -> None:
+                async for _ in replies:
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0)  # it waits on its reply queue
+            (queue,) = process.replies.values()
+            queue.put_nowait({"type": "delta", "text": "x"})
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            ended.append("cancelled" if done and task.cancelled() else "still running")
+            task.cancel()
+        return ended
+
+    assert asyncio.run(scenario()) == ["cancelled"] * 20
+
+
+def test_a_stream_whose_client_left_before_its_first_chunk_still_ends_its_answer() -> None:
+    from rp_service.api.openai.chat import _ClosingStream
+
+    closed: list[bool] = []
+
+    async def chunks() -> Any:
+        await asyncio.sleep(10)  # never reached: the client is gone first
+        yield b"data: x\n\n"
+
+    async def close() -> None:
+        closed.append(True)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    response = _ClosingStream(chunks(), close=close, media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    asyncio.run(asyncio.wait_for(response(scope, receive, send), 5))
+    assert closed == [True]
+
+
 def test_a_request_past_its_deadline_is_a_504_and_stops_generating(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
