@@ -6,10 +6,12 @@ A stream is opened before the response starts (`Chat.open`: the model is resolve
 process started, the prompt rendered and counted), so an unknown model, a busy GPU or a
 missing chat template is an ordinary error response, never a broken stream.
 
-A whole answer (no stream) is cancelled when its client disconnects (`complete`'s `gone`):
-the serving process stops generating it, so the next request does not wait behind an
-answer nobody reads (the OpenAI SDK retries a timed-out request on a new connection).
-A stream is cancelled the same way by Starlette, which stops iterating it.
+A request is cancelled when its client disconnects (`gone`), while it waits behind others
+in its process's queue and while a whole answer (no stream) is written: the serving
+process drops or stops it, so the next request does not wait behind an answer nobody
+reads (the OpenAI SDK retries a timed-out request on a new connection). A stream is
+cancelled the same way by Starlette, which stops iterating it. A model's load is never cut
+short by a client leaving: the next request needs it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from rp_service.errors import ServiceError
 from rp_service.jobs.store import Store
@@ -42,7 +44,8 @@ from rp_service.settings import Settings
 __all__ = ["Chat", "OpenedChat"]
 
 _FINGERPRINT = "fp_roundpipe"
-_DISCONNECT_POLL_S = 0.25  # how often a whole answer's connection is checked
+_DISCONNECT_POLL_S = 0.25  # how often a waiting client's connection is checked
+_T = TypeVar("_T")
 
 
 class ClientGone(ServiceError):
@@ -58,6 +61,28 @@ def _error(message: dict[str, Any]) -> GenerationError:
         status=int(message.get("status", 500)),
         code=str(message.get("code", "generation_failed")),
     )
+
+
+async def _unless_gone(work: Awaitable[_T], gone: Callable[[], Awaitable[bool]] | None) -> _T:
+    """`work`'s result, cancelled (ClientGone) as soon as `gone()` says the client left;
+    a cancelled work closes its replies, which tells the process (ServingProcess.request)."""
+    task = asyncio.ensure_future(work)
+    if gone is None:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await gone():
+                break
+    except BaseException:  # the route itself was cancelled (shutdown): so is its work
+        task.cancel()
+        raise
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientGone("the client disconnected; its request was cancelled")
 
 
 @dataclass(slots=True)
@@ -106,18 +131,23 @@ class Chat:
 
     # ------------------------------------------------------------ completions
 
-    async def open(self, body: ChatCompletionCreate) -> OpenedChat:
-        """Resolve, start the process if needed, and wait until the prompt is accepted.
+    async def open(
+        self, body: ChatCompletionCreate, *, gone: Callable[[], Awaitable[bool]] | None = None
+    ) -> OpenedChat:
+        """Resolve, start the process if needed, and wait until the prompt is accepted
+        (given up, ClientGone, once `gone()` says the client left while it waited its turn).
 
         Raises:
             NotFound, BadRequest: from the model's resolution.
-            ServingBusy: no GPU free.
+            ServingBusy: no GPU, CPU slot, host memory or queue place free now.
             GenerationError: the process refused the request (no chat template, too long).
         """
         served = await asyncio.to_thread(resolve_model, self.settings, self.store, body.model)
         assert served is not None  # chat=True refuses presets
         replies = self.manager.generate(served, body.generation())
-        first = await anext(replies)
+        first = await anext(replies)  # the model loaded, the request written to its process
+        if first.get("type") == "queued":
+            first = await _unless_gone(anext(replies), gone)
         if first.get("type") != "start":
             await replies.aclose()
             raise _error(first)
@@ -134,18 +164,7 @@ class Chat:
     ) -> ChatCompletion:
         """The whole answer as one `chat.completion`; cancelled (ClientGone) as soon as
         `gone()` says the client disconnected."""
-        answer = asyncio.ensure_future(self._complete(opened))
-        if gone is None:
-            return await answer
-        while True:
-            done, _ = await asyncio.wait({answer}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return answer.result()
-            if await gone():
-                answer.cancel()  # the process is told to cancel it (ServingProcess.request)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await answer
-                raise ClientGone("the client disconnected; its answer was cancelled")
+        return await _unless_gone(self._complete(opened), gone)
 
     async def _complete(self, opened: OpenedChat) -> ChatCompletion:
         parts: list[str] = []

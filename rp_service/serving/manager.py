@@ -179,8 +179,9 @@ class ServingProcess:
     async def request(
         self, payload: dict[str, Any], *, timeout_s: float
     ) -> AsyncIterator[dict[str, Any]]:
-        """The process's replies to one request, up to its `done` or `error`; an `error`
-        504 once `timeout_s` have passed (waiting behind others included)."""
+        """`queued` once the request is written, then the process's replies to it up to
+        its `done` or `error`; an `error` 504 once `timeout_s` have passed (waiting behind
+        others included)."""
         rid = "r-" + secrets.token_hex(8)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.replies[rid] = queue
@@ -189,6 +190,7 @@ class ServingProcess:
         deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             await self.write({"op": "generate", "id": rid, **payload})
+            yield {"type": "queued"}  # written: from here a client that leaves cancels it
             while True:
                 try:
                     # Not wait_for: on 3.11 it swallows a cancel that meets a reply arriving

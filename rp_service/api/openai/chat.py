@@ -68,7 +68,7 @@ async def create_chat_completion(
     body: ChatCompletionCreate, service: ChatDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
     """`chat.completions.create`: the model's answer to `messages` (its chat template)."""
-    opened = await service.open(body)
+    opened = await service.open(body, gone=request.is_disconnected)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _ClosingStream(

@@ -174,7 +174,7 @@ def test_without_gpus_the_cpu_serves(tmp_path: Path) -> None:
 def test_the_503_carries_retry_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rp_service.openai.chat import Chat
 
-    async def busy(self: Chat, body: Any) -> Any:
+    async def busy(self: Chat, body: Any, **kwargs: Any) -> Any:
         raise ServingBusy("every GPU is in use (GPU 0: job job-a)", retry_after_s=7)
 
     monkeypatch.setattr(Chat, "open", busy)

@@ -175,6 +175,7 @@ def _body(text: str = "abc", max_tokens: int = 8, stop: list[str] | None = None)
 
 async def _opened(manager: ServingManager, served: ServedModel, body: dict[str, Any]) -> OpenedChat:
     replies = manager.generate(served, body)
+    assert (await anext(replies))["type"] == "queued"
     first = await anext(replies)
     assert first["type"] == "start", first
     return OpenedChat(id="c", created=0, model="m", prompt_tokens=1, replies=replies)
@@ -215,6 +216,32 @@ def test_a_whole_answer_is_cancelled_when_its_client_disconnects(
     assert len(_lines(log, "cancel")) == 1
     first = _lines(log, "done")[0].split()
     assert first[2] == "stop" and int(first[3]) < 100
+
+
+def test_a_request_whose_client_left_while_it_waited_is_never_generated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rp_service.openai import chat as chat_module
+
+    monkeypatch.setenv("FAKE_SERVE_TOKEN_S", "0.02")
+    manager, log = _manager(tmp_path, monkeypatch)
+    chat = Chat(manager.settings, None, manager)  # type: ignore[arg-type]
+    monkeypatch.setattr(chat_module, "resolve_model", lambda *args: _served())
+    body = ChatCompletionCreate(model="m", messages=[{"role": "user", "content": "x"}])
+
+    async def gone() -> bool:
+        return True
+
+    async def scenario() -> None:
+        generating = await _opened(manager, _served(), _body(max_tokens=25))  # 0.5 s
+        with pytest.raises(ClientGone):
+            await chat.open(body, gone=gone)  # waits behind it, its client gone
+        assert (await chat.complete(generating)).choices[0].finish_reason == "length"
+        await asyncio.sleep(0.1)  # the process takes the next request off its queue
+        await manager.stop()
+
+    asyncio.run(scenario())
+    assert len(_lines(log, "start")) == 1 and len(_lines(log, "skipped")) == 1
 
 
 def test_a_cancel_is_never_swallowed_by_a_reply_arriving_with_it() -> None:
@@ -281,7 +308,8 @@ def test_a_request_past_its_deadline_is_a_504_and_stops_generating(
         return replies
 
     replies = asyncio.run(scenario())
-    assert replies[0]["type"] == "start" and replies[-1]["type"] == "error"
+    assert [m["type"] for m in replies[:2]] == ["queued", "start"]
+    assert replies[-1]["type"] == "error"
     assert replies[-1]["status"] == 504 and replies[-1]["code"] == "generation_timeout"
     assert "RP_SERVE_REQUEST_TIMEOUT_S" in replies[-1]["message"]
     assert len(_lines(log, "cancel")) == 1
@@ -298,7 +326,8 @@ def test_a_full_queue_is_a_503_with_retry_after(
     async def scenario() -> ServingBusy:
         generating = await _opened(manager, served, _body(max_tokens=40))
         waiting = manager.generate(served, _body())
-        waiting_first = asyncio.ensure_future(anext(waiting))  # written; waits behind
+        assert (await anext(waiting))["type"] == "queued"  # written; waits behind
+        waiting_first = asyncio.ensure_future(anext(waiting))
         await asyncio.sleep(0.1)
         with pytest.raises(ServingBusy) as busy:
             await anext(manager.generate(served, _body()))
