@@ -7,12 +7,20 @@ import logging
 import socket
 import sys
 import tempfile
+from pathlib import Path
+from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
 
 from rp_service.app import create_app
-from rp_service.connections import raise_open_file_limit, with_header_timeout
+from rp_service.connections import (
+    ConnectionLimits,
+    bind_tcp,
+    bind_unix,
+    connection_protocol,
+    raise_open_file_limit,
+)
 from rp_service.datadir import DataDir, DataDirLocked
 from rp_service.jobs.store import Store, StoreUnusable
 from rp_service.settings import Settings
@@ -53,23 +61,68 @@ def _parse_args(argv: list[str] | None) -> None:
     parser.parse_args(argv)
 
 
-def _check_port(host: str, port: int) -> None:
-    """Refuse a port another program listens on, before the app starts: uvicorn runs the
-    lifespan (which logs "ready") before it binds, then exits 3 on the bind."""
-    if port == 0:
-        return  # any free port: nothing to collide with
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        # as uvicorn binds: SO_REUSEADDR, so a socket of a daemon that just stopped
-        # (TIME_WAIT) does not count as taken
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listen(settings: Settings) -> list[socket.socket]:
+    """The sockets the daemon serves, bound before the app starts: a port another program
+    holds is refused in one clear line (uvicorn would run the lifespan, log "ready", then
+    exit 3 on the bind). Beside TCP, the Unix socket in the data directory when enabled."""
+    try:
+        sockets = [bind_tcp(settings.host, settings.port)]
+    except OSError as exc:
+        raise _refuse(
+            f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}): "
+            "another daemon or program holds it; stop it or choose another port (RP_PORT, "
+            "rp serve --port)"
+        ) from None
+    host, port = sockets[0].getsockname()[:2]
+    where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    if settings.unix_socket:
         try:
-            probe.bind((host, port))
+            sockets.append(bind_unix(settings.socket_path))
+            where += f" and unix socket {settings.socket_path}"
         except OSError as exc:
-            raise _refuse(
-                f"cannot listen on {host}:{port} ({exc.strerror or exc}): another daemon or "
-                "program holds it; stop it or choose another port (RP_PORT, rp serve --port)"
-            ) from None
+            log.warning(
+                "no unix socket at %s (%s): clients on this machine use TCP",
+                settings.socket_path,
+                exc.strerror or exc,
+            )
+    log.info("listening on %s", where)
+    return sockets
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, removing the Unix socket as it stops: a client must not find the
+    socket of a stopped daemon. (Not after `run`: uvicorn re-raises the SIGTERM it caught,
+    which ends the process there.)"""
+
+    socket_path: Path | None = None
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.socket_path is not None:
+            self.socket_path.unlink(missing_ok=True)
+        await super().shutdown(sockets)
+
+
+def _serve(settings: Settings, app: Any, sockets: list[socket.socket]) -> None:
+    limits = ConnectionLimits(
+        max_requests=settings.max_connections,
+        max_waiting=settings.idle_connections,
+        max_waiting_per_client=min(
+            settings.max_idle_connections_per_client, settings.idle_connections
+        ),
+        header_timeout_s=settings.header_timeout_s,
+    )
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=20,
+        http=connection_protocol(limits),
+        timeout_keep_alive=settings.keep_alive_s,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+    )
+    server = _Server(config)
+    if len(sockets) > 1:
+        server.socket_path = settings.socket_path
+    server.run(sockets=sockets)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         Store(settings.db_path).check_existing()
     except StoreUnusable as exc:
         raise _refuse(str(exc)) from None
-    _check_port(settings.host, settings.port)
+    sockets = _listen(settings)
     settings.spool_dir.mkdir(mode=0o700, exist_ok=True)
     tempfile.tempdir = str(settings.spool_dir)  # multipart uploads spool here, not in /tmp
     soft, _ = raise_open_file_limit()
@@ -101,18 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     elif settings.token is None:
         data.token()
         print(f"rp_service: bearer token in {data.token_path}", file=sys.stderr)
-    log.info("open files: up to %d; connections: up to %d", soft, settings.max_connections)
-    uvicorn.run(
-        create_app(settings, data_dir=data),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=20,
-        http=with_header_timeout(settings.header_timeout_s),
-        limit_concurrency=settings.max_connections,
-        timeout_keep_alive=settings.keep_alive_s,
-        h11_max_incomplete_event_size=settings.max_header_bytes,
+    log.info(
+        "open files: up to %d; requests in progress: up to %d; idle connections: up to %d "
+        "(%d per client)",
+        soft,
+        settings.max_connections,
+        settings.idle_connections,
+        settings.max_idle_connections_per_client,
     )
+    _serve(settings, create_app(settings, data_dir=data), sockets)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ _HTTP_ERROR_TYPES = {
     401: ("authentication_error", "invalid_token"),
     404: ("not_found_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     409: ("conflict_error", "conflict"),
     403: ("permission_error", "forbidden"),
     413: ("request_too_large", "request_too_large"),
@@ -78,6 +79,10 @@ def _envelope(
 
 class _BodyTooLarge(StarletteHTTPException):
     """Raised from inside `receive`; FastAPI re-raises HTTPExceptions met while reading."""
+
+
+class _BodyTooSlow(StarletteHTTPException):
+    """Raised from inside `receive` past the body's deadline (see `_Guard._counted`)."""
 
 
 # The request-latency histogram's labels come from fixed sets: a made-up method (anyone can
@@ -124,6 +129,8 @@ class _Guard:
         self.max_request_bytes = settings.max_request_bytes
         self.max_upload_bytes = settings.max_upload_bytes + _UPLOAD_OVERHEAD_BYTES
         self.max_uploads = settings.max_concurrent_uploads
+        self.body_timeout_s = settings.body_timeout_s
+        self.body_min_rate = settings.body_min_rate
         self.uploads = 0  # uploads in progress: only the event loop changes it
         self.any_host = "*" in settings.allowed_hosts
         # This machine's own names work without configuration; other DNS names (aliases)
@@ -245,19 +252,56 @@ class _Guard:
         return None
 
     def _counted(self, scope: Scope, receive: Receive) -> Receive:
+        """`receive` with the body's size limit and its deadline: RP_BODY_TIMEOUT_S, plus
+        1 s per RP_BODY_MIN_RATE bytes received, from the first read (as Apache's
+        mod_reqtimeout). Once the body is complete, reads (waits for a disconnect) pass."""
         limit = self._limit(scope)
         seen = 0
+        complete = False
+        started: float | None = None
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete, started
+            if complete:
+                return await receive()
+            loop = asyncio.get_running_loop()
+            if started is None:
+                started = loop.time()
+            due = started + self.body_timeout_s + seen / self.body_min_rate
+            try:
+                async with asyncio.timeout_at(due):
+                    message = await receive()
+            except TimeoutError:
+                raise self._too_slow(scope, seen, loop.time() - started) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if seen > limit:
                     raise _BodyTooLarge(413, self._over(scope))
+            else:
+                complete = True  # a disconnect: nothing more will come
             return message
 
         return counted
+
+    def _too_slow(self, scope: Scope, seen: int, waited_s: float) -> _BodyTooSlow:
+        client = scope.get("client")
+        log.warning(
+            "request body of %s %s from %s arrived too slowly (%d bytes in %.1f s): "
+            "answered 408 and closed",
+            scope["method"],
+            scope["path"],
+            client[0] if client else "the unix socket",
+            seen,
+            waited_s,
+        )
+        return _BodyTooSlow(
+            408,
+            f"the request body arrived too slowly ({seen} bytes in {waited_s:.1f} s): a body "
+            f"must arrive within RP_BODY_TIMEOUT_S={self.body_timeout_s:g} s plus 1 s per "
+            f"RP_BODY_MIN_RATE={self.body_min_rate} bytes",
+            headers={"connection": "close"},
+        )
 
 
 def _too_large(message: str) -> JSONResponse:

@@ -1,39 +1,177 @@
-"""The daemon's HTTP connections: uvicorn's h11 protocol with a deadline for request headers.
+"""The daemon's HTTP connections: uvicorn's h11 protocol with caps that keep requests served.
 
-uvicorn closes a kept-alive connection after `timeout_keep_alive`, but a connection that
-never sends (or never finishes) its request headers stays open for good, and every such
-connection counts against `limit_concurrency` and an open file. Here each connection must
-start a request within `header_timeout_s` of opening, or of its previous response.
+uvicorn's own `limit_concurrency` counts every open connection, so a thousand that never
+send a request (no token needed) turn every request, `/healthz` included, into a 503.
+Here a connection is *waiting* while it has no request in progress: just opened, its
+request head half sent, or kept alive after a response. Waiting connections have caps of
+their own, below the request cap, as PostgreSQL reserves connections and nginx limits
+them per address:
+
+    new / kept-alive connection --> waiting (oldest first) --request head--> busy
+        past RP_MAX_IDLE_CONNECTIONS_PER_CLIENT: that address's oldest waiting one closed
+        past RP_MAX_IDLE_CONNECTIONS:            the oldest waiting one closed
+        no request head within RP_HEADER_TIMEOUT_S: closed
+    busy: requests in progress; past RP_MAX_CONNECTIONS the request is answered 503
+
+Closing the oldest (not refusing the newest) is what keeps a client that sends its
+request at once served however many idle connections someone holds open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["raise_open_file_limit", "with_header_timeout"]
+__all__ = [
+    "ConnectionLimits",
+    "Waiting",
+    "bind_tcp",
+    "bind_unix",
+    "connection_protocol",
+    "raise_open_file_limit",
+]
 
 log = logging.getLogger(__name__)
 
+_UNIX_CLIENT = "unix socket"  # the one "address" of every connection on the Unix socket
+_REPORT_EVERY_S = 10.0  # closings of waiting connections are logged at most this often
 
-class _DeadlineProtocol(H11Protocol):
-    header_timeout_s = 10.0
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """The caps (from Settings.connection_limits())."""
+
+    max_requests: int
+    max_waiting: int
+    max_waiting_per_client: int
+    header_timeout_s: float
+
+
+class Waiting:
+    """The connections waiting for a request, oldest first, in total and per address.
+
+    Each connection is anything with a `close_waiting()` method; `add` past a cap closes
+    the oldest one over it.
+    """
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.limits = limits
+        self._all: dict[Any, str] = {}  # connection -> its address; dicts keep insertion order
+        self._by_client: dict[str, dict[Any, None]] = {}
+        self.closed = 0  # closed to make room, since the last report
+        self._reported_at = time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def of(self, client: str) -> int:
+        return len(self._by_client.get(client, ()))
+
+    def add(self, conn: Any, client: str) -> None:
+        """`conn` waits from now (it moves to the newest end)."""
+        self.remove(conn)
+        self._all[conn] = client
+        mine = self._by_client.setdefault(client, {})
+        mine[conn] = None
+        if len(mine) > self.limits.max_waiting_per_client:
+            self._close(next(iter(mine)))
+        if len(self._all) > self.limits.max_waiting:
+            self._close(next(iter(self._all)))
+
+    def remove(self, conn: Any) -> None:
+        client = self._all.pop(conn, None)
+        if client is None:
+            return
+        mine = self._by_client[client]
+        del mine[conn]
+        if not mine:
+            del self._by_client[client]
+
+    def _close(self, conn: Any) -> None:
+        client = self._all[conn]
+        self.remove(conn)
+        conn.close_waiting()
+        self.closed += 1
+        now = time.monotonic()
+        if now - self._reported_at >= _REPORT_EVERY_S:
+            log.warning(
+                "closed %d connections that sent no request, to make room for new ones "
+                "(latest from %s; %d waiting now; RP_MAX_IDLE_CONNECTIONS=%d, "
+                "RP_MAX_IDLE_CONNECTIONS_PER_CLIENT=%d)",
+                self.closed,
+                client,
+                len(self._all),
+                self.limits.max_waiting,
+                self.limits.max_waiting_per_client,
+            )
+            self.closed = 0
+            self._reported_at = now
+
+
+class _LimitedProtocol(H11Protocol):
+    limits: ConnectionLimits  # both set by connection_protocol(): one pair per server
+    waiting: Waiting
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limit_concurrency = None  # uvicorn's count of connections: replaced below
+        self._client_key = _UNIX_CLIENT
+        inner = self.app
+
+        async def app_or_busy(scope: Any, receive: Any, send: Any) -> None:
+            # This request's own task is in `tasks` already.
+            if len(self.tasks) > self.limits.max_requests:
+                log.warning(
+                    "%d requests in progress, over RP_MAX_CONNECTIONS=%d: answered 503",
+                    len(self.tasks),
+                    self.limits.max_requests,
+                )
+                await service_unavailable(scope, receive, send)
+            else:
+                await inner(scope, receive, send)
+
+        self.app = app_or_busy
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_header_deadline()
+        if self.client is not None:
+            self._client_key = self.client[0]
+        self._start_waiting()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.waiting.remove(self)
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before:  # a request head arrived: busy until its response
+            self.waiting.remove(self)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm_header_deadline()
+        if not self.transport.is_closing():
+            self._start_waiting()
 
-    def _arm_header_deadline(self) -> None:
+    def close_waiting(self) -> None:
+        """Closed to make room (see Waiting): only ever while no request is in progress."""
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _start_waiting(self) -> None:
         waited_for = self.cycle  # a request that starts after now makes a new cycle
-        self.loop.call_later(self.header_timeout_s, self._header_deadline, waited_for)
+        self.loop.call_later(self.limits.header_timeout_s, self._header_deadline, waited_for)
+        self.waiting.add(self, self._client_key)
 
     def _header_deadline(self, waited_for: Any) -> None:
         idle = waited_for is None or waited_for.response_complete
@@ -41,10 +179,13 @@ class _DeadlineProtocol(H11Protocol):
             self.transport.close()  # no request began in time: free its slot and its file
 
 
-def with_header_timeout(header_timeout_s: float) -> type[H11Protocol]:
-    """The protocol class to give uvicorn as `http=`."""
+def connection_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
+    """The protocol class to give uvicorn as `http=` (uvicorn's `limit_concurrency` unset):
+    one class per server, so its listeners (TCP and the Unix socket) share the caps."""
     return type(
-        "RoundPipeH11Protocol", (_DeadlineProtocol,), {"header_timeout_s": header_timeout_s}
+        "RoundPipeH11Protocol",
+        (_LimitedProtocol,),
+        {"limits": limits, "waiting": Waiting(limits)},
     )
 
 
@@ -59,3 +200,35 @@ def raise_open_file_limit() -> tuple[int, int]:
         except (ValueError, OSError) as exc:
             log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
     return soft, hard
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A TCP socket bound as uvicorn binds one (SO_REUSEADDR: a socket of a daemon that just
+    stopped, in TIME_WAIT, does not count as taken); raises OSError when the port is held."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """A Unix socket at `path`, mode 0600 from the start; any file already there is removed
+    first (a socket left by a daemon that was killed: the caller holds the data directory's
+    lock, so no live daemon owns it). Raises OSError (a path too long for a socket, say)."""
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # no moment at which another user could connect
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o600)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    return sock

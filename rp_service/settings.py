@@ -69,13 +69,25 @@ class Settings(BaseSettings):
     min_free_bytes: int = Field(1 << 30, ge=0)
     # Checkpoints kept of a job once it has ended (the newest ones; 0: none).
     keep_finished_checkpoints: int = Field(1, ge=0)
-    # Connections served at once (uvicorn's limit_concurrency: 503 past it), how long an idle
-    # kept-alive connection stays open, how long a new connection may take to send its
-    # request headers, and how large those headers may be.
+    # Requests in progress at once (503 past it), how long an idle kept-alive connection
+    # stays open, how long a new connection may take to send its request headers, and how
+    # large those headers may be.
     max_connections: int = Field(1000, ge=1)
     keep_alive_s: int = Field(5, ge=1)
     header_timeout_s: float = Field(10.0, gt=0)
     max_header_bytes: int = Field(64 << 10, ge=1024)
+    # Connections with no request in progress (new, half-sent, kept alive), in total (unset:
+    # half of max_connections) and per client address: past either the oldest is closed
+    # (rp_service/connections.py), so idle connections never crowd out requests.
+    max_idle_connections: int | None = Field(None, ge=1)
+    max_idle_connections_per_client: int = Field(64, ge=1)
+    # A request body must arrive within body_timeout_s, plus 1 s per body_min_rate bytes
+    # received (Apache's mod_reqtimeout body=20,MinRate=500); past it: 408, connection closed.
+    body_timeout_s: float = Field(20.0, gt=0)
+    body_min_rate: int = Field(500, ge=1)
+    # Listen on <data dir>/rp.sock (0600) beside TCP; `rp` and the SDK on this machine
+    # prefer it, so the token never goes to a TCP port another user may hold.
+    unix_socket: bool = True
     # Interruptions that are not the job's fault (a daemon restart, a worker killed by a
     # signal or a device fault) are resumed from the last checkpoint this many times.
     max_attempts: int = Field(3, ge=1)
@@ -135,6 +147,25 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _idle_below_max(self) -> Settings:
+        if self.max_idle_connections is not None and (
+            self.max_idle_connections >= self.max_connections
+        ):
+            raise ValueError(
+                f"RP_MAX_IDLE_CONNECTIONS ({self.max_idle_connections}) must be below "
+                f"RP_MAX_CONNECTIONS ({self.max_connections}): idle connections have a "
+                "cap of their own so that requests are always served"
+            )
+        return self
+
+    @property
+    def idle_connections(self) -> int:
+        """RP_MAX_IDLE_CONNECTIONS, or half of RP_MAX_CONNECTIONS when it is unset."""
+        if self.max_idle_connections is not None:
+            return self.max_idle_connections
+        return max(1, self.max_connections // 2)
+
     @field_validator("gpus")
     @classmethod
     def _check_gpus(cls, value: str) -> str:
@@ -177,6 +208,11 @@ class Settings(BaseSettings):
     @property
     def lock_path(self) -> Path:
         return self.data_dir / "daemon.lock"
+
+    @property
+    def socket_path(self) -> Path:
+        """The Unix socket the daemon listens on beside TCP (RP_UNIX_SOCKET)."""
+        return self.data_dir / "rp.sock"
 
     @property
     def spool_dir(self) -> Path:

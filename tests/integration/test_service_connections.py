@@ -1,0 +1,174 @@
+"""Connections that send nothing, or send slowly, never stop requests (issue 46, items 1, 11).
+
+Every daemon here is `python -m rp_service` on 127.0.0.1 with the fake worker; the idle
+connections are raw sockets (from 127.0.0.2 and 127.0.0.3 where the address matters:
+all of 127/8 is loopback on Linux).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+from tests.integration.service_daemon import Daemon
+
+TOKEN = "connections-token"
+
+
+def _open(daemon: Daemon, count: int, *, source: str = "127.0.0.1") -> list[socket.socket]:
+    """`count` connections: every other one sends half a request head, the rest nothing."""
+    socks = []
+    for i in range(count):
+        sock = socket.create_connection(
+            ("127.0.0.1", daemon.port), timeout=5, source_address=(source, 0)
+        )
+        if i % 2:
+            sock.sendall(b"GET /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        socks.append(sock)
+    return socks
+
+
+def _reply(sock: socket.socket) -> bytes:
+    """Everything the daemon sends until it closes the connection."""
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+    return reply
+
+
+def _is_closed(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the daemon closed `sock` (EOF or reset) within `wait_s`."""
+    sock.settimeout(wait_s)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_hundreds_of_idle_connections_leave_requests_served(make_daemon) -> None:
+    """Three rounds of 150 idle connections against a request cap of 100: on a daemon whose
+    cap counted connections every request here was a 503."""
+    daemon: Daemon = make_daemon(RP_TOKEN=TOKEN, RP_MAX_CONNECTIONS="100", RP_HEADER_TIMEOUT_S="30")
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            idle += _open(daemon, 150)
+            with daemon.client() as c:  # a new connection each round, as a probe makes
+                assert c.get("/healthz").status_code == 200
+                r = c.get("/v1/jobs")
+                assert r.status_code == 200, r.text
+        # At most the idle cap (half of 100) is still open; the oldest were closed.
+        still_open = sum(not _is_closed(s, 0.01) for s in idle[-60:])
+        assert still_open <= 50
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_one_address_cannot_close_another_ones_idle_connections(make_daemon) -> None:
+    daemon: Daemon = make_daemon(
+        RP_TOKEN=TOKEN,
+        RP_MAX_CONNECTIONS="200",
+        RP_MAX_IDLE_CONNECTIONS="100",
+        RP_MAX_IDLE_CONNECTIONS_PER_CLIENT="10",
+        RP_HEADER_TIMEOUT_S="30",
+    )
+    mine = _open(daemon, 5, source="127.0.0.3")
+    flood = _open(daemon, 80, source="127.0.0.2")
+    try:
+        with daemon.client() as c:
+            assert c.get("/v1/jobs").status_code == 200  # the flood has been accepted by now
+        closed = sum(_is_closed(s, 2.0) for s in flood[:70])
+        assert closed == 70  # 127.0.0.2 keeps its 10 newest, no more
+        assert not any(_is_closed(s, 0.2) for s in mine)  # 127.0.0.3's are all still open
+    finally:
+        for sock in mine + flood:
+            sock.close()
+
+
+# ---------------------------------------------------------------- slow bodies
+
+
+def _upload_head(port: int, length: int) -> bytes:
+    return (
+        f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Authorization: Bearer {TOKEN}\r\n"
+        "Content-Type: multipart/form-data; boundary=b\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+        # the start of a valid body: the file's bytes follow, one at a time
+        '--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+    ).encode()
+
+
+def test_uploads_at_one_byte_a_second_are_cut_and_free_their_slots(make_daemon) -> None:
+    """Four uploads trickling 1 byte per 0.5 s held all four upload slots for good."""
+    daemon: Daemon = make_daemon(
+        RP_TOKEN=TOKEN, RP_MAX_CONCURRENT_UPLOADS="4", RP_BODY_TIMEOUT_S="1.5"
+    )
+    slow = []
+    for _ in range(4):
+        sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
+        sock.sendall(_upload_head(daemon.port, 100_000))
+        slow.append(sock)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.5):
+            for sock in slow:
+                try:
+                    sock.sendall(b"x")
+                except OSError:
+                    pass
+
+    trickler = threading.Thread(target=trickle, daemon=True)
+    trickler.start()
+    started = time.monotonic()
+    try:
+        for sock in slow:
+            reply = _reply(sock)  # and then the daemon closes it
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+            assert b"request_timeout" in reply and b"RP_BODY_TIMEOUT_S" in reply, reply
+        assert time.monotonic() - started < 8
+        with daemon.client() as c:
+            r = c.post(
+                "/v1/files",
+                files={"file": ("a.jsonl", b'{"text": "hi"}\n')},
+                data={"purpose": "fine-tune"},
+            )
+            assert r.status_code in (200, 201), r.text
+    finally:
+        stop.set()
+        trickler.join(timeout=5)
+        for sock in slow:
+            sock.close()
+    log = daemon.log_path.read_text()
+    assert log.count("arrived too slowly") >= 4, log[-2000:]
+
+
+def test_a_json_body_that_stalls_is_cut_with_408(make_daemon) -> None:
+    daemon: Daemon = make_daemon(RP_TOKEN=TOKEN, RP_BODY_TIMEOUT_S="1")
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as sock:
+        sock.sendall(
+            (
+                f"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"
+            ).encode()
+        )
+        reply = _reply(sock)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"connection: close" in reply.lower()
+        assert b"RP_BODY_MIN_RATE" in reply
+
+
+def test_the_socket_path_is_private(make_daemon, tmp_path: Path) -> None:
+    daemon: Daemon = make_daemon(RP_TOKEN=TOKEN)
+    path = daemon.data_dir / "rp.sock"
+    assert path.is_socket()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert daemon.data_dir.stat().st_mode & 0o777 == 0o700
+    daemon.stop()
+    assert not path.exists()  # a client never finds the socket of a stopped daemon
