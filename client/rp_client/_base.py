@@ -15,7 +15,7 @@ import httpx
 from pydantic import BaseModel
 
 from . import errors
-from ._token import default_token_file, read_token_file
+from ._token import default_socket, default_token_file, read_token_file
 from .models import JobSpec, load_spec_file
 
 __all__ = ["DEFAULT_BASE_URL", "DEFAULT_TIMEOUT_S"]
@@ -56,6 +56,10 @@ class _BaseClient:
         # Arguments win over the environment (RP_URL, RP_TOKEN), which wins over defaults;
         # the last default is the token file of a daemon on this machine (rp_client._token).
         self.base_url = (base_url or os.environ.get("RP_URL") or DEFAULT_BASE_URL).rstrip("/")
+        # No URL given: the daemon of this machine, over its Unix socket when it has one.
+        self.socket: Path | None = None
+        if not base_url and not os.environ.get("RP_URL"):
+            self.socket = default_socket()
         self.token = token if token is not None else (os.environ.get("RP_TOKEN") or None)
         self.token_file: Path | None = None
         if self.token is None:
@@ -100,6 +104,11 @@ class _BaseClient:
                 pass
         base = self.retry_backoff_s * (2**attempt)
         return min(base, 30.0) * (0.75 + random.random() / 2)
+
+    @property
+    def where(self) -> str:
+        """The daemon, as messages name it: its URL, or the socket used instead of it."""
+        return f"unix socket {self.socket}" if self.socket is not None else self.base_url
 
     @staticmethod
     def _connection_error(exc: httpx.TransportError, base_url: str) -> errors.APIConnectionError:

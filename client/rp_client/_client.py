@@ -58,7 +58,10 @@ class Client(_BaseClient):
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
         )
-        self._http = http_client or httpx.Client(timeout=timeout_s)
+        if http_client is not None:
+            self.socket = None  # the caller's client decides how to connect
+        uds = httpx.HTTPTransport(uds=str(self.socket)) if self.socket is not None else None
+        self._http = http_client or httpx.Client(timeout=timeout_s, transport=uds)
         self.jobs = Jobs(self)
         self.files = Files(self)
         self.checkpoints = Checkpoints(self)
@@ -110,7 +113,7 @@ class Client(_BaseClient):
                     time.sleep(self._retry_delay_s(attempt))
                     attempt += 1
                     continue
-                raise self._connection_error(exc, self.base_url) from exc
+                raise self._connection_error(exc, self.where) from exc
             if response.is_success:
                 return response
             response.read()
@@ -169,7 +172,10 @@ class AsyncClient(_BaseClient):
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
         )
-        self._http = http_client or httpx.AsyncClient(timeout=timeout_s)
+        if http_client is not None:
+            self.socket = None  # the caller's client decides how to connect
+        uds = httpx.AsyncHTTPTransport(uds=str(self.socket)) if self.socket is not None else None
+        self._http = http_client or httpx.AsyncClient(timeout=timeout_s, transport=uds)
         self.jobs = AsyncJobs(self)
         self.files = AsyncFiles(self)
         self.checkpoints = AsyncCheckpoints(self)
@@ -221,7 +227,7 @@ class AsyncClient(_BaseClient):
                     await asyncio.sleep(self._retry_delay_s(attempt))
                     attempt += 1
                     continue
-                raise self._connection_error(exc, self.base_url) from exc
+                raise self._connection_error(exc, self.where) from exc
             if response.is_success:
                 return response
             await response.aread()

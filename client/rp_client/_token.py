@@ -1,8 +1,13 @@
-"""Where the token of a daemon on this machine is: its data directory's `token` file.
+"""A daemon on this machine: its data directory's `token` file and `rp.sock` socket.
 
 A daemon started without RP_TOKEN makes a random token and writes it (mode 0600) to
 `$RP_DATA_DIR/token`; a client on the same machine, as the same user, reads it from there
 when no token is given. Never for a remote daemon: its token is not in any local file.
+
+The daemon also listens on `$RP_DATA_DIR/rp.sock` (mode 0600, in the 0700 directory). A
+client given no URL (no argument, no RP_URL) talks over that socket when it exists, as
+`psql` and `docker` do: a TCP port can be taken by another user's program while the daemon
+is down, and the token read from the file would then go to that program.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["default_token_file", "is_loopback_url", "read_token_file"]
+__all__ = ["default_socket", "default_token_file", "is_loopback_url", "read_token_file"]
 
 DEFAULT_DATA_DIR = "./rp-data"  # the daemon's default RP_DATA_DIR (rp_service/settings.py)
+SOCKET_NAME = "rp.sock"  # the daemon's Settings.socket_path, in its data directory
 
 
 def is_loopback_url(url: str) -> bool:
@@ -31,11 +37,28 @@ def is_loopback_url(url: str) -> bool:
         return False
 
 
+def _data_dir() -> Path:
+    return Path(os.environ.get("RP_DATA_DIR") or DEFAULT_DATA_DIR)
+
+
+def default_socket() -> Path | None:
+    """`$RP_DATA_DIR/rp.sock` (default ./rp-data/rp.sock) when a socket is there, else None.
+
+    A socket left by a daemon that was killed is still used: connecting then fails, and
+    the client says so, rather than sending the token to whatever holds the TCP port.
+    """
+    path = _data_dir() / SOCKET_NAME
+    try:
+        return path if path.is_socket() else None
+    except OSError:
+        return None
+
+
 def default_token_file(base_url: str) -> Path | None:
     """`$RP_DATA_DIR/token` (default ./rp-data/token) for a daemon on loopback, else None."""
     if not is_loopback_url(base_url):
         return None
-    return Path(os.environ.get("RP_DATA_DIR") or DEFAULT_DATA_DIR) / "token"
+    return _data_dir() / "token"
 
 
 def read_token_file(path: Path) -> str | None:

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.service_daemon import Daemon
 
 TOKEN = "connections-token"
@@ -172,3 +174,101 @@ def test_the_socket_path_is_private(make_daemon, tmp_path: Path) -> None:
     assert daemon.data_dir.stat().st_mode & 0o777 == 0o700
     daemon.stop()
     assert not path.exists()  # a client never finds the socket of a stopped daemon
+
+
+# ---------------------------------------------------------------- the Unix socket
+
+
+class _StandIn:
+    """A TCP listener on the port a client would use by default, recording what it gets:
+    another user's program waiting for a token while the daemon is down."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.received = b""
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            with conn:
+                conn.settimeout(1)
+                try:
+                    self.received += conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+def test_the_sdk_uses_the_socket_and_never_sends_the_token_to_the_tcp_port(
+    make_daemon, monkeypatch
+) -> None:
+    import asyncio
+
+    from rp_client import AsyncClient, Client, _base
+
+    daemon: Daemon = make_daemon()  # no RP_TOKEN: it writes its token file
+    token = daemon.token
+    assert token
+    stand_in = _StandIn()
+    try:
+        monkeypatch.setattr(_base, "DEFAULT_BASE_URL", stand_in.url)
+        monkeypatch.delenv("RP_URL", raising=False)
+        monkeypatch.delenv("RP_TOKEN", raising=False)
+        monkeypatch.setenv("RP_DATA_DIR", str(daemon.data_dir))
+        with Client(max_retries=0) as client:
+            assert client.demo_spec()  # authenticated, served by the daemon
+            assert client.where == f"unix socket {daemon.data_dir / 'rp.sock'}"
+
+        async def spec() -> object:
+            async with AsyncClient(max_retries=0) as client:
+                return await client.demo_spec()
+
+        assert asyncio.run(spec()) is not None
+        assert stand_in.connections == 0 and token.encode() not in stand_in.received
+        # RP_URL set explicitly keeps TCP (and the token is then the user's choice to send).
+        monkeypatch.setenv("RP_URL", stand_in.url)
+        with Client(max_retries=0) as client, pytest.raises(Exception):  # noqa: B017
+            client.demo_spec()
+        assert stand_in.connections == 1
+    finally:
+        stand_in.close()
+
+
+def test_a_stopped_daemons_socket_is_an_error_not_a_fall_back_to_tcp(
+    make_daemon, monkeypatch
+) -> None:
+    from rp_client import Client, _base
+    from rp_client.errors import APIConnectionError
+
+    daemon: Daemon = make_daemon()
+    stand_in = _StandIn()
+    try:
+        monkeypatch.setattr(_base, "DEFAULT_BASE_URL", stand_in.url)
+        monkeypatch.delenv("RP_URL", raising=False)
+        monkeypatch.delenv("RP_TOKEN", raising=False)
+        monkeypatch.setenv("RP_DATA_DIR", str(daemon.data_dir))
+        daemon.kill()  # kill -9: its socket file stays behind
+        assert (daemon.data_dir / "rp.sock").is_socket()
+        with Client(max_retries=0) as client, pytest.raises(APIConnectionError) as info:
+            client.demo_spec()
+        assert "unix socket" in str(info.value)
+        assert stand_in.connections == 0
+    finally:
+        stand_in.close()
