@@ -14,9 +14,10 @@ from rp_service.data.prompts import GRPO_METRICS
 from rp_service.errors import NotFound
 from rp_service.jobs.events import EventHub, sse_stream
 from rp_service.jobs.export import export_job
+from rp_service.jobs.log_follow import LogHub, read_from
 from rp_service.jobs.store import CheckpointRecord, EventRecord, JobRecord, Store
 from rp_service.jobs.store_io import StoreIO
-from rp_service.schemas import TERMINAL_STATUSES, Export, ExportRequest
+from rp_service.schemas import Export, ExportRequest
 from rp_service.settings import Settings
 
 __all__ = ["GRPO_COLUMNS", "PREFERENCE_COLUMNS", "SERIES_COLUMNS", "JobOutputs"]
@@ -46,6 +47,7 @@ class JobOutputs:
         self.store = store
         self.hub = hub
         self.io = io if io is not None else StoreIO(store)
+        self.logs = LogHub(self.io, settings.jobs_dir, events=hub)
 
     async def _job(self, job_id: str) -> JobRecord:
         job = await asyncio.to_thread(self.store.get_job, job_id)
@@ -98,32 +100,19 @@ class JobOutputs:
         ordered = [rows[k] for k in sorted(rows)]
         return {name: [row.get(name) for row in ordered] for name in names}
 
-    def _log_path(self, job_id: str) -> Path:
-        return self.settings.jobs_dir / job_id / "worker.log"
-
     async def read_log(self, job_id: str, *, offset: int) -> tuple[bytes, int]:
         """Up to 1 MiB of the worker's log from `offset`, and the offset after it."""
         await self._job(job_id)
-        data = await asyncio.to_thread(_read_from, self._log_path(job_id), offset, _LOG_CHUNK_BYTES)
+        path = self.logs.path(job_id)
+        data = await asyncio.to_thread(read_from, path, offset, _LOG_CHUNK_BYTES)
         return data, offset + len(data)
 
     async def follow_log(self, job_id: str, *, offset: int) -> AsyncIterator[bytes]:
-        """Checks the job, then streams its log from `offset` until the job has ended."""
+        """Checks the job, then streams its log from `offset` until the job has ended
+        (jobs/log_follow.py: one reader per job, however many follow it)."""
+        await self.hub.admit()
         await self._job(job_id)
-        return self._follow(job_id, offset)
-
-    async def _follow(self, job_id: str, offset: int) -> AsyncIterator[bytes]:
-        path = self._log_path(job_id)
-        while not self.hub.closed:
-            job = await asyncio.to_thread(self.store.get_job, job_id)
-            data = await asyncio.to_thread(_read_from, path, offset, _LOG_CHUNK_BYTES)
-            if data:
-                offset += len(data)
-                yield data
-                continue
-            if job is None or job.status in TERMINAL_STATUSES:
-                return
-            await asyncio.sleep(0.5)
+        return self.logs.follow(job_id, offset)
 
     async def checkpoints(self, job_id: str) -> list[CheckpointRecord]:
         """Committed checkpoints still on disk (the worker prunes beyond keep_checkpoints)."""
@@ -150,17 +139,6 @@ class JobOutputs:
                 param="step",
             )
         return _tar_stream(root)
-
-
-def _read_from(path: Path, offset: int, size: int) -> bytes:
-    try:
-        with path.open("rb") as f:
-            if offset >= os.fstat(f.fileno()).st_size:
-                return b""  # past the end (up to 2**63 - 1): nothing yet, not an error
-            f.seek(offset)
-            return f.read(size)
-    except FileNotFoundError:
-        return b""
 
 
 def _tar_stream(root: Path) -> Iterator[bytes]:
