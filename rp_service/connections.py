@@ -10,6 +10,7 @@ them per address:
     new / kept-alive connection --> waiting (oldest first) --request head--> busy
         past RP_MAX_IDLE_CONNECTIONS_PER_CLIENT: that address's oldest waiting one closed
         past RP_MAX_IDLE_CONNECTIONS:            the oldest waiting one closed
+        (either once it has waited 2 s: a burst is read before any of it is closed)
         no request head within RP_HEADER_TIMEOUT_S: closed
     busy: requests in progress; past RP_MAX_CONNECTIONS the request is answered 503
 
@@ -49,25 +50,33 @@ _REPORT_EVERY_S = 10.0  # closings of waiting connections are logged at most thi
 
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
-    """The caps (from Settings.connection_limits())."""
+    """The caps (built from Settings by `python -m rp_service`)."""
 
     max_requests: int
     max_waiting: int
     max_waiting_per_client: int
     header_timeout_s: float
+    # A connection younger than this is not closed to make room: a burst of new connections
+    # (a reconnect storm) is accepted before their request heads are read, in the next
+    # turns of the loop. Past a cap, the oldest is closed once it is this old.
+    grace_s: float = 2.0
 
 
 class Waiting:
     """The connections waiting for a request, oldest first, in total and per address.
 
-    Each connection is anything with a `close_waiting()` method; `add` past a cap closes
-    the oldest one over it.
+    Each connection is anything with a `close_waiting()` method. Past a cap the oldest
+    waiting connection over it is closed, at once when it has waited `grace_s`, else when
+    it has (a timer on the running loop), if it is still waiting then.
     """
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
-        self._all: dict[Any, str] = {}  # connection -> its address; dicts keep insertion order
+        # connection -> (its address, since when it waits); dicts keep insertion order
+        self._all: dict[Any, tuple[str, float]] = {}
         self._by_client: dict[str, dict[Any, None]] = {}
+        self._over: set[str] = set()  # addresses over their cap, waiting out a grace
+        self._timer: asyncio.TimerHandle | None = None
         self.closed = 0  # closed to make room, since the last report
         self._reported_at = time.monotonic()
 
@@ -80,25 +89,48 @@ class Waiting:
     def add(self, conn: Any, client: str) -> None:
         """`conn` waits from now (it moves to the newest end)."""
         self.remove(conn)
-        self._all[conn] = client
-        mine = self._by_client.setdefault(client, {})
-        mine[conn] = None
-        if len(mine) > self.limits.max_waiting_per_client:
-            self._close(next(iter(mine)))
-        if len(self._all) > self.limits.max_waiting:
-            self._close(next(iter(self._all)))
+        self._all[conn] = (client, time.monotonic())
+        self._by_client.setdefault(client, {})[conn] = None
+        self._over.add(client)
+        self._enforce()
 
     def remove(self, conn: Any) -> None:
-        client = self._all.pop(conn, None)
-        if client is None:
+        entry = self._all.pop(conn, None)
+        if entry is None:
             return
-        mine = self._by_client[client]
+        mine = self._by_client[entry[0]]
         del mine[conn]
         if not mine:
-            del self._by_client[client]
+            del self._by_client[entry[0]]
+
+    def _enforce(self) -> None:
+        """Close the oldest past each cap that are past their grace; time the rest."""
+        now = time.monotonic()
+        due: float | None = None
+        for client in list(self._over):
+            mine = self._by_client.get(client, {})
+            due = self._trim(mine, self.limits.max_waiting_per_client, now, due)
+            if len(mine) <= self.limits.max_waiting_per_client:
+                self._over.discard(client)
+        due = self._trim(self._all, self.limits.max_waiting, now, due)
+        if due is not None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(due - now, self._on_timer)
+
+    def _trim(self, conns: dict[Any, Any], cap: int, now: float, due: float | None) -> float | None:
+        while len(conns) > cap:
+            oldest = next(iter(conns))
+            ready_at = self._all[oldest][1] + self.limits.grace_s
+            if ready_at > now:
+                return ready_at if due is None else min(due, ready_at)
+            self._close(oldest)
+        return due
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._enforce()
 
     def _close(self, conn: Any) -> None:
-        client = self._all[conn]
+        client = self._all[conn][0]
         self.remove(conn)
         conn.close_waiting()
         self.closed += 1

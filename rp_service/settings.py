@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     # half of max_connections) and per client address: past either the oldest is closed
     # (rp_service/connections.py), so idle connections never crowd out requests.
     max_idle_connections: int | None = Field(None, ge=1)
-    max_idle_connections_per_client: int = Field(64, ge=1)
+    max_idle_connections_per_client: int = Field(256, ge=1)
     # A request body must arrive within body_timeout_s, plus 1 s per body_min_rate bytes
     # received (Apache's mod_reqtimeout body=20,MinRate=500); past it: 408, connection closed.
     body_timeout_s: float = Field(20.0, gt=0)

@@ -197,7 +197,7 @@ def test_idle_connections_do_not_stop_requests_or_fail_a_queued_job(tmp_path: Pa
             assert c.get("/readyz").status_code == 200
         job = daemon.wait_for(r.json()["id"], _TERMINAL, timeout_s=60)
         assert job["status"] == "succeeded", job
-        # The header deadline closes them, and the idle cap (64 per client) the oldest
+        # The header deadline closes them, and the idle cap (200 here) the oldest
         # at once: each reads EOF, or a reset (closed before its bytes were read), within a
         # bounded wait; a timeout is one left open.
         deadline = time.monotonic() + 30

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from rp_service.connections import ConnectionLimits, Waiting
 
 
@@ -15,7 +17,7 @@ class _Conn:
 
 
 def _waiting(total: int, per_client: int) -> Waiting:
-    return Waiting(ConnectionLimits(100, total, per_client, 10.0))
+    return Waiting(ConnectionLimits(100, total, per_client, 10.0, grace_s=0.0))
 
 
 def test_past_the_per_client_cap_that_clients_oldest_is_closed() -> None:
@@ -50,3 +52,19 @@ def test_a_busy_connection_is_never_closed_and_a_kept_alive_one_starts_anew() ->
     assert not busy.closed and not new.closed and old.closed
     waiting.remove(old)  # its connection_lost: removing twice is harmless
     assert len(waiting) == 2
+
+
+def test_a_burst_is_closed_only_past_its_grace_and_only_if_still_waiting() -> None:
+    waiting = Waiting(ConnectionLimits(100, 100, 2, 10.0, grace_s=0.2))
+    burst = [_Conn(str(i)) for i in range(6)]
+
+    async def run() -> list[bool]:
+        for conn in burst:
+            waiting.add(conn, "a")
+        assert not any(c.closed for c in burst)  # all young: their heads may be on the way
+        waiting.remove(burst[0])  # its request head arrived meanwhile: busy
+        await asyncio.sleep(0.3)
+        return [c.closed for c in burst]
+
+    assert asyncio.run(run()) == [False, True, True, True, False, False]
+    assert waiting.of("a") == 2
