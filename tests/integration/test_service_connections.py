@@ -11,7 +11,7 @@ import asyncio
 import socket
 import threading
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
@@ -169,7 +169,7 @@ def test_a_json_body_that_stalls_is_cut_with_408(make_daemon) -> None:
         assert b"RP_BODY_MIN_RATE" in reply
 
 
-def test_the_socket_path_is_private(make_daemon, tmp_path: Path) -> None:
+def test_the_socket_path_is_private(make_daemon) -> None:
     daemon: Daemon = make_daemon(RP_TOKEN=TOKEN)
     path = daemon.data_dir / "rp.sock"
     assert path.is_socket()
@@ -219,60 +219,63 @@ class _StandIn:
         self.sock.close()
 
 
-def test_the_sdk_uses_the_socket_and_never_sends_the_token_to_the_tcp_port(
-    make_daemon, monkeypatch
-) -> None:
-    from rp_client import AsyncClient, Client, _base
-
-    daemon: Daemon = make_daemon()  # no RP_TOKEN: it writes its token file
-    token = daemon.token
-    assert token
-    stand_in = _StandIn()
-    try:
-        monkeypatch.setattr(_base, "DEFAULT_BASE_URL", stand_in.url)
-        monkeypatch.delenv("RP_URL", raising=False)
-        monkeypatch.delenv("RP_TOKEN", raising=False)
-        monkeypatch.setenv("RP_DATA_DIR", str(daemon.data_dir))
-        with Client(max_retries=0) as client:
-            assert client.demo_spec()  # authenticated, served by the daemon
-            assert client.where == f"unix socket {daemon.data_dir / 'rp.sock'}"
-
-        async def spec() -> object:
-            async with AsyncClient(max_retries=0) as client:
-                return await client.demo_spec()
-
-        assert asyncio.run(spec()) is not None
-        assert stand_in.connections == 0 and token.encode() not in stand_in.received
-        # RP_URL set explicitly keeps TCP (and the token is then the user's choice to send).
-        monkeypatch.setenv("RP_URL", stand_in.url)
-        with Client(max_retries=0) as client, pytest.raises(Exception):  # noqa: B017
-            client.demo_spec()
-        assert stand_in.connections == 1
-    finally:
-        stand_in.close()
-
-
-def test_a_stopped_daemons_socket_is_an_error_not_a_fall_back_to_tcp(
-    make_daemon, monkeypatch
-) -> None:
-    from rp_client import Client, _base
-    from rp_client.errors import APIConnectionError
+@pytest.fixture
+def local_client(make_daemon, monkeypatch) -> Iterator[tuple[Daemon, _StandIn]]:
+    """A daemon that wrote its token file, and a client environment with no RP_URL and no
+    RP_TOKEN whose default URL is a stand-in's."""
+    from rp_client import _base
 
     daemon: Daemon = make_daemon()
     stand_in = _StandIn()
+    monkeypatch.setattr(_base, "DEFAULT_BASE_URL", stand_in.url)
+    monkeypatch.delenv("RP_URL", raising=False)
+    monkeypatch.delenv("RP_TOKEN", raising=False)
+    monkeypatch.setenv("RP_DATA_DIR", str(daemon.data_dir))
     try:
-        monkeypatch.setattr(_base, "DEFAULT_BASE_URL", stand_in.url)
-        monkeypatch.delenv("RP_URL", raising=False)
-        monkeypatch.delenv("RP_TOKEN", raising=False)
-        monkeypatch.setenv("RP_DATA_DIR", str(daemon.data_dir))
-        daemon.kill()  # kill -9: its socket file stays behind
-        assert (daemon.data_dir / "rp.sock").is_socket()
-        with Client(max_retries=0) as client, pytest.raises(APIConnectionError) as info:
-            client.demo_spec()
-        assert "unix socket" in str(info.value)
-        assert stand_in.connections == 0
+        yield daemon, stand_in
     finally:
         stand_in.close()
+
+
+def test_the_sdk_uses_the_socket_and_never_sends_the_token_to_the_tcp_port(
+    local_client: tuple[Daemon, _StandIn], monkeypatch
+) -> None:
+    from rp_client import AsyncClient, Client
+    from rp_client.errors import APIStatusError
+
+    daemon, stand_in = local_client
+    token = daemon.token
+    assert token
+    with Client(max_retries=0) as client:
+        assert client.demo_spec()  # authenticated, served by the daemon
+        assert client.where == f"unix socket {daemon.data_dir / 'rp.sock'}"
+
+    async def spec() -> object:
+        async with AsyncClient(max_retries=0) as client:
+            return await client.demo_spec()
+
+    assert asyncio.run(spec()) is not None
+    assert stand_in.connections == 0 and token.encode() not in stand_in.received
+    # RP_URL set explicitly keeps TCP (and sending the token there is then the user's call).
+    monkeypatch.setenv("RP_URL", stand_in.url)
+    with Client(max_retries=0) as client, pytest.raises(APIStatusError):
+        client.demo_spec()  # the stand-in's 503
+    assert stand_in.connections == 1
+
+
+def test_a_stopped_daemons_socket_is_an_error_not_a_fall_back_to_tcp(
+    local_client: tuple[Daemon, _StandIn],
+) -> None:
+    from rp_client import Client
+    from rp_client.errors import APIConnectionError
+
+    daemon, stand_in = local_client
+    daemon.kill()  # kill -9: its socket file stays behind
+    assert (daemon.data_dir / "rp.sock").is_socket()
+    with Client(max_retries=0) as client, pytest.raises(APIConnectionError) as info:
+        client.demo_spec()
+    assert "unix socket" in str(info.value)
+    assert stand_in.connections == 0
 
 
 # ---------------------------------------------------------------- log followers
