@@ -11,6 +11,8 @@ them per address:
         past RP_MAX_IDLE_CONNECTIONS_PER_CLIENT: that address's oldest waiting one closed
         past RP_MAX_IDLE_CONNECTIONS:            the oldest waiting one closed
         (either once it has waited 2 s: a burst is read before any of it is closed)
+        past 3/4 of either cap: a kept-alive connection is closed after 1 s, not
+                                RP_KEEP_ALIVE_S
         no request head within RP_HEADER_TIMEOUT_S: closed
     busy: requests in progress; past RP_MAX_CONNECTIONS the request is answered 503
 
@@ -46,6 +48,10 @@ log = logging.getLogger(__name__)
 
 _UNIX_CLIENT = "unix socket"  # the one "address" of every connection on the Unix socket
 _REPORT_EVERY_S = 10.0  # closings of waiting connections are logged at most this often
+# Past this share of a waiting cap, a connection kept alive after its response is closed
+# after SHORT_KEEP_ALIVE_S instead of RP_KEEP_ALIVE_S: room is made before a cap is reached.
+NEAR_CAP = 0.75
+SHORT_KEEP_ALIVE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +91,12 @@ class Waiting:
 
     def of(self, client: str) -> int:
         return len(self._by_client.get(client, ()))
+
+    def near_cap(self, client: str) -> bool:
+        """Whether the waiting connections, in total or of `client`, are near their cap."""
+        return len(self) >= NEAR_CAP * self.limits.max_waiting or (
+            self.of(client) >= NEAR_CAP * self.limits.max_waiting_per_client
+        )
 
     def add(self, conn: Any, client: str) -> None:
         """`conn` waits from now (it moves to the newest end)."""
@@ -192,8 +204,14 @@ class _LimitedProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._start_waiting()
+        if self.transport.is_closing():
+            return
+        if self.waiting.near_cap(self._client_key) and self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()  # uvicorn's RP_KEEP_ALIVE_S: shortened
+            self.timeout_keep_alive_task = self.loop.call_later(
+                min(SHORT_KEEP_ALIVE_S, self.timeout_keep_alive), self.timeout_keep_alive_handler
+            )
+        self._start_waiting()
 
     def close_waiting(self) -> None:
         """Closed to make room (see Waiting): only ever while no request is in progress."""

@@ -95,6 +95,42 @@ def test_one_address_cannot_close_another_ones_idle_connections(make_daemon) -> 
             sock.close()
 
 
+def _healthz_kept_alive(sock: socket.socket) -> None:
+    """GET /healthz on a kept-alive connection; returns once the response is read whole."""
+    sock.settimeout(10)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += sock.recv(65536)
+
+
+def test_kept_alive_connections_close_sooner_near_the_idle_cap(make_daemon) -> None:
+    daemon: Daemon = make_daemon(
+        RP_MAX_CONNECTIONS="100", RP_KEEP_ALIVE_S="30", RP_HEADER_TIMEOUT_S="60"
+    )
+    kept = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
+    idle: list[socket.socket] = []
+    try:
+        _healthz_kept_alive(kept)
+        assert not _is_closed(kept, 1.5)  # far from the cap: RP_KEEP_ALIVE_S (30 s)
+        idle = _open(daemon, 45)  # 46 of the idle cap's 50: past three quarters of it
+        with daemon.client() as c:  # accepted after the 45 (the listen queue is in order)
+            assert c.get("/healthz").status_code == 200
+        _healthz_kept_alive(kept)
+        started = time.monotonic()
+        assert _is_closed(kept, 5.0)
+        assert time.monotonic() - started < 3.0  # after ~1 s, not 30
+    finally:
+        kept.close()
+        for sock in idle:
+            sock.close()
+
+
 # ---------------------------------------------------------------- slow bodies
 
 
