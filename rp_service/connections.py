@@ -202,6 +202,10 @@ class _LimitedProtocol(H11Protocol):
         if self.cycle is not before:  # a request head arrived: busy until its response
             self.waiting.remove(self)
 
+    def handle_websocket_upgrade(self, event: Any) -> None:
+        self.waiting.remove(self)  # the connection is the WebSocket protocol's from here
+        super().handle_websocket_upgrade(event)
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self.transport.is_closing():
