@@ -8,14 +8,17 @@ all of 127/8 is loopback on Linux).
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.service_daemon import Daemon, spec
+from tests.integration.service_daemon import REPO, Daemon, spec
 
 TOKEN = "connections-token"
 
@@ -312,6 +315,27 @@ def test_a_stopped_daemons_socket_is_an_error_not_a_fall_back_to_tcp(
         client.demo_spec()
     assert "unix socket" in str(info.value)
     assert stand_in.connections == 0
+
+
+def test_rp_on_this_machine_goes_through_the_socket(make_daemon) -> None:
+    """The daemon is on a random port, not rp's default one: `rp jobs` with no RP_URL can
+    only reach it (with the token of its data directory) through the socket."""
+    daemon: Daemon = make_daemon()
+    with daemon.client() as c:
+        job = c.post("/v1/jobs", json=spec(name="via-socket", train={"steps": 2})).json()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RP_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "client"), str(REPO)])
+    env["RP_DATA_DIR"] = str(daemon.data_dir)
+    listed = subprocess.run(
+        [sys.executable, "-m", "rp_client", "jobs"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert job["id"] in listed.stdout
 
 
 # ---------------------------------------------------------------- log followers
