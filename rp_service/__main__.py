@@ -7,7 +7,6 @@ import logging
 import socket
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -75,7 +74,12 @@ def _listen(settings: Settings) -> list[socket.socket]:
         ) from None
     host, port = sockets[0].getsockname()[:2]
     where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    if settings.unix_socket:
+    # The socket file stays when the daemon stops: a client that finds it gets "connection
+    # refused" while the daemon is down (a restart, an upgrade), rather than sending the
+    # token file's token to whatever holds the TCP port by then. Turned off: removed.
+    if not settings.unix_socket:
+        settings.socket_path.unlink(missing_ok=True)
+    else:
         try:
             sockets.append(bind_unix(settings.socket_path))
             where += f" and unix socket {settings.socket_path}"
@@ -87,19 +91,6 @@ def _listen(settings: Settings) -> list[socket.socket]:
             )
     log.info("listening on %s", where)
     return sockets
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, removing the Unix socket as it stops: a client must not find the
-    socket of a stopped daemon. (Not after `run`: uvicorn re-raises the SIGTERM it caught,
-    which ends the process there.)"""
-
-    socket_path: Path | None = None
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        if self.socket_path is not None:
-            self.socket_path.unlink(missing_ok=True)
-        await super().shutdown(sockets)
 
 
 def _serve(settings: Settings, app: Any, sockets: list[socket.socket]) -> None:
@@ -119,10 +110,7 @@ def _serve(settings: Settings, app: Any, sockets: list[socket.socket]) -> None:
         timeout_keep_alive=settings.keep_alive_s,
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )
-    server = _Server(config)
-    if len(sockets) > 1:
-        server.socket_path = settings.socket_path
-    server.run(sockets=sockets)
+    uvicorn.Server(config).run(sockets=sockets)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,8 +44,9 @@ def _data_dir() -> Path:
 def default_socket() -> Path | None:
     """`$RP_DATA_DIR/rp.sock` (default ./rp-data/rp.sock) when a socket is there, else None.
 
-    A socket left by a daemon that was killed is still used: connecting then fails, and
-    the client says so, rather than sending the token to whatever holds the TCP port.
+    The daemon leaves its socket in place when it stops: while it is down (a restart, an
+    upgrade) connecting fails and the client says so, rather than sending the token to
+    whatever holds the TCP port by then.
     """
     path = _data_dir() / SOCKET_NAME
     try:

@@ -215,7 +215,12 @@ def test_the_socket_path_is_private(make_daemon) -> None:
     assert path.stat().st_mode & 0o777 == 0o600
     assert daemon.data_dir.stat().st_mode & 0o777 == 0o700
     daemon.stop()
-    assert not path.exists()  # a client never finds the socket of a stopped daemon
+    # It stays: a client finds it and is refused while the daemon is down (a restart, an
+    # upgrade), rather than sending the token to whatever holds the TCP port by then.
+    assert path.is_socket()
+    daemon.env["RP_UNIX_SOCKET"] = "false"
+    daemon.start()
+    assert not path.exists()  # turned off: removed, so clients use TCP
 
 
 # ---------------------------------------------------------------- the Unix socket
@@ -302,14 +307,17 @@ def test_the_sdk_uses_the_socket_and_never_sends_the_token_to_the_tcp_port(
     assert stand_in.connections == 1
 
 
+@pytest.mark.parametrize("how", ["stop", "kill"])
 def test_a_stopped_daemons_socket_is_an_error_not_a_fall_back_to_tcp(
-    local_client: tuple[Daemon, _StandIn],
+    local_client: tuple[Daemon, _StandIn], how: str
 ) -> None:
+    """A restart or an upgrade (a clean stop), or a crash: the socket stays, and the
+    client is refused there instead of sending the token to the TCP port's new holder."""
     from rp_client import Client
     from rp_client.errors import APIConnectionError
 
     daemon, stand_in = local_client
-    daemon.kill()  # kill -9: its socket file stays behind
+    getattr(daemon, how)()
     assert (daemon.data_dir / "rp.sock").is_socket()
     with Client(max_retries=0) as client, pytest.raises(APIConnectionError) as info:
         client.demo_spec()
