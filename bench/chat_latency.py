@@ -142,6 +142,7 @@ class _Pool:
         self.gpu_ids = gpus
         self.lent: set[int] = set()
         self.gpus_wanted: Any = None
+        self.job_deleted: Any = None
 
     def lend_gpu(self) -> int | None:
         free = [g for g in self.gpu_ids if g not in self.lent]
@@ -155,6 +156,9 @@ class _Pool:
 
     def gpu_jobs(self) -> dict[int, str]:
         return {}
+
+    def worker_host_bytes(self) -> dict[str, int]:
+        return {}  # no training workers beside the bench's serving process
 
 
 async def _one(manager: Any, served: Any, max_tokens: int) -> dict[str, Any]:
