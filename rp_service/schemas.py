@@ -332,7 +332,16 @@ class EngineSection(_Section):
         "on the GPU at once. null: the automatic plan.",
     )
     pin_model: PinModel = "alloc"
-    gpus: int = Field(1, ge=0, le=64, description="How many GPUs (0 = CPU devices).")
+    gpus: int = Field(
+        1, ge=0, le=64, description="How many GPUs (0 = CPU devices); per node with nodes > 1."
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Machines of the daemon's Ray cluster (RP_RAY_ADDRESS) the job spans, one "
+        "data-parallel rank each with engine.gpus GPUs; 1: this box (docs/SCALING.md).",
+    )
     async_step: bool = Field(
         True,
         description="true: the optimizer step runs on a host thread while the next step "
