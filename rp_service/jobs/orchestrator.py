@@ -445,6 +445,16 @@ class Orchestrator:
         workers = list(self._workers.values())
         return {w.job_id: tree_rss_bytes(w.proc.pid) for w in workers if w.proc is not None}
 
+    def cluster_info(self) -> dict[str, Any] | None:
+        """Blocking: the Ray cluster's nodes and the jobs holding them; None on one box."""
+        if self.cluster is None:
+            return None
+        try:
+            return {"address": self.cluster.address, "nodes": self.cluster.nodes()}
+        except Exception as exc:  # an unreachable cluster must not fail GET /v1/system
+            log.warning("reading the Ray cluster failed: %s", exc)
+            return {"address": self.cluster.address, "nodes": [], "error": str(exc)}
+
     def gpu_share(self) -> list[dict[str, Any]]:
         """Each GPU of the daemon: the job whose worker holds it and the busy fraction that
         job reported for it in its latest metrics event (None before its first, or for a GPU

@@ -46,6 +46,8 @@ def cluster_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[A
         },
     )
     daemon.start()
+    with daemon.client() as c:  # the daemon connects to the cluster now, not mid-test
+        assert len(c.get("/v1/system").json()["cluster"]["nodes"]) == 2
     try:
         yield cluster, daemon
     finally:
@@ -61,7 +63,7 @@ _CONFIG = {
     "num_key_value_heads": 2,
     "head_dim": 16,
 }
-_STEPS = 24
+_STEPS = 40  # about 7 s of steps: room to remove a node mid-job
 
 
 def _job(nodes: int, **train: Any) -> dict[str, Any]:
@@ -145,6 +147,10 @@ def test_a_node_lost_mid_job_resumes_on_another(
     cluster, daemon = cluster_daemon
     job_id = _submit(daemon, _job(2))
     daemon.wait_for_step(job_id, 4, timeout_s=120)  # its first checkpoint is committed
+    with daemon.client() as c:
+        cluster_info = c.get("/v1/system").json()["cluster"]
+    assert cluster_info["address"] == cluster.address
+    assert [n["jobs"] for n in cluster_info["nodes"]] == [[job_id], [job_id]]
     worker = next(n for n in cluster.worker_nodes)
     cluster.remove_node(worker)
     deadline = time.monotonic() + 120
