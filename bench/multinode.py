@@ -64,15 +64,19 @@ def write_job_dir(job_dir: Path, args: argparse.Namespace, nodes: int) -> None:
     (job_dir / "spec.json").write_text(json.dumps(payload))
 
 
-def run_nodes(args: argparse.Namespace, nodes: int, work: Path) -> dict[str, Any]:
-    """Train with `nodes` torchrun agents; rank 0's per-step rates."""
+def run_nodes(
+    args: argparse.Namespace, nodes: int, work: Path, *, keep: bool = False
+) -> dict[str, Any]:
+    """Train with `nodes` torchrun agents; rank 0's per-step rates (`keep`: the job's
+    folder stays, with its output, as tests/gpu/test_multinode_gpu.py reads it)."""
     job_dir = work / f"nodes-{nodes}"
     write_job_dir(job_dir, args, nodes)
     port = _free_port()
     agents = []
     for node in range(nodes):
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        if args.model == "tiny":
+        # the tiny shape on the CPU, unless asked for GPUs (tests/gpu/test_multinode_gpu.py)
+        if not getattr(args, "gpu", args.model != "tiny"):
             env.update(RP_DEVICES="cpu:1", CUDA_VISIBLE_DEVICES="")
         else:
             env.update(RP_DEVICES="cuda", CUDA_VISIBLE_DEVICES=str(node))
@@ -104,7 +108,8 @@ def run_nodes(args: argparse.Namespace, nodes: int, work: Path) -> dict[str, Any
                 rate = tokens_per_step / float(data["step_seconds"])
                 rates[step] = min(rates.get(step, rate), rate)
     measured = [rate for step, rate in sorted(rates.items()) if step > args.warmup]
-    shutil.rmtree(job_dir, ignore_errors=True)  # the 1.7B checkpoint is ~24 GB
+    if not keep:
+        shutil.rmtree(job_dir, ignore_errors=True)  # the 1.7B checkpoint is ~24 GB
     return {
         "bench": "multinode",
         "model": args.model,
@@ -114,6 +119,7 @@ def run_nodes(args: argparse.Namespace, nodes: int, work: Path) -> dict[str, Any
         "tokens_per_node_step": args.seq_len * args.seqs_per_node,
         "tokens_per_s": round(statistics.median(measured), 1) if measured else None,
         "steps_measured": len(measured),
+        "job_dir": str(job_dir),
     }
 
 
