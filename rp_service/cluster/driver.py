@@ -111,12 +111,18 @@ class _Driver:
         import ray
 
         resolved = self.payload["resolved"]
-        ray.init(
-            address=resolved["ray_address"],
-            namespace=NAMESPACE,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
+        try:
+            ray.init(
+                address=resolved["ray_address"],
+                namespace=NAMESPACE,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+        except Exception as exc:  # retried as a lost node is: the cluster may come back
+            return self.fail(
+                "cluster_unreachable",
+                f"the Ray cluster at {resolved['ray_address']} cannot be reached: {exc}",
+            )
         code = self._reserve()
         if code is not None:
             return code

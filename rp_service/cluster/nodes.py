@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any
 
-from rp_service.errors import InvalidRequest
+from rp_service.errors import InvalidRequest, NotReady
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 
@@ -128,7 +128,14 @@ class ClusterView:
         fewer nodes than the job asks for. The cluster is taken as it is now: a cluster
         that grows (an autoscaler) is not waited for."""
         nodes, gpus = spec.engine.nodes, spec.engine.gpus
-        live = self.nodes()
+        try:
+            live = self.nodes()
+        except Exception as exc:  # ray's own errors: the cluster is down or unreachable
+            raise NotReady(
+                f"the Ray cluster at {self.address} (RP_RAY_ADDRESS) cannot be reached: "
+                f"{type(exc).__name__}: {exc}; try again once it is up",
+                code="cluster_unreachable",
+            ) from exc
         fitting = [n for n in live if n["cpus"] >= 1 and n["gpus"] >= gpus]
         if len(fitting) >= nodes:
             return

@@ -32,8 +32,9 @@ __all__ = [
 ]
 
 # Worker error codes that name a fault of the machine, not of the job (see worker.py).
-# node_lost: a node of a multi-node job left the Ray cluster (rp_service.cluster.driver).
-RETRYABLE_CODES = frozenset({"device_fault", "node_lost"})
+# node_lost, cluster_unreachable: a node of a multi-node job left the Ray cluster, or the
+# cluster could not be reached (rp_service.cluster.driver).
+RETRYABLE_CODES = frozenset({"device_fault", "node_lost", "cluster_unreachable"})
 
 HOST_OOM_ADVICE = (
     "to use less host memory: train a LoRA adapter (train.method: lora), train fewer tokens "

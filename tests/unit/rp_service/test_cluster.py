@@ -174,3 +174,18 @@ def test_a_checkpoint_from_other_ranks_is_refused_naming_engine_nodes(tmp_path) 
     with pytest.raises(JobFailure, match="written by 2 rank") as exc:
         Ranks().read(ckpt.latest_checkpoint(tmp_path))
     assert exc.value.param == "engine.nodes"
+
+
+def test_an_unreachable_cluster_is_a_503_not_a_crash(tmp_path, monkeypatch) -> None:
+    from rp_service.cluster.nodes import ClusterView
+    from rp_service.errors import NotReady
+
+    view = ClusterView(Settings(data_dir=tmp_path, ray_address="10.255.255.1:6379"))
+
+    def down() -> list[dict[str, Any]]:
+        raise ConnectionError("no GCS at 10.255.255.1:6379")
+
+    monkeypatch.setattr(view, "nodes", down)
+    with pytest.raises(NotReady, match="cannot be reached") as exc:
+        view.check(_spec(nodes=2))
+    assert exc.value.status_code == 503 and exc.value.code == "cluster_unreachable"
