@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray.cluster_utils as ray_cluster_utils  # the ray extra (.ci/run installs it)
 import torch
 from safetensors.torch import load_file
 
 from tests.integration.service_daemon import Daemon, spec
-
-ray_cluster_utils = pytest.importorskip("ray.cluster_utils", reason="the ray extra")
 
 pytestmark = pytest.mark.timeout(300)
 
