@@ -329,6 +329,8 @@ class SpecResolver:
         """What rp_service.cluster.driver reads besides the paths (engine.nodes > 1)."""
         if spec.engine.nodes <= 1:
             return {}
+        # queued before a restart without RP_RAY_ADDRESS: fails at start, naming the field
+        check_nodes_request(spec, self.settings)
         return {
             "ray_address": self.settings.ray_address,
             "shared_dir": str(self.settings.shared_dir),

@@ -189,3 +189,17 @@ def test_an_unreachable_cluster_is_a_503_not_a_crash(tmp_path, monkeypatch) -> N
     with pytest.raises(NotReady, match="cannot be reached") as exc:
         view.check(_spec(nodes=2))
     assert exc.value.status_code == 503 and exc.value.code == "cluster_unreachable"
+
+
+def test_a_queued_multi_node_job_without_a_cluster_fails_at_start_naming_the_field(
+    tmp_path,
+) -> None:
+    from rp_service.jobs.resolve import SpecResolver
+
+    resolver = SpecResolver(Settings(data_dir=tmp_path), store=None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest) as exc:
+        resolver.resolve(_spec(nodes=2), tmp_path / "job")
+    assert exc.value.param == "engine.nodes"
+    ready = Settings(data_dir=tmp_path, ray_address="auto", shared_dir=tmp_path / "s")
+    resolved = SpecResolver(ready, store=None).resolve(_spec(nodes=2), tmp_path / "job")  # type: ignore[arg-type]
+    assert resolved["ray_address"] == "auto" and resolved["shared_dir"] == str(tmp_path / "s")
