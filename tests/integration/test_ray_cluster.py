@@ -140,7 +140,7 @@ def test_two_nodes_train_as_one_box(
     assert not list(last.parent.glob(".tmp-*"))
 
 
-def test_a_node_lost_mid_job_resumes_on_another(
+def test_a_node_lost_mid_job_resumes_on_another_then_pauses_and_resumes(
     cluster_daemon: tuple[Any, Daemon], uninterrupted: dict[str, Any]
 ) -> None:
     cluster, daemon = cluster_daemon
@@ -161,13 +161,23 @@ def test_a_node_lost_mid_job_resumes_on_another(
     else:
         raise AssertionError(_events(daemon, job_id))
     cluster.add_node(**{k: v for k, v in _NODE.items() if k != "include_dashboard"})
+    # then a pause and a resume on the new node set: every rank stops after the same step
+    with daemon.client() as c:  # the step attempt 1 reached: attempt 2 trains past it
+        reached = c.get(f"/v1/jobs/{job_id}").json()["progress"]["step"]
+    daemon.wait_for_step(job_id, reached + 2, timeout_s=120)
+    with daemon.client() as c:
+        assert c.post(f"/v1/jobs/{job_id}/pause").status_code == 200
+    paused = daemon.wait_for(job_id, {"paused", "failed", "succeeded"}, timeout_s=120)
+    assert paused["status"] == "paused" and paused["progress"]["step"] < _STEPS
+    with daemon.client() as c:
+        assert c.post(f"/v1/jobs/{job_id}/resume").status_code == 200
     done = _finish(daemon, job_id)
-    assert done["attempt"] == 2 and done["restarts"] == 1
+    assert done["attempt"] == 3 and done["restarts"] == 1
     events = _events(daemon, job_id)
     assert _gap_free(events)
     lost = [e for e in events if e["level"] == "warning" and "left the Ray cluster" in e["message"]]
     assert len(lost) == 1, [e["message"] for e in events]
-    assert sum(e["message"].startswith("ranks on 2 nodes") for e in events) == 2
+    assert sum(e["message"].startswith("ranks on 2 nodes") for e in events) == 3
     expected = _weights(uninterrupted["two"])
     got = _weights(done)
     for name, tensor in expected.items():
