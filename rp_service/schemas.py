@@ -332,7 +332,16 @@ class EngineSection(_Section):
         "on the GPU at once. null: the automatic plan.",
     )
     pin_model: PinModel = "alloc"
-    gpus: int = Field(1, ge=0, le=64, description="How many GPUs (0 = CPU devices).")
+    gpus: int = Field(
+        1, ge=0, le=64, description="How many GPUs (0 = CPU devices); per node with nodes > 1."
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Machines of the daemon's Ray cluster (RP_RAY_ADDRESS) the job spans, one "
+        "data-parallel rank each with engine.gpus GPUs; 1: this box (docs/SCALING.md).",
+    )
     async_step: bool = Field(
         True,
         description="true: the optimizer step runs on a host thread while the next step "
@@ -755,6 +764,25 @@ class GpuShare(BaseModel):
     step: int | None = Field(None, description="The step those figures are of.")
 
 
+class ClusterNode(BaseModel):
+    """One live node of the daemon's Ray cluster in GET /v1/system."""
+
+    node_id: str = Field(description="Ray's node id.")
+    address: str | None = Field(None, description="The node's IP address.")
+    cpus: int
+    gpus: int
+    memory_bytes: int = Field(description="Host memory Ray may hand out on the node.")
+    jobs: list[str] = Field(default_factory=list, description="Jobs with a rank on it.")
+
+
+class ClusterInfo(BaseModel):
+    """The Ray cluster behind RP_RAY_ADDRESS (multi-node jobs, docs/SCALING.md)."""
+
+    address: str
+    nodes: list[ClusterNode] = Field(default_factory=list)
+    error: str | None = Field(None, description="Why the nodes could not be read now.")
+
+
 class SystemInfo(BaseModel):
     version: str
     versions: dict[str, str | None]
@@ -771,6 +799,9 @@ class SystemInfo(BaseModel):
     gpu_share: list[GpuShare] = Field(
         default_factory=list,
         description="Each GPU: the job holding it and its share of the work (docs/API.md).",
+    )
+    cluster: ClusterInfo | None = Field(
+        None, description="The Ray cluster's nodes (RP_RAY_ADDRESS); null: one box."
     )
 
 

@@ -118,6 +118,12 @@ class Settings(BaseSettings):
     # Requests that may wait behind the one a serving process generates; one more is 503.
     serve_max_queued: int = Field(8, ge=0)
     serving_module: str = "rp_service.serving"
+    # A Ray cluster to run jobs with engine.nodes > 1 on (`auto`, `ray://head:10001`, or a
+    # GCS address host:6379); unset, the daemon is one box and never imports ray.
+    ray_address: str | None = None
+    # A folder every node of that cluster mounts at this same path: job directories
+    # (spec, staged datasets, checkpoints, outputs) live under it then (docs/SCALING.md).
+    shared_dir: Path | None = None
 
     @field_validator("data_dir")
     @classmethod
@@ -126,6 +132,16 @@ class Settings(BaseSettings):
         # `output_model_path`, `fine_tuned_model_checkpoint`) then names its file from any
         # working directory, not `rp-data/jobs/...` relative to where the daemon started.
         return value.expanduser().absolute()
+
+    @field_validator("shared_dir")
+    @classmethod
+    def _absolute_shared_dir(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser().absolute()
+
+    @field_validator("ray_address", mode="before")
+    @classmethod
+    def _empty_address_is_none(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("model_roots", "dataset_roots", mode="before")
     @classmethod
@@ -199,6 +215,10 @@ class Settings(BaseSettings):
 
     @property
     def jobs_dir(self) -> Path:
+        # On a Ray cluster every node reads and writes a job's directory: on the shared
+        # folder then (the database and uploads stay in the data directory).
+        if self.ray_address is not None and self.shared_dir is not None:
+            return self.shared_dir / "jobs"
         return self.data_dir / "jobs"
 
     @property

@@ -21,6 +21,8 @@ from .errors import (
 from .models import (
     TERMINAL_STATUSES,
     Checkpoint,
+    Cluster,
+    ClusterNode,
     Event,
     File,
     FileDeleted,
@@ -51,6 +53,8 @@ __all__ = [
     "ChatUsage",
     "Checkpoint",
     "Client",
+    "Cluster",
+    "ClusterNode",
     "Conflict",
     "Event",
     "File",

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict
 __all__ = [
     "TERMINAL_STATUSES",
     "Checkpoint",
+    "Cluster",
+    "ClusterNode",
     "DataSection",
     "DpoSection",
     "EngineSection",
@@ -185,6 +187,23 @@ class GpuShare(_Model):
     step: int | None = None
 
 
+class ClusterNode(_Model):
+    """One node of the daemon's Ray cluster: its resources and the jobs with a rank on it."""
+
+    node_id: str = ""
+    address: str | None = None
+    cpus: int = 0
+    gpus: int = 0
+    memory_bytes: int = 0
+    jobs: list[str] = []
+
+
+class Cluster(_Model):
+    address: str = ""
+    nodes: list[ClusterNode] = []
+    error: str | None = None
+
+
 class System(_Model):
     version: str | None = None
     versions: dict[str, Any] = {}
@@ -196,6 +215,7 @@ class System(_Model):
     queue_length: int = 0
     jobs: dict[str, int] = {}
     gpu_share: list[GpuShare] = []
+    cluster: Cluster | None = None  # the Ray cluster of multi-node jobs; None: one box
 
 
 class LogChunk(_Model):
@@ -262,7 +282,8 @@ class EngineSection(_Model):
     recompute_attention: bool | None = None
     layers_per_group: int | None = None  # null: the automatic plan (docs/API.md)
     pin_model: str | None = None
-    gpus: int | None = None
+    gpus: int | None = None  # per node when nodes > 1
+    nodes: int | None = None  # machines of the daemon's Ray cluster (docs/SCALING.md)
     async_step: bool | None = None
     step_staleness: int | None = None  # 0 (default) | 1: docs/HOST_MEMORY_MODES.md, "Staleness"
     max_gpu_memory_gib: float | None = None  # GiB a GPU the job may use (docs/API.md)

@@ -15,12 +15,19 @@ router = APIRouter(prefix="/v1", tags=["system"])
 
 @router.get("/system", response_model=SystemInfo)
 async def get_system(services: ServicesDep) -> SystemInfo:
-    """Versions, devices, memory, the C Adam build, queue length, jobs by status and
-    each GPU's job and share of its work."""
+    """Versions, devices, memory, the C Adam build, queue length, jobs by status,
+    each GPU's job and share of its work, and the Ray cluster's nodes (RP_RAY_ADDRESS)."""
     facts = await asyncio.to_thread(services.system.snapshot)
     counts = await asyncio.to_thread(services.store.count_by_status)
     share = services.orchestrator.gpu_share()  # on the loop, where the workers change
-    return SystemInfo(**facts, queue_length=counts.get("queued", 0), jobs=counts, gpu_share=share)
+    cluster = await asyncio.to_thread(services.orchestrator.cluster_info)
+    return SystemInfo(
+        **facts,
+        queue_length=counts.get("queued", 0),
+        jobs=counts,
+        gpu_share=share,
+        cluster=cluster,
+    )
 
 
 @router.get("/demo", response_model=JobSpec)

@@ -32,7 +32,9 @@ __all__ = [
 ]
 
 # Worker error codes that name a fault of the machine, not of the job (see worker.py).
-RETRYABLE_CODES = frozenset({"device_fault"})
+# node_lost, cluster_unreachable: a node of a multi-node job left the Ray cluster, or the
+# cluster could not be reached (rp_service.cluster.driver).
+RETRYABLE_CODES = frozenset({"device_fault", "node_lost", "cluster_unreachable"})
 
 HOST_OOM_ADVICE = (
     "to use less host memory: train a LoRA adapter (train.method: lora), train fewer tokens "
@@ -234,7 +236,7 @@ def classify_death(
         reason = "worker exited without reporting success"
     else:
         reason = f"worker exited with status {returncode} without reporting an error"
-    code = "device_fault" if last_error is not None else "worker_failed"
+    code = (last_error.get("code") or "device_fault") if last_error is not None else "worker_failed"
     return Death(retry=True, reason=reason, error={"code": code, "message": reason, "param": None})
 
 

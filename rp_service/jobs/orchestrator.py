@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import IO, Any
 
+from rp_service.cluster.nodes import ClusterView
 from rp_service.errors import Conflict, DiskFull, InvalidRequest, NotFound, TooManyRequests
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.faults import MemoryWatch, classify_death, tree_rss_bytes
@@ -60,6 +61,8 @@ _START_RETRY_S = 2.0
 # has RP_MIN_FREE_BYTES free again (looked at every _DISK_POLL_S).
 WAITING_FOR_DISK = "waiting_for_disk"
 _DISK_POLL_S = 5.0
+# What runs a job with engine.nodes > 1: the Ray driver, read exactly as a worker is.
+_DRIVER_MODULE = "rp_service.cluster.driver"
 
 
 class Orchestrator:
@@ -73,6 +76,10 @@ class Orchestrator:
         self.hub = hub
         self.io = io if io is not None else StoreIO(store)
         self.resolver = SpecResolver(settings, store)
+        # RP_RAY_ADDRESS: jobs with engine.nodes > 1 run on that cluster (rp_service.cluster)
+        self.cluster: ClusterView | None = None
+        if settings.ray_address is not None:
+            self.cluster = self.resolver.cluster = ClusterView(settings)
         self.gpu_ids: list[int] = []
         self.gpu_capabilities: list[str | None] = []  # of gpu_ids, in order
         self.ready = False
@@ -380,7 +387,9 @@ class Orchestrator:
             if job.id in self._workers:
                 continue
             wanted = int(job.spec.get("engine", {}).get("gpus", 0))
-            if self.gpu_ids and wanted > 0:
+            if int(job.spec.get("engine", {}).get("nodes", 1)) > 1:
+                gpus = []  # the cluster's, reserved by the job's driver (placement group)
+            elif self.gpu_ids and wanted > 0:
                 free = [g for g in self.gpu_ids if g not in self._busy_gpus]
                 if len(free) < wanted:
                     if self.gpus_wanted is not None:
@@ -395,14 +404,18 @@ class Orchestrator:
 
     def _claim(self, worker: WorkerHandle) -> None:
         self._workers[worker.job_id] = worker
-        if worker.gpus:
+        if worker.on_cluster:
+            pass  # holds nothing of this box: Ray accounts for its nodes
+        elif worker.gpus:
             self._busy_gpus.update(worker.gpus)
         else:
             self._cpu_jobs += 1
 
     def _release(self, worker: WorkerHandle) -> None:
         self._workers.pop(worker.job_id, None)
-        if worker.gpus:
+        if worker.on_cluster:
+            pass
+        elif worker.gpus:
             self._busy_gpus.difference_update(worker.gpus)
         else:
             self._cpu_jobs -= 1
@@ -432,6 +445,16 @@ class Orchestrator:
         workers = list(self._workers.values())
         return {w.job_id: tree_rss_bytes(w.proc.pid) for w in workers if w.proc is not None}
 
+    def cluster_info(self) -> dict[str, Any] | None:
+        """Blocking: the Ray cluster's nodes and the jobs holding them; None on one box."""
+        if self.cluster is None:
+            return None
+        try:
+            return {"address": self.cluster.address, "nodes": self.cluster.nodes()}
+        except Exception as exc:  # an unreachable cluster must not fail GET /v1/system
+            log.warning("reading the Ray cluster failed: %s", exc)
+            return {"address": self.cluster.address, "nodes": [], "error": str(exc)}
+
     def gpu_share(self) -> list[dict[str, Any]]:
         """Each GPU of the daemon: the job whose worker holds it and the busy fraction that
         job reported for it in its latest metrics event (None before its first, or for a GPU
@@ -456,7 +479,8 @@ class Orchestrator:
         return rows
 
     async def _launch(self, job: JobRecord, gpus: list[int]) -> None:
-        worker = WorkerHandle(job_id=job.id, gpus=gpus)
+        nodes = int(job.spec.get("engine", {}).get("nodes", 1))
+        worker = WorkerHandle(job_id=job.id, gpus=gpus, on_cluster=nodes > 1)
         self._claim(worker)
         job_dir = self.settings.jobs_dir / job.id
         try:
@@ -487,7 +511,7 @@ class Orchestrator:
         if started is None:  # cancelled or paused while we looked
             self._release(worker)
             return
-        if spec.engine.gpus > 0 and not gpus:
+        if spec.engine.gpus > 0 and not gpus and not worker.on_cluster:
             await self._event(
                 job.id,
                 type_="message",
@@ -516,7 +540,7 @@ class Orchestrator:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                self.settings.worker_module,
+                _DRIVER_MODULE if worker.on_cluster else self.settings.worker_module,
                 str(job_dir),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,

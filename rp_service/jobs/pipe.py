@@ -125,6 +125,7 @@ class WorkerHandle:
 
     job_id: str
     gpus: list[int]
+    on_cluster: bool = False  # engine.nodes > 1: the process is rp_service.cluster.driver
     proc: asyncio.subprocess.Process | None = None
     cancel_requested: bool = False
     pause_requested: bool = False

@@ -2,8 +2,8 @@
 
 Pydantic checks each value alone; this module checks what needs the daemon's state: that
 a file id exists, that a local path lies under a configured root once symlinks are
-resolved, that `data.seq_len` fits the model, that enough GPUs exist, that they can do
-what the spec asks of them (FP8 matmuls).
+resolved, that `data.seq_len` fits the model, that enough GPUs (or cluster nodes) exist,
+that they can do what the spec asks of them (FP8 matmuls).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.catalog import FAMILIES, max_lora_rank, projection_shapes
 from engine.options import FP8_MIN_CAPABILITY, fp8_capable
+from rp_service.cluster.nodes import ClusterView, check_nodes_request
 from rp_service.data.chat_template import CHOOSE_HINT, folder_has_template
 from rp_service.data.formats import DataFormatError, iter_records
 from rp_service.errors import InvalidRequest
@@ -214,6 +215,8 @@ class SpecResolver:
     def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
         self.store = store
+        # The Ray cluster's view, set by the orchestrator when RP_RAY_ADDRESS is.
+        self.cluster: ClusterView | None = None
 
     def check(
         self,
@@ -261,7 +264,11 @@ class SpecResolver:
         self._check_template(spec, train_path)
         if spec.data.valid is not None:
             self._data("data.valid", spec.data.valid, spec.data.format, spec.train.objective)
-        if gpu_count > 0 and spec.engine.gpus > gpu_count:
+        check_nodes_request(spec, self.settings)
+        if spec.engine.nodes > 1:
+            if self.cluster is not None:  # engine.gpus is per node there, checked by Ray
+                self.cluster.check(spec)
+        elif gpu_count > 0 and spec.engine.gpus > gpu_count:
             raise InvalidRequest(
                 f"engine.gpus: {spec.engine.gpus} requested but this daemon has {gpu_count} "
                 f"GPU(s); use 0..{gpu_count}",
@@ -315,6 +322,18 @@ class SpecResolver:
             "output_dir": str(job_dir / "output"),
             "checkpoint_dir": str(job_dir / "checkpoints"),
             "min_free_bytes": self.settings.min_free_bytes,
+            **self._cluster_fields(spec),
+        }
+
+    def _cluster_fields(self, spec: JobSpec) -> dict[str, Any]:
+        """What rp_service.cluster.driver reads besides the paths (engine.nodes > 1)."""
+        if spec.engine.nodes <= 1:
+            return {}
+        # queued before a restart without RP_RAY_ADDRESS: fails at start, naming the field
+        check_nodes_request(spec, self.settings)
+        return {
+            "ray_address": self.settings.ray_address,
+            "shared_dir": str(self.settings.shared_dir),
         }
 
     def _template_choice(self, spec: JobSpec) -> str | None:

@@ -119,6 +119,7 @@ def write_checkpoint(
     tensors: dict[str, dict[str, torch.Tensor]],
     state: dict[str, Any],
     files: dict[str, bytes] | None = None,
+    move_in: list[Path] | None = None,
     keep: int,
     min_free_bytes: int = 0,
 ) -> tuple[Path, int]:
@@ -128,6 +129,8 @@ def write_checkpoint(
         tensors: file name (``model.safetensors``) -> tensors saved in it.
         state: JSON-serialisable state, written last as ``state.json``.
         files: other files (name -> bytes), e.g. ``config.json``.
+        move_in: files written elsewhere on this disk (other ranks' shards), moved in
+            under their names before the commit.
         keep: how many checkpoints to keep after this one is committed.
         min_free_bytes: refuse to start writing (ENOSPC) with less free space than this.
     """
@@ -150,6 +153,8 @@ def write_checkpoint(
             save_file({k: v.detach().contiguous() for k, v in group.items()}, str(tmp / name))
         for name, payload in (files or {}).items():
             (tmp / name).write_bytes(payload)
+        for path in move_in or []:
+            path.replace(tmp / path.name)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
     size_bytes = sum(p.stat().st_size for p in final.iterdir())
     rotate(root, keep)
@@ -282,6 +287,7 @@ def save_training_checkpoint(
     config_json: bytes,
     keep: int,
     min_free_bytes: int = 0,
+    shards: list[Path] | None = None,
 ) -> tuple[Path, int]:
     """Commit the checkpoint of `step` (`write_checkpoint`); return `(path, size_bytes)`.
 
@@ -292,6 +298,8 @@ def save_training_checkpoint(
             num_blocks, data_position, metrics, method, objective_state).
         config_json: the model's config.json.
         min_free_bytes: as `write_checkpoint`.
+        shards: the other ranks' shard files of a multi-node job (rp_service.worker.ranks):
+            moved in, and state.json says how many ranks wrote the checkpoint.
     """
     opt_tensors, opt_meta = flatten_optimizer_state(optimizer.state_dict())
     rng_tensors, rng_meta = capture_rng()
@@ -310,12 +318,15 @@ def save_training_checkpoint(
         "rng": rng_meta,
         "parameter_shapes": [list(p.shape) for p in masters],
     }
+    if shards:
+        state["world_size"] = len(shards) // 2 + 1  # a tensor file and a JSON a rank
     return write_checkpoint(
         checkpoint_dir,
         step,
         tensors=tensors,
         state=state,
         files={"config.json": config_json},
+        move_in=shards,
         keep=keep,
         min_free_bytes=min_free_bytes,
     )

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -69,6 +70,12 @@ class EventWriter:
                 self._journal = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
             except OSError as exc:
                 log.warning("no event journal at %s: %s", path, exc)
+
+    def raw(self, line: str) -> None:
+        """Pass on a line another worker wrote (a rank's, through rp_service.cluster)."""
+        with self._lock:
+            self._stream.write(line + "\n")
+            self._stream.flush()
 
     def __call__(
         self, type: str, message: str, data: dict[str, Any] | None = None, level: str = "info"
@@ -231,8 +238,18 @@ def _fail_for(emit: EventWriter, exc: BaseException, paths: Any) -> int:
     return _fail(emit, "internal_error", f"training failed: {type(exc).__name__}: {exc}", None)
 
 
-def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
-    """Run the job in `job_dir`; return the process exit code."""
+def run(
+    job_dir: Path,
+    emit: EventWriter,
+    pause: threading.Event,
+    *,
+    join: Callable[[], int] | None = None,
+) -> int:
+    """Run the job in `job_dir`; return the process exit code.
+
+    `join` (a rank of a multi-node job, rp_service.cluster.rank) joins the job's process
+    group and returns this rank; only rank 0 keeps the event journal.
+    """
     from pydantic import ValidationError
 
     from ..errors import JobFailure
@@ -250,7 +267,15 @@ def run(job_dir: Path, emit: EventWriter, pause: threading.Event) -> int:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"])
         return _fail(emit, "invalid_spec", f"{param}: {first['msg']}", param)
-    emit.open_journal(payload.get("event_journal"))
+    rank = 0
+    if join is not None:
+        try:
+            rank = join()
+        except Exception as exc:  # the rendezvous timed out or a peer's address is wrong
+            traceback.print_exc()
+            return _fail(emit, "node_lost", f"joining the job's ranks failed: {exc}", None)
+    if rank == 0:
+        emit.open_journal(payload.get("event_journal"))
     log.info("job %s attempt %s in %s", payload.get("job_id"), payload.get("attempt"), job_dir)
     from transformers.utils import logging as hf_logging
 
@@ -295,8 +320,8 @@ def _die_with_daemon() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: `python -m rp_service.worker JOB_DIR`."""
+def main(argv: list[str] | None = None, *, join: Callable[[], int] | None = None) -> int:
+    """Entry point: `python -m rp_service.worker JOB_DIR` (`join`: see `run`)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m rp_service.worker JOB_DIR", file=sys.stderr)
@@ -310,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    code = run(Path(args[0]), emit, pause)
+    code = run(Path(args[0]), emit, pause, join=join)
     # Engine threads may still be parked on queues; the events are flushed, so leave now.
     sys.stderr.flush()
     os._exit(code)

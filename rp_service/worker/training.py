@@ -54,6 +54,7 @@ from .meter import Emit, Meter
 from .modeling import build_model
 from .objectives.base import Objective
 from .output import MERGED_DIR, save_output
+from .ranks import Ranks
 
 __all__ = [
     "Emit",
@@ -174,6 +175,8 @@ class _Run:
         self.emit = emit
         self.pause = pause
         self.options = options
+        # One process, or a rank of a multi-node job (rp_service.cluster.rank); collective.
+        self.ranks = Ranks.current()
         train = spec.train
 
         self.tokenizer = _load_tokenizer(spec, paths)
@@ -193,7 +196,7 @@ class _Run:
 
         ckpt.remove_partial(paths.checkpoint_dir)
         latest = ckpt.latest_checkpoint(paths.checkpoint_dir)
-        self.resume = ckpt.read_training_checkpoint(latest) if latest is not None else None
+        self.resume = self.ranks.read(latest) if latest is not None else None
         self.start_step = self.resume.step if self.resume is not None else 0
         if self.resume is not None and self.resume.num_blocks != len(self.blocks):
             log.warning(
@@ -323,7 +326,9 @@ class _Run:
 
         def step_fn() -> None:
             # On the optimizer thread: `masters` are the fp32 master weights and their grads.
-            if fused_clip is not None and fused_norm is not None:
+            if self.ranks.world > 1:  # each rank holds its shard: the norm is global
+                norm = self._clip_global(clip)
+            elif fused_clip is not None and fused_norm is not None:
                 norm = fused_clip(clip) if clip is not None else fused_norm()
             elif clip is not None:
                 norm = torch.nn.utils.clip_grad_norm_(self.masters, clip)
@@ -337,6 +342,24 @@ class _Run:
             self.meter.updates.put((step, float(norm), lr))
 
         return step_fn
+
+    def _clip_global(self, clip: float | None) -> float:
+        """The gradient norm over every rank's rows (each steps its own shard), and
+        clipping by it as clip_grad_norm_ does (on the optimizer thread, collective)."""
+        from engine.parallel.data_parallel import grad_norm
+
+        norm = grad_norm(self.rp)
+        if clip is None:
+            return norm
+        fused_clip = getattr(self.optimizer, "clip_grad_norm_", None)
+        if fused_clip is not None:  # engine.optim.Adam: the multiply inside its update
+            fused_clip(clip, total_norm=norm)
+            return norm
+        coef = min(1.0, clip / (norm + 1e-6))
+        for p in self.masters:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return norm
 
     def _forward_backward(self, step: int) -> tuple[torch.Tensor, int]:
         if self.objective.needs_sync_before_step:
@@ -381,6 +404,13 @@ class _Run:
         if next_model is None:  # at a sync point the model copy holds the step-k weights
             next_model = self._model_tensors()
         metrics = {k: self.meter.last.get(k) for k in ("train_loss", "valid_loss", "learning_rate")}
+        shards = None
+        if self.ranks.world > 1:
+            shards = self.ranks.write_shard(
+                self.paths.checkpoint_dir, step, self.masters, self.optimizer
+            )
+            if self.ranks.rank > 0:
+                return  # rank 0 commits the checkpoint with this rank's shard in it
         path, size_bytes = ckpt.save_training_checkpoint(
             self.paths.checkpoint_dir,
             step,
@@ -401,7 +431,10 @@ class _Run:
             config_json=self.hf_model.config.to_json_string().encode(),
             keep=self.spec.train.keep_checkpoints,
             min_free_bytes=self.paths.min_free_bytes,
+            shards=shards,
         )
+        if shards:
+            self.ranks.staging_dir(self.paths.checkpoint_dir, step).rmdir()  # emptied
         data = {"step": step, "path": str(path), "metrics": metrics, "size_bytes": size_bytes}
         self.emit("checkpoint", f"checkpoint at step {step}", data)
 
@@ -420,6 +453,10 @@ class _Run:
 
     # -- the loop
 
+    def _pause_asked(self) -> bool:
+        """Whether to pause (SIGUSR1); every rank of a multi-node job gets one answer."""
+        return self.ranks.any(self.pause.is_set())
+
     def train(self) -> Outcome:
         train = self.spec.train
         async_step = self.options.async_step
@@ -436,13 +473,13 @@ class _Run:
         self.meter.start_time = time.perf_counter()
         step = self.start_step
         while step < self.total_steps:
-            if self.pause.is_set() and step == self.start_step:
+            if self._pause_asked() and step == self.start_step:
                 # Nothing trained in this attempt: the newest checkpoint already is this state.
                 return Outcome(status="paused", step=step)
             step += 1
             loss_t, tokens = self._forward_backward(step)
             sync = self._sync_point(step)
-            pausing = self.pause.is_set() and step < self.total_steps
+            pausing = self._pause_asked() and step < self.total_steps
             next_model = None
             if pausing and not sync and async_step and self.rp.step_staleness == 1:
                 # The next forward of an uninterrupted run would read the step-(k-1) weights:
@@ -459,11 +496,12 @@ class _Run:
             self.rp.synchronize()
             valid: dict[str, float] | None = None
             eval_step = train.eval_interval > 0 and step % train.eval_interval == 0
-            if self.valid is not None and (eval_step or step == self.total_steps):
+            leader = self.ranks.rank == 0  # evaluation and samples: no collectives, rank 0's
+            if leader and self.valid is not None and (eval_step or step == self.total_steps):
                 with evaluating(self.rp):
                     valid = self.evaluate()
             self.meter.flush(valid=valid)
-            if train.sample_prompts and (eval_step or step == self.total_steps):
+            if leader and train.sample_prompts and (eval_step or step == self.total_steps):
                 with evaluating(self.rp):
                     self.emit("sample", *self.sample(step))
             checkpoint = train.checkpoint_interval > 0 and step % train.checkpoint_interval == 0
@@ -473,6 +511,8 @@ class _Run:
                 return Outcome(status="paused", step=step)
         self.rp.synchronize()
         self.meter.flush()
+        if self.ranks.rank > 0:  # every rank holds the same final weights: rank 0 writes them
+            return Outcome(status="succeeded", step=step)
         out = self.save_output()
         merged = out / MERGED_DIR
         return Outcome(

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from ..models import GpuShare
+from ..models import Cluster, GpuShare
 from ._app import app, get_client, handle_errors, print_json
 
 
@@ -20,8 +20,8 @@ def _gib(n: int | None) -> str:
 def system(
     ctx: typer.Context, json_lines: bool = typer.Option(False, "--json", help="The raw object.")
 ) -> None:
-    """Show the daemon's versions, devices, memory, C Adam build, queue and each GPU's
-    job and busy share."""
+    """Show the daemon's versions, devices, memory, C Adam build, queue, each GPU's
+    job and busy share, and the Ray cluster's nodes."""
     info = get_client(ctx).system()
     if json_lines:
         print_json(info.model_dump(mode="json"))
@@ -43,6 +43,7 @@ def system(
     counts = ", ".join(f"{k} {v}" for k, v in info.jobs.items()) or "-"
     out.append(f"jobs             {counts}")
     out += _share_lines(info.gpu_share)
+    out += _cluster_lines(info.cluster)
     sys.stdout.write("\n".join(out) + "\n")
 
 
@@ -69,4 +70,20 @@ def _share_lines(rows: list[GpuShare]) -> list[str]:
         busy = "-" if row.busy_fraction is None else f"{row.busy_fraction:.0%}"
         detail = "" if row.step is None else f" (step {row.step}, {row.jobs} jobs)"
         out.append(f"  {row.device:<15}{row.job_id}  {busy:>4} busy{detail}")
+    return out
+
+
+def _cluster_lines(cluster: Cluster | None) -> list[str]:
+    """The Ray cluster's nodes (multi-node jobs, RP_RAY_ADDRESS): resources and jobs."""
+    if cluster is None:
+        return []
+    out = [f"cluster          {cluster.address}, {len(cluster.nodes)} nodes"]
+    if cluster.error:
+        out.append(f"  unreachable: {cluster.error}")
+    for node in cluster.nodes:
+        jobs = ", ".join(node.jobs) or "free"
+        out.append(
+            f"  {node.address or '-':<15}{node.gpus} GPU, {node.cpus} CPU, "
+            f"{_gib(node.memory_bytes)}  {jobs}"
+        )
     return out

@@ -1,5 +1,5 @@
-// System: versions, devices, memory, the C Adam build, the queue and each GPU's job and
-// busy share (GET /v1/system, polled).
+// System: versions, devices, memory, the C Adam build, the queue, each GPU's job and
+// busy share, and the Ray cluster's nodes (GET /v1/system, polled).
 
 import { api } from "../api.js";
 import { bytes, describeError, el, integer, statusBadge } from "../format.js";
@@ -89,6 +89,7 @@ export function renderSystem(view) {
       devices,
       el("h2", {}, "GPU share"),
       shareTable(system.gpu_share || []),
+      ...(system.cluster ? [el("h2", {}, "Cluster"), clusterTable(system.cluster)] : []),
       el("h2", {}, "C Adam"),
       adam,
       el("h2", {}, "Versions"),
@@ -142,6 +143,50 @@ function shareTable(rows) {
       ),
     ),
   );
+}
+
+// The Ray cluster of multi-node jobs (RP_RAY_ADDRESS; docs/SCALING.md): each live node's
+// GPUs, CPUs and host memory, and the jobs with a rank on it.
+function clusterTable(cluster) {
+  const head = el(
+    "p",
+    { class: cluster.error ? "error" : "muted" },
+    cluster.error
+      ? `${cluster.address}: unreachable (${cluster.error})`
+      : `${cluster.address}: ${cluster.nodes.length} nodes`,
+  );
+  const table = el(
+    "table",
+    { id: "cluster-nodes" },
+    el(
+      "thead",
+      {},
+      el("tr", {}, ["Node", "Address", "GPUs", "CPUs", "Memory", "Jobs"].map((h) => el("th", {}, h))),
+    ),
+    el(
+      "tbody",
+      {},
+      cluster.nodes.map((node) =>
+        el(
+          "tr",
+          { dataset: { node: node.node_id } },
+          el("td", {}, node.node_id.slice(0, 12)),
+          el("td", {}, node.address ?? "–"),
+          el("td", { class: "num" }, integer(node.gpus)),
+          el("td", { class: "num" }, integer(node.cpus)),
+          el("td", { class: "num" }, bytes(node.memory_bytes)),
+          el(
+            "td",
+            {},
+            node.jobs.length
+              ? node.jobs.map((id) => el("a", { href: `#/jobs/${encodeURIComponent(id)}` }, id, " "))
+              : "free",
+          ),
+        ),
+      ),
+    ),
+  );
+  return el("div", { id: "cluster" }, head, table);
 }
 
 function busy(fraction) {

@@ -461,3 +461,36 @@ def test_download_into_a_folder_not_made_yet(rp, tmp_path, monkeypatch, dest):
     assert result.exit_code == 0, result.output
     assert (tmp_path / dest / "job-1-step100.tar").read_bytes() == b"tar-bytes"
     assert result.stdout == f"{dest}job-1-step100.tar\n"
+
+
+def test_system_shows_the_cluster_nodes_and_their_jobs(rp):
+    cluster = {
+        "address": "10.0.0.1:6379",
+        "nodes": [
+            {
+                "node_id": "a" * 56,
+                "address": "10.0.0.1",
+                "cpus": 16,
+                "gpus": 2,
+                "memory_bytes": 2**37,
+                "jobs": ["job-1"],
+            },
+            {
+                "node_id": "b" * 56,
+                "address": "10.0.0.2",
+                "cpus": 16,
+                "gpus": 2,
+                "memory_bytes": 2**37,
+                "jobs": [],
+            },
+        ],
+    }
+    info = {"version": "0.1.0", "versions": {}, "devices": [], "cluster": cluster}
+    result = rp(lambda r: httpx.Response(200, json=info), "system")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    start = lines.index("cluster          10.0.0.1:6379, 2 nodes")
+    assert lines[start + 1 :] == [
+        "  10.0.0.1       2 GPU, 16 CPU, 128.0 GiB  job-1",
+        "  10.0.0.2       2 GPU, 16 CPU, 128.0 GiB  free",
+    ]

@@ -1,0 +1,37 @@
+"""`python -m rp_service.cluster.rank JOB_DIR`: one data-parallel rank of a multi-node job.
+
+The worker (`python -m rp_service.worker`) with one thing before the job: joining the
+job's process group through torch.distributed's env rendezvous (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, as torchrun or rp_service.cluster.driver set them). Gloo, and
+NCCL as well where CUDA is there (torch's default pair), so the engine's data parallel
+takes the default group. Only rank 0 keeps the event journal; every rank writes its events
+on stdout (the driver passes rank 0's on).
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+__all__ = ["join_process_group", "main"]
+
+_RENDEZVOUS_TIMEOUT_S = 600.0
+
+
+def join_process_group() -> int:
+    """Join the default process group from the environment; return this rank."""
+    import torch.distributed as dist
+
+    dist.init_process_group(timeout=datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT_S))
+    return dist.get_rank()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: `python -m rp_service.cluster.rank JOB_DIR`."""
+    from rp_service.worker.main import main as worker_main
+
+    return worker_main(argv, join=join_process_group)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
