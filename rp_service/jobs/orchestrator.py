@@ -29,7 +29,14 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import IO, Any
 
-from rp_service.errors import Conflict, DiskFull, InvalidRequest, NotFound, TooManyRequests
+from rp_service.errors import (
+    Conflict,
+    DiskFull,
+    InvalidRequest,
+    JobFailure,
+    NotFound,
+    TooManyRequests,
+)
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.faults import MemoryWatch, classify_death, tree_rss_bytes
 from rp_service.jobs.idempotency import body_sha256
@@ -46,6 +53,7 @@ from rp_service.jobs.store import EventRecord, JobRecord, Store
 from rp_service.jobs.store_io import StoreIO
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
 from rp_service.settings import Settings
+from rp_service.spec_to_engine import spec_to_engine
 
 __all__ = ["Orchestrator"]
 
@@ -209,7 +217,7 @@ class Orchestrator:
                 "when some have started",
                 code="queue_full",
             )
-        await asyncio.to_thread(
+        options = await asyncio.to_thread(
             self.resolver.check,
             spec,
             gpu_count=len(self.gpu_ids),
@@ -224,6 +232,7 @@ class Orchestrator:
             priority=spec.priority,
             # known before the worker starts when given in steps (epochs need the data)
             progress={"total_steps": spec.train.steps} if spec.train.steps else {},
+            options=options.to_json(),  # the one mapping of the spec, for every launch
         )
         job, created, event = await self.io.write(
             self.store.create_job,
@@ -462,7 +471,9 @@ class Orchestrator:
         try:
             spec = JobSpec.model_validate(job.spec)
             resolved = await asyncio.to_thread(self.resolver.resolve, spec, job_dir)
-        except InvalidRequest as exc:
+            # mapped at submission; a job queued before the store kept options maps here
+            options = job.options or spec_to_engine(spec).to_json()
+        except (InvalidRequest, JobFailure) as exc:
             self._release(worker)
             await self._transition(
                 job.id,
@@ -509,6 +520,7 @@ class Orchestrator:
                     job_dir=job_dir,
                     attempt=attempt,
                     spec=spec,
+                    options=options,
                     resolved=resolved,
                     gpus=gpus,
                 )

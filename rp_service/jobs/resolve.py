@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.catalog import FAMILIES, max_lora_rank, projection_shapes
-from engine.options import FP8_MIN_CAPABILITY, fp8_capable
+from engine.options import FP8_MIN_CAPABILITY, EngineOptions, fp8_capable
 from rp_service.data.chat_template import CHOOSE_HINT, folder_has_template
 from rp_service.data.formats import DataFormatError, iter_records
 from rp_service.errors import InvalidRequest
@@ -221,10 +221,10 @@ class SpecResolver:
         *,
         gpu_count: int,
         gpu_capabilities: Sequence[str | None] | None = None,
-    ) -> None:
+    ) -> EngineOptions:
         """Raise InvalidRequest or JobFailure, naming the field, for what this daemon
         cannot run (what its devices cannot do first, then the engine options' rules:
-        `spec_to_engine`).
+        `spec_to_engine`); return the options, which the job keeps for every launch.
 
         Args:
             gpu_capabilities: The compute capability of each GPU the daemon schedules
@@ -284,6 +284,7 @@ class SpecResolver:
             cuda=gpu_count > 0 and spec.engine.gpus > 0,
             budget=self.host_budget_bytes,
         )
+        return options
 
     @cached_property
     def host_budget_bytes(self) -> int:
