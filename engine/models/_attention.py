@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +34,14 @@ from ._compile import HALF_DTYPES
 if TYPE_CHECKING:
     from ._decoder import DecoderLayer
 
-__all__ = ["ATTENTION_NAME", "SLOT_KWARG", "attention_mode", "kernels_work", "route_attention"]
+__all__ = [
+    "ATTENTION_NAME",
+    "SLOT_KWARG",
+    "attention_mode",
+    "kernels_work",
+    "route_attention",
+    "saving_attention",
+]
 
 log = logging.getLogger(__name__)
 
@@ -243,3 +251,16 @@ def attention_mode(decoder: DecoderLayer, hidden: Tensor, mask: Any) -> str | No
     if not kernels_work(hidden.device, hidden.dtype, *decoder.attention_shape):
         return None
     return "save"
+
+
+def saving_attention(call: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """`call(layer, hidden, mask, positions, cos, sin, slot)` as a function that fills a
+    fresh slot and also returns the attention output and log-sum-exp it kept ("save")."""
+
+    def saving(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+        slot: list[Tensor] = []
+        out = call(*args, slot)
+        return out, slot[0], slot[1]
+
+    saving.__qualname__ = f"{call.__qualname__}_saving"
+    return saving

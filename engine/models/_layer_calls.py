@@ -15,7 +15,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..context import recompute_data_or_none, save_for_recompute
-from ._attention import SLOT_KWARG
+from ._attention import SLOT_KWARG, saving_attention
 from ._compile import compile_for_devices
 
 __all__ = ["run_whole"]
@@ -58,18 +58,8 @@ def _decoder_call(
     return out[0] if isinstance(out, tuple) else out
 
 
-def _decoder_call_saving_attention(
-    layer: nn.Module,
-    hidden: Tensor,
-    mask: Tensor | None,
-    positions: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`_decoder_call` that also returns the attention output and log-sum-exp."""
-    slot: list[Tensor] = []
-    out = _decoder_call(layer, hidden, mask, positions, cos, sin, slot)
-    return out, slot[0], slot[1]
+# `_decoder_call` that also returns the attention output and log-sum-exp.
+_decoder_call_saving_attention = saving_attention(_decoder_call)
 
 
 @functools.cache

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..context import recompute_data_or_none, save_for_recompute
-from ._attention import SLOT_KWARG
+from ._attention import SLOT_KWARG, saving_attention
 from ._compile import compile_for_devices
 
 __all__ = [
@@ -124,18 +124,8 @@ def _attention_half(
     return hidden + out[0]
 
 
-def _attention_half_saving(
-    layer: nn.Module,
-    hidden: Tensor,
-    mask: Tensor | None,
-    positions: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`_attention_half` that also returns the attention output and log-sum-exp."""
-    slot: list[Tensor] = []
-    out = _attention_half(layer, hidden, mask, positions, cos, sin, slot)
-    return out, slot[0], slot[1]
+# `_attention_half` that also returns the attention output and log-sum-exp.
+_attention_half_saving = saving_attention(_attention_half)
 
 
 def _mlp_half(layer: nn.Module, hidden: Tensor) -> Tensor:
