@@ -29,14 +29,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import IO, Any
 
-from rp_service.errors import (
-    Conflict,
-    DiskFull,
-    InvalidRequest,
-    JobFailure,
-    NotFound,
-    TooManyRequests,
-)
+from rp_service.errors import Conflict, DiskFull, InvalidRequest, NotFound, TooManyRequests
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.faults import MemoryWatch, classify_death, tree_rss_bytes
 from rp_service.jobs.idempotency import body_sha256
@@ -53,7 +46,6 @@ from rp_service.jobs.store import EventRecord, JobRecord, Store
 from rp_service.jobs.store_io import StoreIO
 from rp_service.schemas import TERMINAL_STATUSES, JobSpec
 from rp_service.settings import Settings
-from rp_service.spec_to_engine import spec_to_engine
 
 __all__ = ["Orchestrator"]
 
@@ -471,9 +463,8 @@ class Orchestrator:
         try:
             spec = JobSpec.model_validate(job.spec)
             resolved = await asyncio.to_thread(self.resolver.resolve, spec, job_dir)
-            # mapped at submission; a job queued before the store kept options maps here
-            options = job.options or spec_to_engine(spec).to_json()
-        except (InvalidRequest, JobFailure) as exc:
+            options = job.options or self.resolver.legacy_options(spec)
+        except InvalidRequest as exc:
             self._release(worker)
             await self._transition(
                 job.id,

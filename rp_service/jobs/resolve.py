@@ -19,7 +19,7 @@ from engine.catalog import FAMILIES, max_lora_rank, projection_shapes
 from engine.options import FP8_MIN_CAPABILITY, EngineOptions, fp8_capable
 from rp_service.data.chat_template import CHOOSE_HINT, folder_has_template
 from rp_service.data.formats import DataFormatError, iter_records
-from rp_service.errors import InvalidRequest
+from rp_service.errors import InvalidRequest, JobFailure
 from rp_service.jobs.hostmem import budget_bytes, check_spec
 from rp_service.jobs.store import Store
 from rp_service.jobs.weights import check_weights_cover
@@ -285,6 +285,14 @@ class SpecResolver:
             budget=self.host_budget_bytes,
         )
         return options
+
+    def legacy_options(self, spec: JobSpec) -> dict[str, Any]:
+        """The options of a job queued by a daemon from before the store kept them (`check`
+        maps a new job's): mapped now, at its launch. A refusal is an InvalidRequest."""
+        try:
+            return spec_to_engine(spec).to_json()
+        except JobFailure as exc:
+            raise InvalidRequest(exc.message, code=exc.code, param=exc.param) from None
 
     @cached_property
     def host_budget_bytes(self) -> int:

@@ -39,9 +39,6 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[EngineOptions]:
     import rp_service.jobs.resolve as resolve
 
     monkeypatch.setattr(resolve, "spec_to_engine", counted)
-    import rp_service.jobs.orchestrator as orchestrator
-
-    monkeypatch.setattr(orchestrator, "spec_to_engine", counted)
     return made
 
 
