@@ -77,11 +77,11 @@ def _requires_grad_leaves(leaves: list[Any], flags: list[bool] | None) -> list[b
     return out
 
 
-def _call_layer(module: torch.nn.Module, cur: Any, is_args: bool) -> Any:
+def _call_layer(module: torch.nn.Module, carry: Any, is_args: bool) -> Any:
     if is_args:
-        args, kwargs = cur
+        args, kwargs = carry
         return module(*args, **kwargs)
-    return module(cur)
+    return module(carry)
 
 
 def _make_save_fn(run: RunState, dev: DeviceManager, layer_id: int, mb: int) -> Callable[..., None]:
@@ -138,7 +138,7 @@ def _run_forward_layers(
     dev: DeviceManager,
     modules: list[torch.nn.Module],
     layer_ids: range,
-    cur: Any,
+    carry: Any,
     is_args: bool,
     mb: int,
     *,
@@ -162,14 +162,14 @@ def _run_forward_layers(
     while k < len(layer_ids):
         j = layer_ids[k]
         if needs_input(k) and k > 0:
-            leaves, tree = _flatten(cur)
+            leaves, tree = _flatten(carry)
             host, ev = async_d2h(dev, leaves, pieces=True)
             run.saved.inputs[(j, mb)] = HostData(host, tree, ev, is_args=False)
         if needs_input(k) and run.cfg.preserve_rng_state:
             run.saved.rng_states[(j, mb)] = dev.get_rng_state()
-        if replayer is not None and not (is_args and k == 0) and not _state_too_large(run, cur):
+        if replayer is not None and not (is_args and k == 0) and not _state_too_large(run, carry):
             keys = replayer.forward_span(
-                modules, slots, k, cur, saving=keep_for_backward, stop_before=needs_input
+                modules, slots, k, carry, saving=keep_for_backward, stop_before=needs_input
             )
             if keys:
                 stop = k + len(keys)
@@ -183,18 +183,18 @@ def _run_forward_layers(
                         modules[k:stop],
                         slots[k:stop],
                         keys,
-                        cur,
+                        carry,
                         save_fns,  # type: ignore[arg-type]
                     )
                 if out is not None:
-                    cur, k = out, stop
+                    carry, k = out, stop
                     continue
                 replayer = None  # not captured: the rest runs as it is
         save_fn = _make_save_fn(run, dev, j, mb) if keep_for_backward else None
         with ForwardCtx(save_fn), annotate(f"{run.model.name}.fwd{j}.mb{mb}"):
-            cur = _call_layer(modules[k], cur, is_args and k == 0)
+            carry = _call_layer(modules[k], carry, is_args and k == 0)
         k += 1
-    return cur
+    return carry
 
 
 def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
@@ -402,7 +402,7 @@ def _recompute_backward(
     inp = run.saved.inputs[(span.start, mb)]
     leaves = async_h2d(dev, [inp.event], inp.leaves)
     flags = _requires_grad_leaves(leaves, run.call.requires_grad if span.start == 0 else None)
-    cur = inp.rebuild(leaves)
+    carry = inp.rebuild(leaves)
     offset = span.start - job_layers.start
     modules = group.modules[offset : offset + len(span)]
     slots = group.slots[offset : offset + len(span)]
@@ -420,26 +420,26 @@ def _recompute_backward(
                 replayer is not None
                 and grad_state is not None
                 and not (inp.is_args and k == 0)
-                and not _state_too_large(run, cur)
+                and not _state_too_large(run, carry)
             ):
-                keys = replayer.backward_span(modules, slots, k, cur, data)
+                keys = replayer.backward_span(modules, slots, k, carry, data)
                 if keys:
                     with annotate(f"{run.model.name}.re{j}-{span.stop - 1}.mb{mb}.replay"):
                         replayed = _replay_backward(
-                            replayer, modules[k:], slots[k:], keys, cur, grad_state, data[k:]
+                            replayer, modules[k:], slots[k:], keys, carry, grad_state, data[k:]
                         )
                     if replayed:
                         break
                     replayer = None  # not captured: the rest runs as it is
             before = ActivationMeter.allocated(dev.device) if meter is not None else 0
             with RecomputeCtx(data[k]), annotate(f"{run.model.name}.re{j}.mb{mb}"):
-                cur = _call_layer(modules[k], cur, inp.is_args and k == 0)
+                carry = _call_layer(modules[k], carry, inp.is_args and k == 0)
             if meter is not None:
                 meter.record_layer(j, ActivationMeter.allocated(dev.device) - before)
     if not replayed:
         if meter is not None:
             meter.record_held(ActivationMeter.allocated(dev.device) - held_from)
-        outs, _ = _flatten(cur)
+        outs, _ = _flatten(carry)
         pairs = [
             (o, g)
             for o, g in zip(outs, grads_out, strict=False)
