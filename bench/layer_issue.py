@@ -49,19 +49,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_group(args: argparse.Namespace) -> tuple[list[torch.nn.Module], int]:
     """The preset's first `--layers` decoder layers on the GPU in fp16, compiled."""
     from bench.shapes import build_model
-    from engine.models import _common, to_sequential
+    from engine.models import _decoder, to_sequential
 
     model = build_model(args.model, torch.float16, "sdpa", 0, layers=args.layers)
     seq = to_sequential(model)
     layers = [seq[k].cuda() for k in range(1, 1 + args.layers)]
     # transformers builds a real mask where it sees a CUDA graph being captured; the
     # calls here are plain causal (no padding mask), whose mask is None outside capture.
-    _common.build_causal_mask = lambda *a, **k: None
+    _decoder.build_causal_mask = lambda *a, **k: None
     return layers, model.config.hidden_size
 
 
 def carry(hidden: torch.Tensor) -> tuple[Any, ...]:
-    from engine.models._common import HeadOptions
+    from engine.models._carry import HeadOptions
 
     return (hidden, None, None, None, None, HeadOptions())
 

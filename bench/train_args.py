@@ -241,7 +241,7 @@ def _history_breaks_chunked_mlp(args: argparse.Namespace) -> bool:
     SystemError in the backward of such chunks on the H100 only while history was on."""
     from torch.torch_version import TorchVersion
 
-    from engine.models._common import DEFAULT_MLP_CHUNK_TOKENS
+    from engine.models._mlp_chunks import DEFAULT_MLP_CHUNK_TOKENS
 
     if not torch.cuda.is_available() or TorchVersion(torch.__version__) < (2, 11):
         return False

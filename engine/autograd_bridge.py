@@ -41,7 +41,7 @@ def _merge_input_grads(
         if not flags[k]:
             grads.append(None)
             continue
-        parts = [a.leaves[k] if a is not None else None for a in run.input_grads]
+        parts = [a.leaves[k] if a is not None else None for a in run.flow.input_grads]
         if any(p is None for p in parts):
             grads.append(None)
             continue
@@ -72,7 +72,7 @@ def _inputs_needing_grad(
         ]
 
         def packed_grads(run: RunState) -> list[torch.Tensor | None]:
-            grads = run.input_grads
+            grads = run.flow.input_grads
             return [grads[i].leaves[k] if grads[i] is not None else None for i, k, _ in wanted]
 
         return [t for _, _, t in wanted], packed_grads
@@ -110,7 +110,7 @@ class _RoundPipeBackward(torch.autograd.Function):
         h = ctx.handle
         run: RunState = h["run"]
         per_mb_grads = h["to_micro_batches"](run.num_microbatch, grad_outputs)
-        run.grad_states = [HostData(g, None, None) for g in per_mb_grads]
+        run.flow.output_grads = [HostData(g, None, None) for g in per_mb_grads]
         h["model"]._run_backward(run)
         return (None, None, *h["input_grads"](run))
 

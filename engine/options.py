@@ -9,12 +9,14 @@ daemon's request path imports this module.
 Each rule between fields is checked once, in `EngineOptions.__post_init__`, and refused
 with a `ConfigError` whose `field` is the dotted option to change; `names` renames the
 options for a caller that knows them by other names (a JobSpec's `engine.num_microbatch`).
+`to_json` / `from_json` carry the options between processes as JSON values (the daemon
+stores what it mapped at submission and hands it to the worker in its spec.json).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from .errors import ConfigError
@@ -231,6 +233,34 @@ class EngineOptions:
             f"weights in float8; set {self._name('model_dtype')} to bfloat16 (got "
             f"{self.model_dtype}) or {self._name('matmul_precision')} to 'bf16'",
         )
+
+    def to_json(self) -> dict[str, Any]:
+        """The options as JSON values, `names` included; `from_json` builds them back."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["adam"] = {f.name: getattr(self.adam, f.name) for f in fields(AdamOptions)}
+        if self.lora is not None:
+            values["lora"] = {f.name: getattr(self.lora, f.name) for f in fields(LoraOptions)}
+        values["names"] = dict(self.names)
+        return values
+
+    @classmethod
+    def from_json(cls, values: Mapping[str, Any]) -> EngineOptions:
+        """The options `to_json` gave (tuples back from JSON lists). Options a later
+        release added take their defaults; the rules hold for anything `to_json` wrote, so
+        building the object again decides nothing new.
+
+        Raises:
+            TypeError: A key these options do not have.
+            OptionError: A value the rules refuse (not `to_json`'s output).
+        """
+        given = dict(values)
+        adam = dict(given.pop("adam"))
+        if "betas" in adam:
+            adam["betas"] = tuple(adam["betas"])
+        lora = given.pop("lora", None)
+        if lora is not None:
+            lora = LoraOptions(**{**lora, "target_modules": tuple(lora["target_modules"])})
+        return cls(adam=AdamOptions(**adam), lora=lora, **given)
 
     def num_microbatch_on(self, num_devices: int) -> int:
         """The micro-batches per step on `num_devices` devices: num_microbatch, else the

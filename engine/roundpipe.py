@@ -522,7 +522,7 @@ class RoundPipe(RoundPipeBase):
         run.join()
         self.model_timer.update_times()
         synchronize_optim()
-        outputs = [a.rebuild(a.leaves) for a in run.outputs if a is not None]
+        outputs = [a.rebuild(a.leaves) for a in run.flow.outputs if a is not None]
         specs = batch.split_specs
         if cfg.merge_output is False and wants_grad:
             outputs = attach_backward_packed(self, run, outputs, args, kwargs, specs)
@@ -627,7 +627,7 @@ class RoundPipe(RoundPipeBase):
             synchronize_optim()
         # A loss HostData's tree says whether loss_fn returned a sequence.
         batch.loss_list = [
-            list(a.leaves) if a.tree else a.leaves[0] for a in run.losses if a is not None
+            list(a.leaves) if a.tree else a.leaves[0] for a in run.flow.losses if a is not None
         ]
         loss = _sum_losses(run)
         if self._dp is not None:
@@ -636,7 +636,7 @@ class RoundPipe(RoundPipeBase):
             backprop_to_inputs(run, input_args, input_kwargs, batch.split_specs)
         if not return_outputs:
             return loss
-        batch.store_outputs([a.rebuild(a.leaves) for a in run.outputs if a is not None])
+        batch.store_outputs([a.rebuild(a.leaves) for a in run.flow.outputs if a is not None])
         if cfg.merge_output is False:
             return loss, batch.dump(cfg)
         return loss, _to_device(batch.dump(cfg), cfg.output_device)
@@ -655,7 +655,7 @@ def _to_device(tree: Any, device: torch.device) -> Any:
 
 
 def _sum_losses(run: RunState) -> Any:
-    per_mb = [a for a in run.losses if a is not None]
+    per_mb = [a for a in run.flow.losses if a is not None]
     if not per_mb:
         return None
     if per_mb[0].tree:  # loss_fn returned a sequence: one sum per position

@@ -57,7 +57,7 @@ def _flatten(obj: Any) -> tuple[list[Any], Any]:
 @contextlib.contextmanager
 def _autocast(run: RunState) -> Any:
     with contextlib.ExitStack() as stack:
-        for dev_type, dtype in run.autocast:
+        for dev_type, dtype in run.call.autocast:
             stack.enter_context(torch.autocast(dev_type, dtype=dtype))
         yield
 
@@ -77,17 +77,17 @@ def _requires_grad_leaves(leaves: list[Any], flags: list[bool] | None) -> list[b
     return out
 
 
-def _call_layer(module: torch.nn.Module, cur: Any, is_args: bool) -> Any:
+def _call_layer(module: torch.nn.Module, carry: Any, is_args: bool) -> Any:
     if is_args:
-        args, kwargs = cur
+        args, kwargs = carry
         return module(*args, **kwargs)
-    return module(cur)
+    return module(carry)
 
 
 def _make_save_fn(run: RunState, dev: DeviceManager, layer_id: int, mb: int) -> Callable[..., None]:
     def save(*data: Any) -> None:
         key = (layer_id, mb)
-        if key in run.recompute_data:
+        if key in run.saved.recompute_data:
             raise RoundPipeError(
                 f"save_for_recompute was called twice in layer {layer_id}; call it at most once "
                 "per layer and forward"
@@ -100,7 +100,7 @@ def _make_save_fn(run: RunState, dev: DeviceManager, layer_id: int, mb: int) -> 
                     "save .detach()ed tensors"
                 )
         host, ev = async_d2h(dev, leaves, pieces=True)
-        run.recompute_data[key] = HostData(host, tree, ev)
+        run.saved.recompute_data[key] = HostData(host, tree, ev)
 
     return save
 
@@ -109,7 +109,7 @@ def _recompute_data(
     run: RunState, dev: DeviceManager, layer_id: int, mb: int
 ) -> tuple[Any, ...] | None:
     """What layer `layer_id` saved in micro-batch `mb`'s forward, uploaded (or None)."""
-    saved = run.recompute_data.get((layer_id, mb))
+    saved = run.saved.recompute_data.get((layer_id, mb))
     if saved is None:
         return None
     leaves = async_h2d(dev, [saved.event], saved.leaves)
@@ -138,7 +138,7 @@ def _run_forward_layers(
     dev: DeviceManager,
     modules: list[torch.nn.Module],
     layer_ids: range,
-    cur: Any,
+    carry: Any,
     is_args: bool,
     mb: int,
     *,
@@ -162,14 +162,14 @@ def _run_forward_layers(
     while k < len(layer_ids):
         j = layer_ids[k]
         if needs_input(k) and k > 0:
-            leaves, tree = _flatten(cur)
+            leaves, tree = _flatten(carry)
             host, ev = async_d2h(dev, leaves, pieces=True)
-            run.saved_inputs[(j, mb)] = HostData(host, tree, ev, is_args=False)
+            run.saved.inputs[(j, mb)] = HostData(host, tree, ev, is_args=False)
         if needs_input(k) and run.cfg.preserve_rng_state:
-            run.rng_states[(j, mb)] = dev.get_rng_state()
-        if replayer is not None and not (is_args and k == 0) and not _state_too_large(run, cur):
+            run.saved.rng_states[(j, mb)] = dev.get_rng_state()
+        if replayer is not None and not (is_args and k == 0) and not _state_too_large(run, carry):
             keys = replayer.forward_span(
-                modules, slots, k, cur, saving=keep_for_backward, stop_before=needs_input
+                modules, slots, k, carry, saving=keep_for_backward, stop_before=needs_input
             )
             if keys:
                 stop = k + len(keys)
@@ -183,18 +183,18 @@ def _run_forward_layers(
                         modules[k:stop],
                         slots[k:stop],
                         keys,
-                        cur,
+                        carry,
                         save_fns,  # type: ignore[arg-type]
                     )
                 if out is not None:
-                    cur, k = out, stop
+                    carry, k = out, stop
                     continue
                 replayer = None  # not captured: the rest runs as it is
         save_fn = _make_save_fn(run, dev, j, mb) if keep_for_backward else None
         with ForwardCtx(save_fn), annotate(f"{run.model.name}.fwd{j}.mb{mb}"):
-            cur = _call_layer(modules[k], cur, is_args and k == 0)
+            carry = _call_layer(modules[k], carry, is_args and k == 0)
         k += 1
-    return cur
+    return carry
 
 
 def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
@@ -209,7 +209,7 @@ def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
         for mb in range(run.num_microbatch):
             act = run.wait_forward_input(group_id, mb)
             if run.enable_grad and run.tracker.backward_need_input(layer_ids.start):
-                run.saved_inputs[(layer_ids.start, mb)] = act
+                run.saved.inputs[(layer_ids.start, mb)] = act
             leaves = async_h2d(dev, [act.event], act.leaves)
             with (
                 dev.compute(),
@@ -233,14 +233,14 @@ def forward_job(dev: DeviceManager, run: RunState, group_id: int) -> None:
             out_leaves, tree = _flatten(out)
             # The last group's outputs go to the caller: real tensors, not HostPieces.
             host, ev = async_d2h(dev, out_leaves, pieces=not last)
-            run.states[mb] = HostData(host, tree, ev)
+            run.flow.activations[mb] = HostData(host, tree, ev)
             if last:
-                run.outputs[mb] = run.states[mb]
+                run.flow.outputs[mb] = run.flow.activations[mb]
                 run.add_end_event(ev)
             run.tracker.forward_notify(group_id)
             if group_id == len(run.plan.fwd_plan) - 2:
                 run.tail_input_ready[mb].set()
-        download_buffers(dev, group, run.saved_buffers if run.enable_grad else None)
+        download_buffers(dev, group, run.saved.buffers if run.enable_grad else None)
     finally:
         dev.job_issued()
         release_group(group, dev)
@@ -258,15 +258,13 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
     bwd_timer = IterTimer(timer, "bwd", dev.is_cuda)
     run.timers += [fwd_timer, bwd_timer]
     fwd_shares, bwd_shares = timer.shares("fwd", layer_ids), timer.shares("bwd", layer_ids)
-    assert run.loss_fn is not None
+    assert run.call.loss_fn is not None
     try:
         for mb in run.tail_micro_batches(part):
             act = run.wait_tail_input(mb)
             leaves = async_h2d(dev, [act.event], act.leaves)
-            flags = _requires_grad_leaves(
-                leaves, run.input_requires_grad if group_id == 0 else None
-            )
-            label_leaves, label_tree = _flatten(run.labels[mb])
+            flags = _requires_grad_leaves(leaves, run.call.requires_grad if group_id == 0 else None)
+            label_leaves, label_tree = _flatten(run.call.labels[mb])
             label_dev = pytree.tree_unflatten(async_h2d(dev, [], label_leaves), label_tree)
             meter = run.meter if mb == 0 else None  # the first micro-batch's (one_device)
             with dev.compute(), torch.enable_grad(), _autocast(run):
@@ -282,7 +280,7 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
                         mb,
                         keep_for_backward=False,
                     )
-                    loss = run.loss_fn(out, label_dev)
+                    loss = run.call.loss_fn(out, label_dev)
                 if meter is not None:
                     meter.record_tail(
                         layer_ids.start, ActivationMeter.allocated(dev.device) - before
@@ -305,14 +303,14 @@ def fused_job(dev: DeviceManager, run: RunState, part: int = 0) -> None:
                             total = total.sum()
                         torch.autograd.backward(total)
             loss_host, ev = async_d2h(dev, [x.detach() for x in losses])
-            run.losses[mb] = HostData(loss_host, isinstance(loss, (list, tuple)), ev)
+            run.flow.losses[mb] = HostData(loss_host, isinstance(loss, (list, tuple)), ev)
             run.add_end_event(ev)
-            if run.return_outputs:
+            if run.call.return_outputs:
                 out_leaves, tree = _flatten(out)
                 host, oev = async_d2h(
                     dev, [x.detach() if isinstance(x, torch.Tensor) else x for x in out_leaves]
                 )
-                run.outputs[mb] = HostData(host, tree, oev)
+                run.flow.outputs[mb] = HostData(host, tree, oev)
                 run.add_end_event(oev)
             grads = [t.grad if f else None for t, f in zip(leaves, flags, strict=True)]
             _hand_back_input_grads(run, dev, grads, mb, to_user=group_id == 0)
@@ -333,10 +331,10 @@ def _hand_back_input_grads(
     the first layer, for the caller's inputs."""
     host, ev = async_d2h(dev, grads, pieces=not to_user)
     if to_user:
-        run.input_grads[mb] = HostData(host, None, ev)
+        run.flow.input_grads[mb] = HostData(host, None, ev)
         run.add_end_event(ev)
     else:
-        run.grad_states[mb] = HostData(host, None, ev)
+        run.flow.output_grads[mb] = HostData(host, None, ev)
 
 
 def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
@@ -344,7 +342,7 @@ def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
     layer_ids = run.plan.bwd_plan[bwd_id]
     dev.throttle()
     group = run.model.upload_group(
-        dev, layer_ids, run, saved_buffers=run.saved_buffers, slots=True, slot_grads=True
+        dev, layer_ids, run, saved_buffers=run.saved.buffers, slots=True, slot_grads=True
     )
     timer = IterTimer(run.model.model_timer, "bwd", dev.is_cuda)
     run.timers.append(timer)
@@ -360,7 +358,7 @@ def backward_job(dev: DeviceManager, run: RunState, bwd_id: int) -> None:
                 run.wait(upstream_done)
             elif run.run_type == "fused":
                 run.wait(run.tail_done[mb])
-            output_grad = run.grad_states[mb]
+            output_grad = run.flow.output_grads[mb]
             assert output_grad is not None
             carry_grads = async_h2d(dev, [output_grad.event], output_grad.leaves)
             with (
@@ -401,10 +399,10 @@ def _recompute_backward(
     before, the top recomputes and backpropagates in its graph, and autograd carries the
     graph's input gradient down through the layers below.
     """
-    inp = run.saved_inputs[(span.start, mb)]
+    inp = run.saved.inputs[(span.start, mb)]
     leaves = async_h2d(dev, [inp.event], inp.leaves)
-    flags = _requires_grad_leaves(leaves, run.input_requires_grad if span.start == 0 else None)
-    cur = inp.rebuild(leaves)
+    flags = _requires_grad_leaves(leaves, run.call.requires_grad if span.start == 0 else None)
+    carry = inp.rebuild(leaves)
     offset = span.start - job_layers.start
     modules = group.modules[offset : offset + len(span)]
     slots = group.slots[offset : offset + len(span)]
@@ -416,32 +414,32 @@ def _recompute_backward(
     # allocator holds after each layer's recompute beyond before it (its saved data too).
     meter = run.meter if mb == 0 else None
     held_from = ActivationMeter.allocated(dev.device) if meter is not None else 0
-    with dev.rng_restored(run.rng_states.get((span.start, mb))):
+    with dev.rng_restored(run.saved.rng_states.get((span.start, mb))):
         for k, j in enumerate(span):
             if (
                 replayer is not None
                 and grad_state is not None
                 and not (inp.is_args and k == 0)
-                and not _state_too_large(run, cur)
+                and not _state_too_large(run, carry)
             ):
-                keys = replayer.backward_span(modules, slots, k, cur, data)
+                keys = replayer.backward_span(modules, slots, k, carry, data)
                 if keys:
                     with annotate(f"{run.model.name}.re{j}-{span.stop - 1}.mb{mb}.replay"):
                         replayed = _replay_backward(
-                            replayer, modules[k:], slots[k:], keys, cur, grad_state, data[k:]
+                            replayer, modules[k:], slots[k:], keys, carry, grad_state, data[k:]
                         )
                     if replayed:
                         break
                     replayer = None  # not captured: the rest runs as it is
             before = ActivationMeter.allocated(dev.device) if meter is not None else 0
             with RecomputeCtx(data[k]), annotate(f"{run.model.name}.re{j}.mb{mb}"):
-                cur = _call_layer(modules[k], cur, inp.is_args and k == 0)
+                carry = _call_layer(modules[k], carry, inp.is_args and k == 0)
             if meter is not None:
                 meter.record_layer(j, ActivationMeter.allocated(dev.device) - before)
     if not replayed:
         if meter is not None:
             meter.record_held(ActivationMeter.allocated(dev.device) - held_from)
-        outs, _ = _flatten(cur)
+        outs, _ = _flatten(carry)
         pairs = [
             (o, g)
             for o, g in zip(outs, grads_out, strict=False)

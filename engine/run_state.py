@@ -1,9 +1,12 @@
 """RunState: what the jobs of one call share, and the waits between them.
 
 A call's jobs (engine.run) run on device threads; they meet here: the micro-batches' data
-on the host (`HostData`), the tracker's semaphores, the gradient claims that order downloads of
-a parameter shared by several jobs, and, for overlapped calls, the uploads and gradients
-the optimizer thread waits on. Every wait gives up (`RunAborted`) once another job failed.
+on the host (`HostData`), grouped by lifetime: what the caller gave (`CallArgs`, read
+only), what moves between the jobs and comes out of the call (`MicroBatchFlow`), what the
+forward keeps for the recompute and the backward (`SavedForBackward`); then the tracker's
+semaphores, the gradient claims that order downloads of a parameter shared by several
+jobs, and, for overlapped calls, the uploads and gradients the optimizer thread waits on.
+Every wait gives up (`RunAborted`) once another job failed.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +32,14 @@ if TYPE_CHECKING:
     from .roundpipe import RoundPipe
     from .run_config import FullRoundPipeRunConfig
 
-__all__ = ["HostData", "RunAborted", "RunState"]
+__all__ = [
+    "CallArgs",
+    "HostData",
+    "MicroBatchFlow",
+    "RunAborted",
+    "RunState",
+    "SavedForBackward",
+]
 
 _POLL_S = 0.05
 
@@ -58,6 +68,50 @@ def _autocast_state() -> list[tuple[str, torch.dtype]]:
         if torch.is_autocast_enabled(dev):
             out.append((dev, torch.get_autocast_dtype(dev)))
     return out
+
+
+@dataclass(slots=True)
+class CallArgs:
+    """What the caller gave besides the inputs; read only while the call runs."""
+
+    # Which leaves of the caller's inputs want an input gradient (first layer only).
+    requires_grad: list[bool]
+    labels: list[Any]  # per micro-batch, the loss function's second argument
+    loss_fn: Callable[[Any, Any], Any] | None
+    return_outputs: bool  # a fused call also hands back the last layer's outputs
+    # The calling thread's autocast (thread-local), entered again on every device thread.
+    autocast: list[tuple[str, torch.dtype]]
+
+
+@dataclass(slots=True)
+class MicroBatchFlow:
+    """Per micro-batch, what moves between the call's jobs and what the call returns."""
+
+    # The output of the last layer group that ran forward (the caller's inputs at first).
+    activations: list[HostData]
+    # The gradient of the output of the last layer group that ran backward.
+    output_grads: list[HostData | None]
+    losses: list[HostData | None]
+    outputs: list[HostData | None]
+    input_grads: list[HostData | None]  # the caller's inputs' gradients
+
+    @classmethod
+    def starting(cls, inputs: list[HostData]) -> MicroBatchFlow:
+        n = len(inputs)
+        return cls(list(inputs), [None] * n, [None] * n, [None] * n, [None] * n)
+
+
+@dataclass(slots=True)
+class SavedForBackward:
+    """What the forward keeps on the host for the recompute and the backward, by (layer,
+    micro-batch) where the backward needs a layer's input."""
+
+    inputs: dict[tuple[int, int], HostData] = field(default_factory=dict)
+    rng_states: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # What layers passed to save_for_recompute (engine.context).
+    recompute_data: dict[tuple[int, int], HostData] = field(default_factory=dict)
+    # The layers' buffers as the forward left them (engine.transfer.download_buffers).
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class RunState:
@@ -90,21 +144,17 @@ class RunState:
         # of the fused tail is ready, and the tail has handed back its input gradient.
         self.tail_input_ready = [threading.Event() for _ in inputs]
         self.tail_done = [threading.Event() for _ in inputs]
-        self.states: list[HostData] = list(inputs)
-        self.inputs = list(inputs)
-        self.input_requires_grad = input_requires_grad
-        self.labels = labels or [None] * self.num_microbatch
-        self.loss_fn = loss_fn
-        self.return_outputs = return_outputs
-        self.saved_inputs: dict[tuple[int, int], HostData] = {}
-        self.rng_states: dict[tuple[int, int], torch.Tensor] = {}
-        self.recompute_data: dict[tuple[int, int], HostData] = {}
-        self.saved_buffers: dict[int, torch.Tensor] = {}
-        self.grad_states: list[HostData | None] = [None] * self.num_microbatch
-        self.losses: list[HostData | None] = [None] * self.num_microbatch
-        self.outputs: list[HostData | None] = [None] * self.num_microbatch
-        self.input_grads: list[HostData | None] = [None] * self.num_microbatch
-        self.autocast = _autocast_state()
+        self.call = CallArgs(
+            requires_grad=input_requires_grad,
+            labels=labels or [None] * self.num_microbatch,
+            loss_fn=loss_fn,
+            return_outputs=return_outputs,
+            autocast=_autocast_state(),
+        )
+        self.flow = MicroBatchFlow.starting(inputs)
+        self.saved = SavedForBackward()
+        # The call's jobs: a failure's errors and the abort every wait watches, then what
+        # join() finishes (device events, timers).
         self.abort = threading.Event()
         self.errors: list[BaseException] = []
         self.grad_claims: dict[int, list[int]] = {}
@@ -240,7 +290,8 @@ class RunState:
         except RunAborted:
             self.join()  # raises the failed job's own error
             raise
-        acts = [*self.losses, *(self.outputs if self.return_outputs else [])]
+        flow = self.flow
+        acts = [*flow.losses, *(flow.outputs if self.call.return_outputs else [])]
         for act in acts:
             if act is not None and act.event is not None:
                 act.event.synchronize()
@@ -249,12 +300,12 @@ class RunState:
     def wait_forward_input(self, group: int, mb: int) -> HostData:
         if group > 0:
             self.wait(self.tracker.fwd_sem[group - 1])
-        return self.states[mb]
+        return self.flow.activations[mb]
 
     def wait_tail_input(self, mb: int) -> HostData:
         if len(self.plan.fwd_plan) > 1:
             self.wait(self.tail_input_ready[mb])
-        return self.states[mb]
+        return self.flow.activations[mb]
 
     def tail_micro_batches(self, part: int) -> range:
         """The micro-batches of the fused tail's job `part`."""

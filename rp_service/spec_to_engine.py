@@ -1,9 +1,11 @@
 """The one map from a JobSpec to the engine's options (`engine.options.EngineOptions`).
 
-Called once per process: at submission by `SpecResolver.check` (which plans host memory
-from the options), and in the worker by `worker.main.run`, which hands the options to
-the training loop; nothing downstream reads the spec's engine, model or optimizer fields
-again. The rules between fields are the options' own (checked when they are built, named
+Called once per job: at submission by `SpecResolver.check` (which plans host memory from
+the options). The job's record keeps them (`EngineOptions.to_json`), every launch writes
+them into the worker's spec.json, and `worker.main.run` builds them back and hands them to
+the training loop; nothing downstream maps the spec or reads its engine, model or
+optimizer fields again. (A job queued by a daemon from before the store kept options is
+mapped at its launch instead.) The rules between fields are the options' own (checked when they are built, named
 here by their JobSpec fields); a refusal is a JobFailure naming the field to change.
 Torch-free: the daemon imports this module on its request path.
 """

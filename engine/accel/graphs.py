@@ -21,7 +21,7 @@ hashable key, and a key promises that:
    numbers, no buffer changes, `save_for_recompute` with tensors only;
 3. layers whose calls give equal keys compute the same function of those tensors, their
    parameters and buffers having equal shapes and dtypes in the same order.
-The presets' decoder layers implement it (`engine.models._common.DecoderLayer`).
+The presets' decoder layers implement it (`engine.models._decoder.DecoderLayer`).
 
 Slots: a graph reads and writes fixed addresses, while an upload used to put a layer's
 tensors anywhere. Layers that may replay are uploaded into slots instead: per device two

@@ -6,7 +6,7 @@ each preset module names the model class it expects (`MODEL_CLASS`, the catalog'
 turns such a model into an `nn.Sequential` over the model's own modules (`to_sequential`). `wrap_model` wraps that Sequential in a `RoundPipe` whose
 attributes fall through to the original HF model.
 
-A preset model is called like the HF model (see `_common` and `_outputs`)::
+A preset model is called like the HF model (see `_sequential`, `_carry` and `_outputs`)::
 
     rp = wrap_model_to_roundpipe(hf_model, optim_dtype=torch.float32)
     with torch.no_grad():
@@ -32,7 +32,7 @@ from torch import nn
 
 from ..catalog import FAMILIES
 from ..roundpipe import RoundPipe
-from ._common import DEFAULT_MLP_CHUNK_SIZE, DEFAULT_MLP_CHUNK_TOKENS
+from ._mlp_chunks import DEFAULT_MLP_CHUNK_SIZE, DEFAULT_MLP_CHUNK_TOKENS
 from .loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     IGNORE_INDEX,
@@ -63,8 +63,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # When False, fp16/bf16 decoder layers running on CUDA go through one torch.compile'd
-# function (see _common._compiled_decoder_call); fp32 layers and CPU devices run eagerly. Set to True before
-# wrapping to run eagerly everywhere (e.g. to debug, or where compiling is too slow).
+# function (see _layer_calls._compiled_decoder_call); fp32 layers and CPU devices run
+# eagerly. Set to True before wrapping to run eagerly everywhere (e.g. to debug, or where
+# compiling is too slow).
 DISABLE_TORCH_COMPILE: bool = False
 
 # Dense decoder layers (Qwen3, Llama, Qwen2, Mistral; not the MoE presets) whose micro-batch

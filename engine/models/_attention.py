@@ -22,12 +22,26 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ATTENTION_NAME", "SLOT_KWARG", "kernels_work", "route_attention"]
+from ..context import doing_recompute, recompute_data_or_none, saving_for_recompute
+from ._compile import HALF_DTYPES
+
+if TYPE_CHECKING:
+    from ._decoder import DecoderLayer
+
+__all__ = [
+    "ATTENTION_NAME",
+    "SLOT_KWARG",
+    "attention_mode",
+    "kernels_work",
+    "route_attention",
+    "saving_attention",
+]
 
 log = logging.getLogger(__name__)
 
@@ -204,3 +218,49 @@ def kernels_work(
     if not ok:
         log.warning("cuDNN attention disagrees with plain attention here; attention is recomputed")
     return ok
+
+
+def attention_mode(decoder: DecoderLayer, hidden: Tensor, mask: Any) -> str | None:
+    """'save' (a forward that will be recomputed), 'replay' (that recompute) or None, for
+    a call of `decoder` on `hidden` with the causal `mask` it built.
+
+    Only plain causal attention (no mask, dropout or sliding window) in half precision
+    on CUDA, where the cuDNN kernels run.
+    """
+    if (
+        decoder.recompute_attention
+        or not decoder.attention_routed
+        or mask is not None
+        or not hidden.is_cuda
+        or hidden.dtype not in HALF_DTYPES
+    ):
+        return None
+    attention = decoder.layer.self_attn
+    # A sliding window at least as long as the sequence is plain causal attention.
+    window = getattr(decoder.config, "sliding_window", None)
+    windowed = decoder.sliding or getattr(attention, "sliding_window", None) is not None
+    if (windowed and (window is None or hidden.shape[1] > window)) or (
+        attention.training and getattr(attention, "attention_dropout", 0.0) > 0
+    ):
+        return None
+    if doing_recompute():
+        saved = recompute_data_or_none()
+        return "replay" if saved is not None and len(saved) == 2 else None
+    if torch.is_grad_enabled() or not saving_for_recompute():
+        return None
+    if not kernels_work(hidden.device, hidden.dtype, *decoder.attention_shape):
+        return None
+    return "save"
+
+
+def saving_attention(call: Callable[..., Tensor]) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """`call(layer, hidden, mask, positions, cos, sin, slot)` as a function that fills a
+    fresh slot and also returns the attention output and log-sum-exp it kept ("save")."""
+
+    def saving(*args: Any) -> tuple[Tensor, Tensor, Tensor]:
+        slot: list[Tensor] = []
+        out = call(*args, slot)
+        return out, slot[0], slot[1]
+
+    saving.__qualname__ = f"{call.__qualname__}_saving"
+    return saving

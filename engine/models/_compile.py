@@ -1,6 +1,6 @@
 """torch.compile for the engine's device threads, and which dtypes run compiled.
 
-The presets' decoder layers (`_common`) and the chunked loss (`loss`) compile their fp16 /
+The presets' decoder layers (`_decoder`) and the chunked loss (`loss`) compile their fp16 /
 bf16 work on CUDA through `compile_for_devices`; fp32 and CPU devices run eagerly.
 """
 

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from ._common import Carry, DecoderLayer, MoeInfo
+from ._carry import Carry, MoeInfo
+from ._decoder import DecoderLayer
 
 __all__ = ["MoeDecoderLayer", "add_router_stats", "moe_info"]
 

@@ -1,7 +1,7 @@
 """Preset for transformers' `LlamaForCausalLM`: embedding, decoder layers, norm + head.
 
 Llama's rope scaling variants (llama3, linear, dynamic, yarn) are all inside its rotary
-embedding module, which `DecoderLayer` calls, so the generic layout of `_common` covers it.
+embedding module, which `DecoderLayer` calls, so the generic layout of `_sequential` covers it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 from torch import nn
 
 from ..catalog import FAMILIES
-from ._common import build_causal_lm_sequential
+from ._sequential import build_causal_lm_sequential
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
 

@@ -4,7 +4,7 @@ chunk, so the (tokens, vocab) logits never exist in full for it.
 `ChunkedCrossEntropy` keeps only the per-token log-sum-exp in the forward and recomputes
 each chunk's logits in the backward; `causal_lm_loss` / `causal_lm_loss_fn` give
 transformers' `ForCausalLMLoss` from a preset head's output (the head layer,
-`_common.LMHeadLayer`, takes HF's `.loss` with it too).
+`_head.LMHeadLayer`, takes HF's `.loss` with it too).
 """
 
 from __future__ import annotations

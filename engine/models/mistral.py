@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..catalog import FAMILIES
-from ._common import build_causal_lm_sequential
+from ._sequential import build_causal_lm_sequential
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
 

@@ -3,7 +3,7 @@ layers, norm + head.
 
 Qwen2 differs from Llama by its q/k/v biases and its optional sliding-window layers
 (`use_sliding_window`, `max_window_layers`), both inside the HF decoder layer and
-`config.layer_types`, which `DecoderLayer` honours; the generic layout of `_common`
+`config.layer_types`, which `DecoderLayer` honours; the generic layout of `_sequential`
 covers it, including the compiled CUDA decoder path.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..catalog import FAMILIES
-from ._common import build_causal_lm_sequential
+from ._sequential import build_causal_lm_sequential
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
 

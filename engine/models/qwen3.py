@@ -2,7 +2,7 @@
 
 Qwen3's per-head q/k RMSNorm and its optional sliding-window layers live inside the HF
 decoder layer and `config.layer_types`, which `DecoderLayer` honours, so the generic
-decoder-only layout of `_common` covers it.
+decoder-only layout of `_sequential` covers it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 from torch import nn
 
 from ..catalog import FAMILIES
-from ._common import build_causal_lm_sequential
+from ._sequential import build_causal_lm_sequential
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
 

@@ -15,8 +15,8 @@ import functools
 from torch import nn
 
 from ..catalog import FAMILIES
-from ._common import build_causal_lm_sequential
 from ._moe import MoeDecoderLayer, moe_info
+from ._sequential import build_causal_lm_sequential
 
 __all__ = ["MODEL_CLASS", "to_sequential"]
 

@@ -216,7 +216,7 @@ class Orchestrator:
                 "when some have started",
                 code="queue_full",
             )
-        await asyncio.to_thread(
+        options = await asyncio.to_thread(
             self.resolver.check,
             spec,
             gpu_count=len(self.gpu_ids),
@@ -231,6 +231,7 @@ class Orchestrator:
             priority=spec.priority,
             # known before the worker starts when given in steps (epochs need the data)
             progress={"total_steps": spec.train.steps} if spec.train.steps else {},
+            options=options.to_json(),  # the one mapping of the spec, for every launch
         )
         job, created, event = await self.io.write(
             self.store.create_job,
@@ -486,6 +487,7 @@ class Orchestrator:
         try:
             spec = JobSpec.model_validate(job.spec)
             resolved = await asyncio.to_thread(self.resolver.resolve, spec, job_dir)
+            options = job.options or self.resolver.legacy_options(spec)
         except InvalidRequest as exc:
             self._release(worker)
             await self._transition(
@@ -533,6 +535,7 @@ class Orchestrator:
                     job_dir=job_dir,
                     attempt=attempt,
                     spec=spec,
+                    options=options,
                     resolved=resolved,
                     gpus=gpus,
                 )

@@ -70,10 +70,14 @@ def prepare_job_dir(
     job_dir: Path,
     attempt: int,
     spec: JobSpec,
+    options: dict[str, Any],
     resolved: dict[str, Any],
     gpus: list[int],
 ) -> tuple[dict[str, str], IO[bytes]]:
     """Write spec.json, open worker.log for appending, build the worker's environment.
+
+    `options` is the job's `EngineOptions.to_json()`, mapped from `spec` at submission: the
+    worker takes it as it is instead of mapping the spec again.
 
     Blocking; returns the environment and the open log (the worker's stderr).
     """
@@ -82,6 +86,7 @@ def prepare_job_dir(
         "job_id": job_id,
         "attempt": attempt,
         "spec": spec.model_dump(mode="json"),
+        "options": options,
         "resolved": resolved,
         "event_journal": str(journal_path(job_dir, attempt)),
     }

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.catalog import FAMILIES, max_lora_rank, projection_shapes
-from engine.options import FP8_MIN_CAPABILITY, fp8_capable
+from engine.options import FP8_MIN_CAPABILITY, EngineOptions, fp8_capable
 from rp_service.cluster.nodes import ClusterView, check_nodes_request
 from rp_service.data.chat_template import CHOOSE_HINT, folder_has_template
 from rp_service.data.formats import DataFormatError, iter_records
-from rp_service.errors import InvalidRequest
+from rp_service.errors import InvalidRequest, JobFailure
 from rp_service.jobs.hostmem import budget_bytes, check_spec
 from rp_service.jobs.store import Store
 from rp_service.jobs.weights import check_weights_cover
@@ -224,10 +224,10 @@ class SpecResolver:
         *,
         gpu_count: int,
         gpu_capabilities: Sequence[str | None] | None = None,
-    ) -> None:
+    ) -> EngineOptions:
         """Raise InvalidRequest or JobFailure, naming the field, for what this daemon
         cannot run (what its devices cannot do first, then the engine options' rules:
-        `spec_to_engine`).
+        `spec_to_engine`); return the options, which the job keeps for every launch.
 
         Args:
             gpu_capabilities: The compute capability of each GPU the daemon schedules
@@ -291,6 +291,15 @@ class SpecResolver:
             cuda=gpu_count > 0 and spec.engine.gpus > 0,
             budget=self.host_budget_bytes,
         )
+        return options
+
+    def legacy_options(self, spec: JobSpec) -> dict[str, Any]:
+        """The options of a job queued by a daemon from before the store kept them (`check`
+        maps a new job's): mapped now, at its launch. A refusal is an InvalidRequest."""
+        try:
+            return spec_to_engine(spec).to_json()
+        except JobFailure as exc:
+            raise InvalidRequest(exc.message, code=exc.code, param=exc.param) from None
 
     @cached_property
     def host_budget_bytes(self) -> int:

@@ -110,12 +110,17 @@ _MIGRATIONS: list[str] = [
     """
     ALTER TABLE jobs ADD COLUMN deleted_at INTEGER;
     """,
+    # 4: the engine options the submission mapped from the spec (EngineOptions.to_json),
+    # handed to the worker at every launch; NULL for jobs queued before this column.
+    """
+    ALTER TABLE jobs ADD COLUMN options TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 # Statuses of a job that will read its data files again (at launch or at a resume).
 _FILE_HOLDING_STATUSES = ("validating", "queued", "running", "pausing", "paused")
-_JSON_COLUMNS = {"spec", "progress", "metrics", "gpus", "error", "parameters"}
+_JSON_COLUMNS = {"spec", "progress", "metrics", "gpus", "error", "parameters", "options"}
 _JOB_COLUMNS = {
     "name",
     "status",
@@ -159,6 +164,8 @@ class JobRecord:
     seq: int = 0
     parameters: dict[str, int] | None = None
     deleted_at: int | None = None
+    # EngineOptions.to_json() of the spec, mapped once at submission (None: queued before)
+    options: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -384,8 +391,8 @@ class Store:
                     return _job_from_row(existing), False, None
             _check_queue_cap(conn, max_queued)
             conn.execute(
-                "INSERT INTO jobs (id, name, status, created_at, priority, spec, progress) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO jobs (id, name, status, created_at, priority, spec, progress, "
+                "options) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job.id,
                     job.name,
@@ -394,6 +401,7 @@ class Store:
                     job.priority,
                     json.dumps(job.spec),
                     json.dumps(job.progress),
+                    _encode("options", job.options),
                 ),
             )
             if idempotency_key is not None:

@@ -1,8 +1,8 @@
 """A job's model in the engine: the host-memory check, the adapters, the wrap, the optimizer.
 
 Each step takes the job's `engine.options.EngineOptions`, mapped once from the spec by
-`rp_service.spec_to_engine` in `worker.main` (the daemon planned host memory with the
-same mapping at submission).
+`rp_service.spec_to_engine` at submission (where the daemon planned host memory with
+them) and read back from spec.json by `worker.main`.
 """
 
 from __future__ import annotations

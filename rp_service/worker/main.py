@@ -2,7 +2,9 @@
 
 Protocol (the orchestrator's side is in orchestrator.py):
 
-- input: ``JOB_DIR/spec.json`` = ``{"job_id", "attempt", "spec", "resolved"}``;
+- input: ``JOB_DIR/spec.json`` = ``{"job_id", "attempt", "spec", "options", "resolved"}``,
+  where ``options`` is the job's `EngineOptions.to_json()`, mapped once by the daemon at
+  submission (the worker does not map the spec again);
 - stdout: the event pipe, one JSON object a line
   ``{"type", "level", "message", "data"}``; nothing else is written there (file
   descriptor 1 is pointed at stderr, so stray prints and native code land in the log);
@@ -252,16 +254,18 @@ def run(
     """
     from pydantic import ValidationError
 
+    from engine.options import EngineOptions, OptionError
+
     from ..errors import JobFailure
     from ..schemas import JobSpec
-    from ..spec_to_engine import spec_to_engine
     from .training import JobPaths, run_job
 
     try:
         payload = json.loads((job_dir / "spec.json").read_text())
         spec = JobSpec.model_validate(payload["spec"])
+        options = EngineOptions.from_json(payload["options"])
         paths = JobPaths.from_json(payload["resolved"])
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+    except (OSError, KeyError, TypeError, json.JSONDecodeError, OptionError) as exc:
         return _fail(emit, "invalid_job_dir", f"cannot read {job_dir / 'spec.json'}: {exc}", None)
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -281,8 +285,6 @@ def run(
 
     hf_logging.disable_progress_bar()  # the log is a file: no progress bars in it
     try:
-        # the one mapping of this process: everything below takes these options
-        options = spec_to_engine(spec)
         outcome = run_job(spec, options, paths, emit, pause)
     except JobFailure as exc:
         return _fail(emit, exc.code, exc.message, exc.param, **exc.details)

@@ -553,7 +553,7 @@ def run_job(
     pause: threading.Event,
 ) -> Outcome:
     """Train the job described by `spec` with `options` (`spec_to_engine(spec)`, mapped
-    once by the caller); return how it ended.
+    once, at submission); return how it ended.
 
     Raises:
         JobFailure: bad data, tokenizer or model (with the spec field to fix).

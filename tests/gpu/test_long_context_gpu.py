@@ -50,7 +50,7 @@ def close(got: Tensor, expected: Tensor, name: str) -> None:
 def layer_step(layer: nn.Module, hidden: Tensor, grad_out: Tensor) -> tuple[Tensor, int]:
     """Input and parameter gradients of one forward + backward, and its peak bytes above
     what was allocated before it."""
-    from engine.models._common import HeadOptions
+    from engine.models._carry import HeadOptions
 
     layer.zero_grad(set_to_none=True)
     x = hidden.clone().requires_grad_()
@@ -93,21 +93,21 @@ def test_roundpipe_fp16_with_chunked_mlp_matches_unchunked(
     loss and gradients with the MLP chunked match those without."""
     import engine.models
     from engine import ModelExecutePlan, RoundPipeRunConfig
-    from engine.models import _common
+    from engine.models import _decoder, _mlp_chunks
     from engine.wrapper import wrap_model_to_roundpipe
 
     base = qwen3(2).half()
     ids = torch.randint(0, 256, (1, TOKENS), generator=torch.Generator().manual_seed(2))
     results: dict[bool, tuple[Tensor, dict[str, Tensor]]] = {}
     calls: list[int] = []
-    compiled_body: Callable[..., Any] = _common._compiled_mlp_half()
+    compiled_body: Callable[..., Any] = _mlp_chunks._compiled_mlp_half()
 
     def counted(layer: nn.Module, hidden: Tensor) -> Tensor:
         calls.append(hidden.shape[0])  # outside the compiled body: counts every call
         return compiled_body(layer, hidden)
 
-    monkeypatch.setattr(_common, "_compiled_mlp_half", lambda: counted)
-    monkeypatch.setattr(_common, "DEFAULT_MLP_CHUNK_SIZE", CHUNK)
+    monkeypatch.setattr(_mlp_chunks, "_compiled_mlp_half", lambda: counted)
+    monkeypatch.setattr(_decoder, "DEFAULT_MLP_CHUNK_SIZE", CHUNK)
     assert not engine.models.DISABLE_TORCH_COMPILE
     # layers: embedding, 2 decoder layers, head (the fused tail): both decoder layers run a
     # no-grad forward and a recompute (saving and replaying their attention where cuDNN's

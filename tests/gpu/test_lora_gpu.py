@@ -162,7 +162,7 @@ def test_fp32_lora_trains_like_peft_on_cuda(
 def test_fp16_lora_compiled_on_cuda_against_peft(cuda_devices: int) -> None:
     import engine.models
     from engine.adapters.peft_format import load_adapter_state_dict
-    from engine.models import _common, causal_lm_loss_fn
+    from engine.models import _layer_calls, causal_lm_loss_fn
 
     assert not engine.models.DISABLE_TORCH_COMPILE
     exact = peft_twin(tiny_qwen3())
@@ -175,8 +175,8 @@ def test_fp16_lora_compiled_on_cuda_against_peft(cuda_devices: int) -> None:
 
     calls: list[int] = []
     compiled = {
-        "_compiled_decoder_call": _common._compiled_decoder_call(),
-        "_compiled_saving_call": _common._compiled_saving_call(),
+        "_compiled_decoder_call": _layer_calls._compiled_decoder_call(),
+        "_compiled_saving_call": _layer_calls._compiled_saving_call(),
     }
 
     def spied(name: str) -> Any:
@@ -190,7 +190,7 @@ def test_fp16_lora_compiled_on_cuda_against_peft(cuda_devices: int) -> None:
     load_adapter_state_dict(rp, state)
     with pytest.MonkeyPatch.context() as mp:
         for name in compiled:
-            mp.setattr(_common, name, spied(name))
+            mp.setattr(_layer_calls, name, spied(name))
         got = rp.forward_backward(
             input_kwargs={"input_ids": ids}, label=labels, loss_fn=causal_lm_loss_fn(labels)
         )

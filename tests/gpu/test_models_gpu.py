@@ -237,11 +237,11 @@ def test_compiled_decoder_layers_on_cuda(cuda_devices: None) -> None:
     """
     import engine.models
     from engine import RoundPipeRunConfig
-    from engine.models import _common, causal_lm_loss_fn
+    from engine.models import _layer_calls, causal_lm_loss_fn
     from engine.wrapper import wrap_model_to_roundpipe
 
     calls: list[str] = []
-    compiled_fn = _common._compiled_decoder_call()
+    compiled_fn = _layer_calls._compiled_decoder_call()
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append("compiled")
@@ -261,7 +261,7 @@ def test_compiled_decoder_layers_on_cuda(cuda_devices: None) -> None:
             )
             ids, labels = batch(0)
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(_common, "_compiled_decoder_call", lambda: spy)
+                mp.setattr(_layer_calls, "_compiled_decoder_call", lambda: spy)
                 loss = rp.forward_backward(
                     input_kwargs={"input_ids": ids, "return_logits": False},
                     label=labels,

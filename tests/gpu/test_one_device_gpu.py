@@ -17,7 +17,7 @@ from engine import ModelExecutePlan
 from engine.planning import one_device
 from tests import tiny_models
 from tests.unit.engine.conftest import use_devices
-from tests.unit.engine.test_one_device import VOCAB, train_lm
+from tests.unit.engine.planning.test_one_device import VOCAB, train_lm
 
 pytestmark = pytest.mark.gpu
 

@@ -116,7 +116,7 @@ def test_fp32_family_matches_hf_on_cuda(
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_half_family_on_cuda(kind: str, cuda_devices: int) -> None:
-    from engine.models import _common
+    from engine.models import _layer_calls
 
     dtype = torch.bfloat16 if kind in MOE else torch.float16
     base = tiny_model(kind)
@@ -133,7 +133,7 @@ def test_half_family_on_cuda(kind: str, cuda_devices: int) -> None:
     half_loss = half_out.loss.float().cpu()
 
     calls: list[int] = []
-    compiled_fn = _common._compiled_decoder_call()
+    compiled_fn = _layer_calls._compiled_decoder_call()
 
     def spy(*args: object, **kw: object) -> torch.Tensor:
         calls.append(1)
@@ -141,7 +141,7 @@ def test_half_family_on_cuda(kind: str, cuda_devices: int) -> None:
 
     rp = wrap(mine, num_microbatch=1, optim_dtype=torch.float32)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_common, "_compiled_decoder_call", lambda: spy)
+        mp.setattr(_layer_calls, "_compiled_decoder_call", lambda: spy)
         got = rp.forward_backward(input_kwargs=kwargs, loss_fn=lambda out, _: out.loss)
     rp.synchronize()
     # Dense families take the compiled decoder path; MoE layers fall back to eager.

@@ -1,4 +1,4 @@
-"""QLoRA exports on CUDA: tests/unit/engine/test_qlora_export.py's scenario with the engine
+"""QLoRA exports on CUDA: tests/unit/engine/adapters/test_qlora_export.py's scenario with the engine
 on RP_DEVICES=cuda and transformers + peft on `device_map="cuda"`.
 
 bitsandbytes quantizes the folder on the GPU there (the engine on the host, with its CPU
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.engine import test_qlora_export as cpu_tests
+from tests.unit.engine.adapters import test_qlora_export as cpu_tests
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,8 +10,8 @@ import torch
 import engine.optim as eo
 from engine import RoundPipe
 from tests.gpu.test_overlap_gpu import math_sdpa  # noqa: F401  (fixture)
-from tests.unit.engine import test_weight_buffers as cpu_tests
 from tests.unit.engine._models import make_model
+from tests.unit.engine.accel import test_weight_buffers as cpu_tests
 
 pytestmark = pytest.mark.gpu
 

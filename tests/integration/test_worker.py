@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from rp_service.demo import demo_spec
 from rp_service.schemas import JobSpec
+from rp_service.spec_to_engine import spec_to_engine
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_PAUSED = 75
@@ -58,7 +59,8 @@ def make_job(job_dir: Path, overrides: dict[str, Any] | None = None, **resolved:
             continue
         section, key = dotted.split(".", 1)
         spec[section][key] = value
-    spec = JobSpec.model_validate(spec).model_dump(mode="json")
+    parsed = JobSpec.model_validate(spec)
+    spec = parsed.model_dump(mode="json")
     paths = {
         "train_path": "synthetic",
         "valid_path": None,
@@ -69,7 +71,15 @@ def make_job(job_dir: Path, overrides: dict[str, Any] | None = None, **resolved:
         **resolved,
     }
     job_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"job_id": job_dir.name, "attempt": 1, "spec": spec, "resolved": paths}
+    # the options as the daemon maps them at submission and hands them to every launch
+    options = spec_to_engine(parsed).to_json()
+    payload = {
+        "job_id": job_dir.name,
+        "attempt": 1,
+        "spec": spec,
+        "options": options,
+        "resolved": paths,
+    }
     (job_dir / "spec.json").write_text(json.dumps(payload))
     return job_dir
 

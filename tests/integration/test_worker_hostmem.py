@@ -1,6 +1,6 @@
 """The worker in the 12-bytes-a-parameter mode (issue 15): an fp16 model, the fp16 gradient
 read in place (clipped in place), bf16 Adam moments in the checkpoint; a paused and resumed
-run ends bit-identical to an uninterrupted one (tests/unit/engine/test_lowp_accuracy.py
+run ends bit-identical to an uninterrupted one (tests/unit/engine/optim/test_lowp_accuracy.py
 measures the accuracy)."""
 
 from __future__ import annotations

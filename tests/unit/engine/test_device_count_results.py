@@ -16,8 +16,8 @@ import torch
 
 from engine import RoundPipe, RoundPipeRunConfig
 from engine.planning.search import plan_groups
+from tests.unit.engine.accel.test_replay import batch, make_model, mse
 from tests.unit.engine.conftest import use_devices
-from tests.unit.engine.test_replay import batch, make_model, mse
 
 STEPS = 4
 NUM_MICROBATCH = 4

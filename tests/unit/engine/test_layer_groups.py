@@ -17,8 +17,8 @@ from engine.models import causal_lm_loss_fn
 from engine.planning.memory_plan import ModelShape, RunShape, plan_host_memory
 from engine.scheduler import ModelTracker
 from engine.wrapper import wrap_model_to_roundpipe
-from tests.unit.engine.test_models import ATOL, RTOL, _adamw, batch, tiny_model
-from tests.unit.engine.test_nf4 import LLAMA_70B  # the Llama-3.3-70B shape
+from tests.unit.engine.adapters.test_nf4 import LLAMA_70B  # the Llama-3.3-70B shape
+from tests.unit.engine.models.test_models import ATOL, RTOL, _adamw, batch, tiny_model
 
 
 def test_groups_cover_the_layers_with_the_head_in_the_tail() -> None:

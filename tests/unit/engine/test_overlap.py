@@ -21,9 +21,9 @@ from torch import nn
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from engine.accel import graphs
 from engine.errors import RoundPipeError
-from tests.unit.engine import test_replay as replay_models
 from tests.unit.engine._models import make_batch, make_model
-from tests.unit.engine.test_replay import assert_same
+from tests.unit.engine.accel import test_replay as replay_models
+from tests.unit.engine.accel.test_replay import assert_same
 
 
 def mse(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB, PAIRS, SEQ = 256, 5, 11  # odd sizes; 5 pairs over 3 micro-batches: 2, 2, 1
 RTOL, ATOL = 1e-5, 1e-6
 # Adam divides by sqrt(v) ~ |g|: a gradient rounding difference near eps moves an update
-# by up to ~lr * 1e-2 (see tests/unit/engine/test_models._adamw); lr 5e-4 keeps it < 1e-5.
+# by up to ~lr * 1e-2 (see tests/unit/engine/models/test_models._adamw); lr 5e-4 keeps it < 1e-5.
 LR, WEIGHT_ATOL = 5e-4, 1e-5
 STEPS = 3
 RANK, ALPHA = 4, 8.0
@@ -335,7 +335,7 @@ def test_dpo_on_a_4bit_base_matches_peft_on_the_decoded_base() -> None:
     peft = pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes.functional")
     from engine.adapters.nf4 import quantize_base_nf4
-    from tests.unit.engine.test_qlora import decoded_twin
+    from tests.unit.engine.adapters.test_qlora import decoded_twin
 
     beta, eps = 0.3, 0.0
     original = tiny_qwen3()

@@ -9,7 +9,7 @@ from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
 from engine.models import causal_lm_loss
 from rp_service.data.datasets import TokenBlocks
 from rp_service.worker.evaluation import evaluate
-from tests.unit.engine.test_models import tiny_model
+from tests.unit.engine.models.test_models import tiny_model
 
 
 def test_a_short_last_chunk_is_evaluated_too() -> None:

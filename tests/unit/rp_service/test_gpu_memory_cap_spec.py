@@ -38,6 +38,7 @@ def worker_env(settings: Settings, tmp_path: Path) -> dict[str, str]:
         job_dir=tmp_path / "j1",
         attempt=1,
         spec=JobSpec.model_validate(_spec()),
+        options=spec_to_engine(JobSpec.model_validate(_spec())).to_json(),
         resolved={},
         gpus=[0],
     )

@@ -17,7 +17,7 @@ from rp_service.jobs.hostmem import check_spec, plan_for_spec
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 from rp_service.spec_to_engine import spec_to_engine
-from tests.unit.engine.test_nf4 import LLAMA_70B
+from tests.unit.engine.adapters.test_nf4 import LLAMA_70B
 from tests.unit.rp_service.test_one_catalog import AUTH, LOOPBACK, _spec
 
 GIB = 1 << 30
@@ -85,7 +85,7 @@ def test_the_worker_runs_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from engine.models import causal_lm_loss_fn
     from rp_service.worker import engine_setup
-    from tests.unit.engine.test_models import batch, tiny_model
+    from tests.unit.engine.models.test_models import batch, tiny_model
 
     monkeypatch.setenv("RP_DEVICES", "cpu:2")
     from engine.device import reset_devices

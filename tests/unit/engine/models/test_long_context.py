@@ -19,8 +19,9 @@ from torch import Tensor, nn
 
 import engine.models
 from engine import RoundPipeRunConfig
-from engine.models import _common, count_loss_tokens, to_sequential
-from engine.models._common import DecoderLayer, HeadOptions
+from engine.models import _decoder, _mlp_chunks, count_loss_tokens, to_sequential
+from engine.models._carry import HeadOptions
+from engine.models._decoder import DecoderLayer
 from engine.wrapper import wrap_model_to_roundpipe
 from tests import tiny_models
 
@@ -58,13 +59,13 @@ def packed_positions() -> Tensor:
 def counting_mlp_half(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count calls of the MLP-half body (each chunk's forward, and its recompute)."""
     calls: list[int] = []
-    real = _common._mlp_half
+    real = _mlp_chunks._mlp_half
 
     def counted(layer: nn.Module, hidden: Tensor) -> Tensor:
         calls.append(hidden.shape[0])
         return real(layer, hidden)
 
-    monkeypatch.setattr(_common, "_mlp_half", counted)
+    monkeypatch.setattr(_mlp_chunks, "_mlp_half", counted)
     return calls
 
 
@@ -137,13 +138,13 @@ def test_chunked_layer_without_grad(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_threshold_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """At or below the threshold, and with MLP_CHUNK_TOKENS=None, the layer runs whole;
     the package switch is read when the preset is built."""
-    assert engine.models.MLP_CHUNK_TOKENS == _common.DEFAULT_MLP_CHUNK_TOKENS == 131072
+    assert engine.models.MLP_CHUNK_TOKENS == _mlp_chunks.DEFAULT_MLP_CHUNK_TOKENS == 131072
     hidden = torch.randn(BATCH, SEQ, 32)
     carry = (hidden, None, None, None, None, HeadOptions())
     calls = counting_mlp_half(monkeypatch)
     layer = to_sequential(tiny_model("qwen3"))[1]
     assert layer.mlp_chunk_tokens == 131072
-    assert layer.mlp_chunk_size == _common.DEFAULT_MLP_CHUNK_SIZE
+    assert layer.mlp_chunk_size == _mlp_chunks.DEFAULT_MLP_CHUNK_SIZE
     layer.mlp_chunk_tokens = BATCH * SEQ  # not more tokens than the threshold
     with torch.no_grad():
         layer(carry)
@@ -174,9 +175,9 @@ def test_moe_and_other_layers_are_never_chunked(monkeypatch: pytest.MonkeyPatch)
     assert calls == []
     # a layer with an extra norm around its MLP (Gemma-like) is not the split structure
     plain = to_sequential(tiny_model("qwen3"))[1].layer
-    assert _common.has_split_halves(plain)
+    assert _mlp_chunks.has_split_halves(plain)
     plain.pre_feedforward_layernorm = nn.Identity()
-    assert not _common.has_split_halves(plain)
+    assert not _mlp_chunks.has_split_halves(plain)
 
 
 def saved_bytes(fn: Callable[[], Tensor]) -> int:
@@ -227,7 +228,7 @@ def test_roundpipe_with_chunked_mlp_trains_like_hf(
     kind: str, grain: str, cpu3: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(engine.models, "MLP_CHUNK_TOKENS", THRESHOLD)
-    monkeypatch.setattr(_common, "DEFAULT_MLP_CHUNK_SIZE", CHUNK)
+    monkeypatch.setattr(_decoder, "DEFAULT_MLP_CHUNK_SIZE", CHUNK)
     calls = counting_mlp_half(monkeypatch)
     hf = tiny_model(kind)
     mine = copy.deepcopy(hf)

@@ -30,9 +30,8 @@ from engine.adapters.peft_format import adapter_state_dict, load_adapter_state_d
 from engine.attribute import ParamAttribute
 from engine.models import causal_lm_loss_fn
 from engine.optim import Adam
-
-from ._models import DIM, IN_DIM, OUT_DIM, MLPBlock, make_batch, make_model
-from .test_models import batch, tiny_model
+from tests.unit.engine._models import DIM, IN_DIM, OUT_DIM, MLPBlock, make_batch, make_model
+from tests.unit.engine.models.test_models import batch, tiny_model
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -32,8 +32,7 @@ from engine.accel.fp8 import (
 from engine.adapters.lora import LoraConfig, LoraLinear, _MergedLoraLinear, apply_lora
 from engine.errors import ConfigError
 from engine.models import causal_lm_loss_fn
-
-from .test_models import BATCH, batch, tiny_model
+from tests.unit.engine.models.test_models import BATCH, batch, tiny_model
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

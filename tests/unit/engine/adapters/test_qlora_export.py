@@ -35,8 +35,7 @@ from engine.adapters.quantized_load import load_nf4_model
 from engine.memory import packed_form
 from engine.models import causal_lm_loss_fn
 from engine.optim import Adam
-
-from .test_models import batch, tiny_model
+from tests.unit.engine.models.test_models import batch, tiny_model
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

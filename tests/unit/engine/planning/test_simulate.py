@@ -11,7 +11,7 @@ from bench import simulate
 from engine.planning.simulate import pipeline_makespan, simulate_plan
 from engine.scheduler import ModelExecutePlan
 
-INPUTS = Path(__file__).resolve().parents[3] / "bench" / "sim_inputs"
+INPUTS = Path(__file__).resolve().parents[4] / "bench" / "sim_inputs"
 # Per-layer times (ms over 16 micro-batches), as in test_split_tail.
 FWD = [25.0] + [30.0] * 28 + [143.7]
 BWD = [59.5] + [77.0] * 28 + [453.5]

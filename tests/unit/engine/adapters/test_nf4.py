@@ -35,8 +35,7 @@ from engine.planning.memory_plan import (
     nf4_tensor_bytes,
     plan_host_memory,
 )
-
-from .test_models import tiny_model
+from tests.unit.engine.models.test_models import tiny_model
 
 bnb = pytest.importorskip("bitsandbytes.functional")
 transformers = pytest.importorskip("transformers")

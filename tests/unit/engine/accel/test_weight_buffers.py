@@ -29,7 +29,7 @@ from engine.planning.memory_plan import (
     plan_host_memory,
 )
 from tests.unit.engine._models import make_batch, make_model
-from tests.unit.engine.test_replay import assert_same
+from tests.unit.engine.accel.test_replay import assert_same
 
 DTYPE = torch.bfloat16
 GROUPED = ModelExecutePlan.from_ranges(

@@ -19,8 +19,8 @@ import torch
 from engine import RoundPipe, RoundPipeRunConfig
 from engine.accel import graphs
 from engine.device import get_devices
+from tests.unit.engine.accel.test_replay import batch, make_model, mse
 from tests.unit.engine.conftest import use_devices
-from tests.unit.engine.test_replay import batch, make_model, mse
 
 
 def _replicas(rp: RoundPipe, layer_ids: range) -> list[Any]:

@@ -24,8 +24,7 @@ from engine.attribute import ParamAttribute
 from engine.memory import packed_form
 from engine.models import causal_lm_loss_fn
 from engine.optim import Adam
-
-from .test_lora import (
+from tests.unit.engine.adapters.test_lora import (
     ALPHA,
     ATOL,
     LR,
@@ -38,7 +37,7 @@ from .test_lora import (
     assert_adapters_equal,
     peft_twin,
 )
-from .test_models import batch, tiny_model
+from tests.unit.engine.models.test_models import batch, tiny_model
 
 peft = pytest.importorskip("peft")
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
@@ -246,7 +245,7 @@ def test_pinning_a_packed_base_frees_the_unpinned_copy(tmp_path: object) -> None
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]
     out = subprocess.run(
         [sys.executable, "-c", _PIN_RSS_SCRIPT],
         cwd=root,
