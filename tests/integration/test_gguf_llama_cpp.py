@@ -34,6 +34,7 @@ def llama_cpp() -> Any:
 
     return binding
 
+
 PROMPTS = [
     [{"role": "user", "content": "What is 3 plus 4?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
