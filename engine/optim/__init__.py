@@ -265,8 +265,7 @@ class Adam(torch.optim.Optimizer):
         """The 2-norm of every gradient this optimizer would step with, as an fp32 scalar
         (`torch.nn.utils.get_total_norm`'s value, summed in double by the C library over
         all cores: one read of the gradients, in a fraction of torch's time on the CPU)."""
-        grads = [p.grad for group in self.param_groups for p in group["params"]]
-        grads = [g for g in grads if g is not None]
+        grads = self._grads()
         if not grads:
             return torch.zeros((), dtype=torch.float32)
         if get_isa() == _native.TORCH_FALLBACK:
@@ -293,11 +292,16 @@ class Adam(torch.optim.Optimizer):
             norm = torch.as_tensor(total_norm, dtype=torch.float32)
         coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
         if get_isa() == _native.TORCH_FALLBACK:
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            torch._foreach_mul_(grads, coef)
+            torch._foreach_mul_(self._grads(), coef)
         else:
             self._grad_scale = float(coef)
         return norm
+
+    def _grads(self) -> list[Tensor]:
+        """Every gradient this optimizer would step with (parameters without one left out)."""
+        return [
+            p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
+        ]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad, also dropping a clip that no step applied."""

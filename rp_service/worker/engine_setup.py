@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from engine.options import EngineOptions, LoraOptions
 from ..errors import JobFailure
 from ..schemas import JobSpec
 from .modeling import DTYPES
+
+if TYPE_CHECKING:
+    from engine.optim import Adam
 
 __all__ = ["apply_lora", "check_host_memory", "make_optimizer", "wrap"]
 
@@ -137,7 +140,7 @@ def _wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
     )
 
 
-def make_optimizer(masters: list[torch.Tensor], options: EngineOptions) -> torch.optim.Optimizer:
+def make_optimizer(masters: list[torch.Tensor], options: EngineOptions) -> Adam:
     """The C Adam over the master weights, with the options' hyperparameters (8-bit moments
     with optim_memory compact)."""
     from engine.optim import Adam

@@ -318,23 +318,24 @@ class _Run:
     def _step_fn(self, step: int) -> Callable[[], None]:
         clip = self.spec.train.grad_clip
 
-        # engine.optim.Adam sums the norm on every core and folds the clip's multiply into
-        # its update: torch's clip_grad_norm_ is two passes over the fp32 gradients (~1 s a
-        # step for 1.7B parameters on a 16-core host), on the staleness-zero step's path.
-        fused_clip = getattr(self.optimizer, "clip_grad_norm_", None)
-        fused_norm = getattr(self.optimizer, "grad_norm", None)
+        # engine.optim.Adam (make_optimizer) sums the norm on every core and folds the
+        # clip's multiply into its update: torch's clip_grad_norm_ is two passes over the
+        # fp32 gradients (~1 s a step for 1.7B parameters on a 16-core host), on the
+        # staleness-zero step's path.
 
         def step_fn() -> None:
             # On the optimizer thread: `masters` are the fp32 master weights and their grads.
-            if self.ranks.world > 1:  # each rank holds its shard: the norm is global
-                norm = self._clip_global(clip)
-            elif fused_clip is not None and fused_norm is not None:
-                norm = fused_clip(clip) if clip is not None else fused_norm()
+            if self.ranks.world > 1:
+                # Each rank steps its shard: the norm is over every rank's rows (collective).
+                from engine.parallel.data_parallel import grad_norm
+
+                norm = grad_norm(self.rp)
+                if clip is not None:
+                    self.optimizer.clip_grad_norm_(clip, total_norm=norm)
             elif clip is not None:
-                norm = torch.nn.utils.clip_grad_norm_(self.masters, clip)
+                norm = self.optimizer.clip_grad_norm_(clip)
             else:
-                grads = [p.grad for p in self.masters if p.grad is not None]
-                norm = torch.nn.utils.get_total_norm(grads)
+                norm = self.optimizer.grad_norm()
             lr = self.scheduler.get_last_lr()[0]  # the rate this update uses
             self.optimizer.step()
             self.optimizer.zero_grad()
@@ -342,24 +343,6 @@ class _Run:
             self.meter.updates.put((step, float(norm), lr))
 
         return step_fn
-
-    def _clip_global(self, clip: float | None) -> float:
-        """The gradient norm over every rank's rows (each steps its own shard), and
-        clipping by it as clip_grad_norm_ does (on the optimizer thread, collective)."""
-        from engine.parallel.data_parallel import grad_norm
-
-        norm = grad_norm(self.rp)
-        if clip is None:
-            return norm
-        fused_clip = getattr(self.optimizer, "clip_grad_norm_", None)
-        if fused_clip is not None:  # engine.optim.Adam: the multiply inside its update
-            fused_clip(clip, total_norm=norm)
-            return norm
-        coef = min(1.0, clip / (norm + 1e-6))
-        for p in self.masters:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-        return norm
 
     def _forward_backward(self, step: int) -> tuple[torch.Tensor, int]:
         if self.objective.needs_sync_before_step:
