@@ -21,18 +21,25 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 _RECOMPILE_LIMIT = 64
 
 
-def compile_for_devices(fn: Callable[..., Any]) -> Callable[..., Any]:
+def compile_for_devices(fn: Callable[..., Any], *, backend: str = "inductor") -> Callable[..., Any]:
     """`torch.compile(fn)` made safe to call from the engine's device threads at once.
 
-    While one thread compiles, inductor may FX-trace (it sets a process-wide flag), and
-    dynamo then refuses a compiled call from any other thread ("using FX to symbolically
-    trace a dynamo-optimized function"): seen on two H200s, where both controller threads
-    compile their first layer together. With `error_on_nested_fx_trace` off such a call
-    runs the function eagerly instead (same math, fused differently); compilations
-    themselves are serialised by dynamo's own lock.
+    While one thread compiles, inductor may FX-trace, and that sets a process-wide flag
+    (`torch.fx._symbolic_trace._is_fx_tracing_flag`). dynamo reads it in every thread: by
+    default a compiled call from another thread then fails ("using FX to symbolically
+    trace a dynamo-optimized function", seen on two H200s), and with
+    `error_on_nested_fx_trace` off it runs the function eagerly: the same math fused
+    differently, so a layer's result depended on whether another GPU was compiling at
+    that moment. That made 2- and 4-GPU runs differ from 1-GPU runs and replay differ
+    from no replay in the last bits (issue 43). `force_compile_during_fx_trace` makes
+    dynamo ignore the flag: the other thread runs its compiled graph (or waits on dynamo's
+    compile lock to build one). torch releases without that switch keep the eager
+    fallback, which is still better than an exception.
     """
     import torch._dynamo.config as dynamo_config
 
+    if hasattr(dynamo_config, "force_compile_during_fx_trace"):
+        dynamo_config.force_compile_during_fx_trace = True
     dynamo_config.error_on_nested_fx_trace = False
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
-    return torch.compile(fn, dynamic=False)
+    return torch.compile(fn, dynamic=False, backend=backend)
