@@ -1,4 +1,10 @@
-"""Pydantic models of the REST API: the JobSpec sections, the public objects, list pages."""
+"""Pydantic models of the REST API: the JobSpec sections, the public objects, list pages.
+
+Over ~700 lines: the JobSpec's sections validate against each other (a method's fields, the
+engine's options, the data's format) and the public objects embed the JobSpec, so they are
+one schema; the OpenAI facade's models live in rp_service/openai/. A split by section
+(spec.py, objects.py) is the next step if it grows.
+"""
 
 from __future__ import annotations
 

@@ -30,11 +30,15 @@ def compile_for_devices(fn: Callable[..., Any], *, backend: str = "inductor") ->
     trace a dynamo-optimized function", seen on two H200s), and with
     `error_on_nested_fx_trace` off it runs the function eagerly: the same math fused
     differently, so a layer's result depended on whether another GPU was compiling at
-    that moment. That made 2- and 4-GPU runs differ from 1-GPU runs and replay differ
-    from no replay in the last bits (issue 43). `force_compile_during_fx_trace` makes
+    that moment. `force_compile_during_fx_trace` makes
     dynamo ignore the flag: the other thread runs its compiled graph (or waits on dynamo's
     compile lock to build one). torch releases without that switch keep the eager
     fallback, which is still better than an exception.
+
+    Not solved here: each GPU's compile picks its Triton reduction configs by timing, so
+    the same layer can give other last bits on cuda:0 than on cuda:1 (measured on two
+    H200s; inductor's `deterministic` mode makes the forward agree, not yet the backward:
+    bench/RESULTS.md, session 20).
     """
     import torch._dynamo.config as dynamo_config
 
