@@ -64,6 +64,14 @@ def write_job_dir(job_dir: Path, args: argparse.Namespace, nodes: int) -> None:
     (job_dir / "spec.json").write_text(json.dumps(payload))
 
 
+def _visible_gpu(node: int) -> str:
+    """The GPU a node gets: the node-th of this process's visible GPUs (CUDA_VISIBLE_DEVICES
+    as given: a test confined to GPUs 1,2 must not send node 0 to GPU 0)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    ids = [g.strip() for g in visible.split(",") if g.strip()] if visible else []
+    return ids[node] if node < len(ids) else str(node)
+
+
 def run_nodes(
     args: argparse.Namespace, nodes: int, work: Path, *, keep: bool = False
 ) -> dict[str, Any]:
@@ -79,7 +87,7 @@ def run_nodes(
         if not getattr(args, "gpu", args.model != "tiny"):
             env.update(RP_DEVICES="cpu:1", CUDA_VISIBLE_DEVICES="")
         else:
-            env.update(RP_DEVICES="cuda", CUDA_VISIBLE_DEVICES=str(node))
+            env.update(RP_DEVICES="cuda", CUDA_VISIBLE_DEVICES=_visible_gpu(node))
         if args.network:
             env.update(NCCL_SHM_DISABLE="1", NCCL_P2P_DISABLE="1")
         cmd = [

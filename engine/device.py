@@ -395,7 +395,9 @@ def reset_devices() -> None:
 
 
 def get_next_device() -> DeviceManager:
-    """Round-robin over the devices."""
+    """Round-robin over the devices, process-wide (the seeds' function). A RoundPipe keeps
+    its own round robin (`RoundPipe._next_device`), so its jobs' devices do not depend on
+    the models that ran before it."""
     global cur_device
     devices = get_devices()
     dev = devices[cur_device % len(devices)]

@@ -33,7 +33,6 @@ from .context import OptimizerCtx
 from .device import (
     DeviceManager,
     get_devices,
-    get_next_device,
     get_num_devices,
     set_gpu_memory_cap,
 )
@@ -518,7 +517,7 @@ class RoundPipe(RoundPipeBase):
         plan = self._plan(run_type, cfg)
         run = RunState(self, cfg, plan, run_type, self._host_data(batch), flags)
         for g in range(len(plan.fwd_plan)):
-            run.launch(get_next_device(), forward_job, g, name=f"fwd{g}")
+            run.launch(self._next_device(), forward_job, g, name=f"fwd{g}")
         run.join()
         self.model_timer.update_times()
         synchronize_optim()
@@ -534,6 +533,14 @@ class RoundPipe(RoundPipeBase):
             merged = attach_backward(self, run, merged, outputs, args, kwargs, specs, cfg)
         return _to_device(merged, cfg.output_device)
 
+    def _next_device(self) -> DeviceManager:
+        """The next device of this model's round robin (`_device_cursor`), which goes on from
+        call to call: a call's first job runs on the device after the previous call's last."""
+        devices = get_devices()
+        index = self._device_cursor % len(devices)
+        object.__setattr__(self, "_device_cursor", (index + 1) % len(devices))
+        return devices[index]
+
     def _run_backward(self, run: RunState) -> None:
         """Backward of a 'train' run, once autograd delivers the output gradients."""
         if run.backward_done:
@@ -544,7 +551,7 @@ class RoundPipe(RoundPipeBase):
             run.claim_grads(run.backward_job_index(b), layer_ids)
         run.jobs = []
         for b in range(len(run.plan.bwd_plan)):
-            run.launch(get_next_device(), backward_job, b, name=f"bwd{b}")
+            run.launch(self._next_device(), backward_job, b, name=f"bwd{b}")
         run.join()
         self.model_timer.update_times()
 
@@ -605,11 +612,11 @@ class RoundPipe(RoundPipeBase):
             self.finish_pending()
         run.previous = self.__dict__.get("_pending_run")
         for g in range(n_fwd - 1):
-            run.launch(get_next_device(), forward_job, g, name=f"fwd{g}")
+            run.launch(self._next_device(), forward_job, g, name=f"fwd{g}")
         for part in range(run.tail_split):
-            run.launch(get_next_device(), fused_job, part, name=f"fused{part}")
+            run.launch(self._next_device(), fused_job, part, name=f"fused{part}")
         for b in range(len(plan.bwd_plan)):
-            run.launch(get_next_device(), backward_job, b, name=f"bwd{b}")
+            run.launch(self._next_device(), backward_job, b, name=f"bwd{b}")
         if overlap:
             # Return with the losses; the backward jobs go on, overlapping the next call's
             # forward jobs. The call before this one is done by now (its last jobs ran

@@ -96,6 +96,10 @@ class RoundPipeBase(nn.Module):
         # writes in place only when step_fn returns, not layer by layer (_LayerProgress).
         object.__setattr__(self, "_publish_as_updated", True)
         object.__setattr__(self, "_dp", None)  # DataParallel when a process group is in effect
+        # This model's round robin over the devices: its own, so its jobs land on the same
+        # devices whatever other models ran before it in the process (compiled kernels are
+        # tuned per GPU, so the device a layer runs on can change its last bits).
+        object.__setattr__(self, "_device_cursor", 0)
         # The optimizer thread's time per step, by phase (the last steps): publishing the
         # weights, folding the gradients, waiting for an overlapped call, step_fn.
         object.__setattr__(self, "step_phases", collections.deque(maxlen=64))

@@ -33,7 +33,11 @@ def test_two_nccl_nodes_train_as_one(tmp_path: Path) -> None:
 
     one = run_nodes(args(8), 1, tmp_path, keep=True)  # the same global batch: 8 sequences
     two = run_nodes(args(4), 2, tmp_path, keep=True)
-    assert one["exit_codes"] == [0] and two["exit_codes"] == [0, 0]
+    logs = "\n".join(
+        f"{out.name}:\n" + "\n".join(out.read_text().splitlines()[-25:])
+        for out in sorted(tmp_path.glob("nodes-*-agent-*.out"))
+    )
+    assert one["exit_codes"] == [0] and two["exit_codes"] == [0, 0], logs
     w1 = load_file(str(Path(one["job_dir"]) / "output" / "model.safetensors"))
     w2 = load_file(str(Path(two["job_dir"]) / "output" / "model.safetensors"))
     assert sorted(w1) == sorted(w2)
