@@ -16,6 +16,13 @@ from bench.multinode import run_nodes
 pytestmark = pytest.mark.gpu
 
 
+def _first_traceback(out: Path) -> str:
+    """An agent's first traceback (the rank's own error; torchrun's summary comes after)."""
+    lines = out.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback" in line), len(lines))
+    return f"{out.name}:\n" + "\n".join(lines[start : start + 40])
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_nccl_nodes_train_as_one(tmp_path: Path) -> None:
     def args(seqs_per_node: int) -> argparse.Namespace:
@@ -33,10 +40,7 @@ def test_two_nccl_nodes_train_as_one(tmp_path: Path) -> None:
 
     one = run_nodes(args(8), 1, tmp_path, keep=True)  # the same global batch: 8 sequences
     two = run_nodes(args(4), 2, tmp_path, keep=True)
-    logs = "\n".join(
-        f"{out.name}:\n" + "\n".join(out.read_text().splitlines()[-25:])
-        for out in sorted(tmp_path.glob("nodes-*-agent-*.out"))
-    )
+    logs = "\n".join(_first_traceback(out) for out in sorted(tmp_path.glob("nodes-*-agent-*.out")))
     assert one["exit_codes"] == [0] and two["exit_codes"] == [0, 0], logs
     w1 = load_file(str(Path(one["job_dir"]) / "output" / "model.safetensors"))
     w2 = load_file(str(Path(two["job_dir"]) / "output" / "model.safetensors"))
