@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 from bench.service_train import job_spec  # noqa: E402
 from bench.shapes import SHAPES  # noqa: E402
 from bench.train_args import TINY_DEFAULTS  # noqa: E402
+from rp_service.schemas import JobSpec  # noqa: E402
+from rp_service.spec_to_engine import spec_to_engine  # noqa: E402
 
 
 def _free_port() -> int:
@@ -60,7 +62,15 @@ def write_job_dir(job_dir: Path, args: argparse.Namespace, nodes: int) -> None:
     }
     shutil.rmtree(job_dir, ignore_errors=True)  # an earlier run's
     job_dir.mkdir(parents=True)
-    payload = {"job_id": f"bench-{nodes}", "attempt": 1, "spec": spec, "resolved": resolved}
+    # the engine options as the daemon maps them at submission (the worker takes them as given)
+    options = spec_to_engine(JobSpec.model_validate(spec)).to_json()
+    payload = {
+        "job_id": f"bench-{nodes}",
+        "attempt": 1,
+        "spec": spec,
+        "options": options,
+        "resolved": resolved,
+    }
     (job_dir / "spec.json").write_text(json.dumps(payload))
 
 
