@@ -35,10 +35,12 @@ def compile_for_devices(fn: Callable[..., Any], *, backend: str = "inductor") ->
     compile lock to build one). torch releases without that switch keep the eager
     fallback, which is still better than an exception.
 
-    Not solved here: each GPU's compile picks its Triton reduction configs by timing, so
-    the same layer can give other last bits on cuda:0 than on cuda:1 (measured on two
-    H200s; inductor's `deterministic` mode makes the forward agree, not yet the backward:
-    bench/RESULTS.md, session 20).
+    Not solved here: each GPU's compile picks its Triton configs by timing, so the same
+    layer can give other last bits on cuda:0 than on cuda:1 (measured on H200s; inductor's
+    `deterministic` mode narrows it, does not remove it: bench/RESULTS.md, sessions 20-21).
+    Runs stay reproducible because each RoundPipe keeps its own round robin (the same
+    layer on the same GPU in two identical runs); across device counts the results agree
+    within the bar docs/ENGINE.md states.
     """
     import torch._dynamo.config as dynamo_config
 
