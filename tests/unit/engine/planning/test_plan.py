@@ -80,6 +80,32 @@ def test_timer_drops_iterations_during_which_torch_compile_ran(
     assert fwd == pytest.approx([3.0, 10.0]) and bwd == pytest.approx([6.0, 20.0])
 
 
+def test_timer_clips_a_stall_that_no_compile_counter_saw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One iteration 50x slower (a stall inside the timed blocks) enters as 3x: after two
+    measured iterations, the de-biased average goes to 2.2x, not 30x; later iterations at
+    the real times bring it back."""
+    from engine import timer
+
+    monkeypatch.setattr(timer, "_compiled_graphs", lambda: 0)
+    t = timer.ModelTimer([1.0, 1.0])
+
+    def iteration(fwd: list[float]) -> None:
+        t.report("fwd", dict(enumerate(fwd)))
+        t.report("bwd", dict(enumerate(2 * f for f in fwd)))
+        t.update_times()
+
+    iteration([9.0, 9.0])  # warm-up: dropped
+    iteration([10.0, 2.0])
+    assert t.get_estimate("fused")[1] == pytest.approx([10.0, 2.0])
+    iteration([500.0, 2.0])  # the stall, on the first layer
+    fwd = t.get_estimate("fused")[1]
+    assert fwd[0] == pytest.approx((0.3 * 0.7 * 10.0 + 0.3 * 30.0) / (1 - 0.7**2))
+    assert fwd[0] < 2.5 * 10.0 and fwd[1] == pytest.approx(2.0)
+    for _ in range(8):
+        iteration([10.0, 2.0])
+    assert t.get_estimate("fused")[1][0] == pytest.approx(10.0, rel=0.05)
+
+
 # Per-layer times (ms summed over 4 micro-batches) logged on two H200s for Qwen3-1.7B:
 # embedding, 28 decoder layers, head with its loss.
 H200_FWD = [1.0] + [24.5] * 28 + [145.0]
