@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One 4-GPU device call (issue 43, session 21): the host links' bandwidth, the device-count
+# and multi-node GPU tests on all four GPUs, then bench/train.py on 1 and on 4 GPUs (the
+# scaling pair, one call). Logs and JSON lines go to $OUT.
+#   source bench/device_env.sh && OUT=$OUT bash bench/diag/call_scaling.sh
+set -u
+OUT=${OUT:-/tmp/callscaling}
+mkdir -p "$OUT"
+nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
+lscpu | grep -iE "numa|socket|model name" >>"$OUT/topo.txt"
+timeout 60 python3 bench/host_links.py --gib 1 --repeat 4 >"$OUT/links.jsonl" 2>"$OUT/links.err"
+timeout 170 python3 -m pytest -p no:cacheprovider -m gpu -v -s --timeout=120 \
+    tests/gpu/test_device_count_gpu.py tests/gpu/test_multinode_gpu.py >"$OUT/tests.log" 2>&1
+ARGS=(--seqs-per-step 128 --num-microbatch 8 --steps 4 --warmup 4)
+RP_DEVICES=cuda:0 timeout 130 python3 bench/train.py "${ARGS[@]}" >"$OUT/one.jsonl" 2>"$OUT/one.err"
+RP_DEVICES=cuda timeout 130 python3 bench/train.py "${ARGS[@]}" >"$OUT/four.jsonl" 2>"$OUT/four.err"
+cat "$OUT/topo.txt" "$OUT/links.jsonl"
+grep -E "PASSED|FAILED|passed|failed|apart" "$OUT/tests.log" | tail -8
+for f in one four; do python3 - "$OUT/$f.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        d = json.loads(line)
+        keys = ("num_devices", "tokens_per_s", "tokens_per_s_steps_without_compile", "step_s",
+                "steps_with_compile", "plan", "peak_host_mem_gib", "plan_host_gib")
+        print({k: d.get(k) for k in keys})
+PY
+tail -2 "$OUT/$f.err"; done
