@@ -8,12 +8,12 @@ OUT=${OUT:-/tmp/callscaling}
 mkdir -p "$OUT"
 nvidia-smi topo -m >"$OUT/topo.txt" 2>&1
 lscpu | grep -iE "numa|socket|model name" >>"$OUT/topo.txt"
-timeout 60 python3 bench/host_links.py --gib 1 --repeat 4 >"$OUT/links.jsonl" 2>"$OUT/links.err"
-timeout 170 python3 -m pytest -p no:cacheprovider -m gpu -v -s --timeout=120 \
+timeout 40 python3 bench/host_links.py --gib 1 --repeat 4 >"$OUT/links.jsonl" 2>"$OUT/links.err"
+timeout 140 python3 -m pytest -p no:cacheprovider -m gpu -v -s --timeout=120 \
     tests/gpu/test_device_count_gpu.py tests/gpu/test_multinode_gpu.py >"$OUT/tests.log" 2>&1
-ARGS=(--seqs-per-step 128 --num-microbatch 8 --steps 4 --warmup 4)
-RP_DEVICES=cuda:0 timeout 130 python3 bench/train.py "${ARGS[@]}" >"$OUT/one.jsonl" 2>"$OUT/one.err"
-RP_DEVICES=cuda timeout 130 python3 bench/train.py "${ARGS[@]}" >"$OUT/four.jsonl" 2>"$OUT/four.err"
+ARGS=(--seqs-per-step 128 --num-microbatch 8 --warmup 3)
+RP_DEVICES=cuda:0 timeout 115 python3 bench/train.py "${ARGS[@]}" --steps 3 >"$OUT/one.jsonl" 2>"$OUT/one.err"
+RP_DEVICES=cuda timeout 120 python3 bench/train.py "${ARGS[@]}" --steps 4 >"$OUT/four.jsonl" 2>"$OUT/four.err"
 cat "$OUT/topo.txt" "$OUT/links.jsonl"
 grep -E "PASSED|FAILED|passed|failed|apart" "$OUT/tests.log" | tail -8
 for f in one four; do python3 - "$OUT/$f.jsonl" <<'PY'
