@@ -92,7 +92,9 @@ def run_nodes(
     port = _free_port()
     agents = []
     for node in range(nodes):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        # the repository first, then whatever the caller had (the device's carried wheels)
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
         # the tiny shape on the CPU, unless asked for GPUs (tests/gpu/test_multinode_gpu.py)
         if not getattr(args, "gpu", args.model != "tiny"):
             env.update(RP_DEVICES="cpu:1", CUDA_VISIBLE_DEVICES="")
