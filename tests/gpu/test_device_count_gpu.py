@@ -15,15 +15,13 @@ on every visible GPU (needs 2+):
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-from engine.device import reset_devices
 from tests.gpu import test_replay_gpu
+from tests.unit.engine.conftest import use_devices
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,19 +29,8 @@ pytestmark = [
 ]
 
 
-@contextmanager
-def _gpus(spec: str) -> Iterator[None]:
-    old = os.environ.get("RP_DEVICES")
-    os.environ["RP_DEVICES"] = spec
-    reset_devices()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("RP_DEVICES", None)
-        else:
-            os.environ["RP_DEVICES"] = old
-        reset_devices()
+# RP_DEVICES set for the block, the devices rebuilt on the way in and out
+_gpus = contextmanager(use_devices)
 
 
 def _runs(dtype: torch.dtype, specs: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
@@ -55,7 +42,7 @@ def _runs(dtype: torch.dtype, specs: list[str], monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(test_replay_gpu, "_model", model)
     results = {}
     for spec in specs:
-        with _gpus(spec):
+        with _gpus(spec, 0):
             results[spec] = test_replay_gpu._train(
                 replay=False, grain="stage", num_microbatch=3, recompute_attention=True
             )
