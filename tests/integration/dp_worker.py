@@ -364,20 +364,76 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
     os._exit(0)
 
 
+def fork_ranks(root: Path, runs: int, world: int, at_once: int, timeout_s: float) -> Any:
+    """Fork `runs` runs of `world` ranks, `at_once` runs at a time, from this process (torch
+    and the engine imported once, no thread started yet); write `codes.json`.
+
+    The parent never returns: it exits once every run has ended. Each child returns
+    (rank, world, port, out_dir) with stderr sent to `out_dir/rank<r>.log`, runs the rank
+    at module level and ends with the interpreter's own exit, as a script does.
+    """
+    import json
+    import signal
+    import socket
+
+    todo = list(range(runs))
+    running: dict[int, tuple[float, dict[int, int | None]]] = {}  # run: start, pid: code
+    codes: dict[int, list[int]] = {}
+    while todo or running:
+        while todo and len(running) < at_once:
+            k = todo.pop(0)
+            out = root / f"run{k}"
+            out.mkdir()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = str(s.getsockname()[1])
+            pids: dict[int, int | None] = {}
+            for r in range(world):
+                pid = os.fork()
+                if pid == 0:
+                    os.dup2(os.open(out / f"rank{r}.log", os.O_WRONLY | os.O_CREAT), 2)
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+                    return r, world, port, out
+                pids[pid] = None
+            running[k] = (time.monotonic(), pids)
+        for k, (started, pids) in list(running.items()):
+            late = time.monotonic() - started > timeout_s
+            for pid, code in pids.items():
+                if code is None:
+                    if late:
+                        os.kill(pid, signal.SIGKILL)
+                    done, status = os.waitpid(pid, 0 if late else os.WNOHANG)
+                    if done:
+                        pids[pid] = os.waitstatus_to_exitcode(status)
+            if None not in pids.values():
+                codes[k] = [code for code in pids.values() if code is not None]
+                del running[k]
+        time.sleep(0.05)
+    (root / "codes.json").write_text(json.dumps(codes))
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    # python -m tests.integration.dp_worker RANK WORLD PORT OUT_DIR: a whole rank process
-    # as a user writes it, at module level: asynchronous steps, synchronize, a checkpoint,
-    # destroy_process_group(), then the interpreter's own exit (no os._exit). Exit status
-    # 0 means it ran to its end (an exception exits with 1). The model stays referenced
-    # to the exit, as a script's globals are, and nothing runs after the destroy: a model
-    # freed earlier, or a call that releases the GIL, would hide the race it is for.
+    # python -m tests.integration.dp_worker ROOT RUNS WORLD AT_ONCE TIMEOUT_S: RUNS runs of
+    # WORLD forked rank processes, each a whole rank as a user writes it, at module level:
+    # asynchronous steps, synchronize, a checkpoint, destroy_process_group(), then the
+    # interpreter's own exit (no os._exit). Exit status 0 means it ran to its end (an
+    # exception exits with 1). The model stays referenced to the exit, as a script's
+    # globals are, and nothing runs after the destroy: a model freed earlier, or a call
+    # that releases the GIL, would hide the race it is for. The imports happen once, before
+    # the forks: they are most of a rank's time.
+    import importlib
     import sys
 
     import torch.distributed as dist
 
     from engine.parallel.data_parallel import save_checkpoint
 
-    _rank, _world, _port, _out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    for _name in ("engine", "engine.optim", "engine.parallel.data_parallel"):
+        importlib.import_module(_name)  # what build() and run_steps() import, before the forks
+    _rank, _world, _port, _out = fork_ranks(
+        Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    )
     os.environ["RP_DEVICES"] = "cpu:1"
     torch.set_num_threads(1)
     dist.init_process_group(
