@@ -23,6 +23,7 @@ from . import dp_worker
 
 WORLD = 2
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+_PRELOAD = ["torch", "torch.distributed", "engine", "engine.optim", "tests.integration.dp_worker"]
 
 
 def _free_port() -> int:
@@ -34,8 +35,16 @@ def _free_port() -> int:
 def _spawn(
     scenario: str, out: Path, timeout_s: float = 90.0, world: int = WORLD
 ) -> list[dict[str, Any]]:
-    """Run `scenario` on `world` spawned ranks; return what each rank that finished wrote."""
-    ctx = mp.get_context("spawn")
+    """Run `scenario` on `world` spawned ranks; return what each rank that finished wrote.
+
+    CPU ranks fork from a forkserver that imported torch and the engine once (a fresh
+    interpreter's imports are most of a small scenario's time); NCCL ranks start fresh.
+    """
+    if scenario == "nccl":
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # read when the forkserver starts: the first call
     port = _free_port()
     procs = [
         ctx.Process(target=dp_worker.rank_main, args=(r, world, port, str(out), scenario))
