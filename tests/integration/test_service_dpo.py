@@ -176,14 +176,6 @@ def test_a_lora_dpo_job_scores_its_reference_each_step(tmp_path) -> None:
     assert (job / "output" / "adapter_model.safetensors").is_file()
 
 
-def _pairs_file(tmp_path) -> str:
-    """A small preference file: a full job scores its reference on every pair first (the
-    synthetic set's 2,000 pairs take most of a minute on 2 cores)."""
-    path = tmp_path / "pairs.jsonl"
-    path.write_bytes(preference_lines(24))
-    return str(path)
-
-
 def test_a_resumed_full_job_without_its_reference_fails_rather_than_rescoring(tmp_path) -> None:
     from tests.integration.test_worker import make_job, run
 
@@ -197,7 +189,6 @@ def test_a_resumed_full_job_without_its_reference_fails_rather_than_rescoring(tm
             "data.format": "preference",
             "data.seq_len": 32,
         },
-        train_path=_pairs_file(tmp_path),
     )
     code, _ = run(job)
     assert code == 0, (job / "worker.log").read_text()[-3000:]
@@ -223,12 +214,11 @@ def test_a_paused_dpo_job_resumes_exactly_as_it_would_have_run(tmp_path) -> None
         "data.format": "preference",
         "data.seq_len": 32,
     }
-    pairs = _pairs_file(tmp_path)
-    straight = make_job(tmp_path / "straight", overrides, train_path=pairs)
+    straight = make_job(tmp_path / "straight", overrides)
     code, straight_events = run(straight)
     assert code == 0, (straight / "worker.log").read_text()[-3000:]
 
-    job = make_job(tmp_path / "paused", overrides, train_path=pairs)
+    job = make_job(tmp_path / "paused", overrides)
 
     def pause_early(proc, event) -> None:
         if event["type"] == "metrics" and event["data"]["step"] == 2:
