@@ -15,6 +15,10 @@ With optim_memory='compact' step_fn writes the model params themselves: a layer'
 param_copied is set once the optimizer reports the weights it owns updated (layer 0 first;
 engine.context.StepProgress) or step_fn returns, and grad_copied when step_fn returns, so
 iteration k+1 computes with w[k+1], its forward following the optimizer layer by layer.
+
+The fold usually finds its work done: during iteration k's backward a kernel on the
+optimizer thread (engine.fold_ahead) copies each gradient as it lands (`fold_ahead`), and
+the step's `fold_grad` takes the copy if neither buffer was written since.
 """
 
 from __future__ import annotations

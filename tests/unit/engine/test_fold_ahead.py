@@ -121,20 +121,21 @@ def _c_library() -> None:
     assert eo.get_isa() != _native.TORCH_FALLBACK
 
 
-@pytest.mark.parametrize("mode", ["fp32", "fp32-masters", "12-byte", "compact"])
-def test_staleness_zero_with_clip_equals_the_fold_in_the_step(cpu3: int, mode: str) -> None:
+def _with_and_without(mode: str, on: bool | str = True, **train_kwargs: Any) -> list[Any]:
+    """`_train` of the same `MODES[mode]` model with the kernel (`on`) and without it."""
     dtype, rp_kwargs, adam_kwargs = MODES[mode]
     base = _model(dtype)
-    runs = [
+    return [
         _train(
-            copy.deepcopy(base),
-            fold_ahead=on,
-            step_staleness=0,
-            adam_kwargs=adam_kwargs,
-            **rp_kwargs,
+            copy.deepcopy(base), fold_ahead=f, adam_kwargs=adam_kwargs, **rp_kwargs, **train_kwargs
         )
-        for on in (True, False)
+        for f in (on, False)
     ]
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp32-masters", "12-byte", "compact"])
+def test_staleness_zero_with_clip_equals_the_fold_in_the_step(cpu3: int, mode: str) -> None:
+    runs = _with_and_without(mode, step_staleness=0)
     _assert_same(*runs)
     _assert_fast_path(*runs, mode)
 
@@ -143,18 +144,7 @@ def test_staleness_zero_with_clip_equals_the_fold_in_the_step(cpu3: int, mode: s
 def test_gradient_accumulation_takes_the_last_calls_copy(num_devices: int, staleness: int) -> None:
     """Three calls per step on a bf16 model: each call's download adds to the bf16 buffer,
     so the copies of the first two calls are stale by the step; the third call's is taken."""
-    dtype, rp_kwargs, _ = MODES["fp32-masters"]
-    base = _model(dtype)
-    runs = [
-        _train(
-            copy.deepcopy(base),
-            fold_ahead=on,
-            calls_per_step=3,
-            step_staleness=staleness,
-            **rp_kwargs,
-        )
-        for on in (True, False)
-    ]
+    runs = _with_and_without("fp32-masters", calls_per_step=3, step_staleness=staleness)
     _assert_same(*runs)
     _assert_fast_path(*runs, "fp32-masters")
 
@@ -162,12 +152,7 @@ def test_gradient_accumulation_takes_the_last_calls_copy(num_devices: int, stale
 def test_a_later_call_without_the_kernel_makes_the_copy_stale(cpu3: int) -> None:
     """The kernel in each step's first call only (a later call overlapped, say): the later
     calls' downloads add to the buffer it copied, so the step folds again."""
-    dtype, rp_kwargs, _ = MODES["fp32-masters"]
-    base = _model(dtype)
-    got, expected = (
-        _train(copy.deepcopy(base), fold_ahead=on, calls_per_step=2, **rp_kwargs)
-        for on in ("first", False)
-    )
+    got, expected = _with_and_without("fp32-masters", "first", calls_per_step=2)
     _assert_same(got, expected)
     assert got["folded_ahead"] == [0] * 3 and got["kept"] == [0] * 3
     assert got["fold_calls"] == [got["trainable"]] * 4  # steps' first calls and the last
