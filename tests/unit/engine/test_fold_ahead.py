@@ -133,20 +133,25 @@ def _with_and_without(mode: str, on: bool | str = True, **train_kwargs: Any) -> 
     ]
 
 
-@pytest.mark.parametrize("mode", ["fp32", "fp32-masters", "12-byte", "compact"])
-def test_staleness_zero_with_clip_equals_the_fold_in_the_step(cpu3: int, mode: str) -> None:
-    runs = _with_and_without(mode, step_staleness=0)
+def check_equal_to_the_fold_in_the_step(mode: str, **train_kwargs: Any) -> None:
+    """Train `MODES[mode]` with the kernel and without; the same bits, the fast path taken
+    (also run by tests/gpu/test_fold_ahead_gpu.py)."""
+    _native.load()
+    runs = _with_and_without(mode, **train_kwargs)
     _assert_same(*runs)
     _assert_fast_path(*runs, mode)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp32-masters", "12-byte", "compact"])
+def test_staleness_zero_with_clip_equals_the_fold_in_the_step(cpu3: int, mode: str) -> None:
+    check_equal_to_the_fold_in_the_step(mode, step_staleness=0)
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_gradient_accumulation_takes_the_last_calls_copy(num_devices: int, staleness: int) -> None:
     """Three calls per step on a bf16 model: each call's download adds to the bf16 buffer,
     so the copies of the first two calls are stale by the step; the third call's is taken."""
-    runs = _with_and_without("fp32-masters", calls_per_step=3, step_staleness=staleness)
-    _assert_same(*runs)
-    _assert_fast_path(*runs, "fp32-masters")
+    check_equal_to_the_fold_in_the_step("fp32-masters", calls_per_step=3, step_staleness=staleness)
 
 
 def test_a_later_call_without_the_kernel_makes_the_copy_stale(cpu3: int) -> None:
@@ -177,6 +182,13 @@ def test_lora_and_a_step_fn_that_scales_the_gradients(cpu3: int) -> None:
 def test_tied_weight_on_three_devices(cpu3: int) -> None:
     """A tiny Qwen3 whose embedding is also its head (two downloads a call, the head's
     first): the copy waits for the second one."""
+    check_tied_weight()
+
+
+def check_tied_weight() -> None:
+    """The tied tiny Qwen3 with the kernel and without: the same losses, clip norms and
+    weights; every copy taken (also run by tests/gpu/test_fold_ahead_gpu.py)."""
+    _native.load()
     results = []
     for on in (True, False):
         model, rp = tied_qwen3_roundpipe(torch.bfloat16, step_staleness=0)
