@@ -21,8 +21,8 @@ to it. The kept sums are the C library's per-tensor sums, which do not depend on
 tensors are batched, and the norm adds them with math.fsum, whose result does not depend on
 their order.
 
-The kernel runs on the optimizer thread, after the step before (whose step_fn must have
-dropped the gradients it read), and `forward_backward` waits for it as it waits for that step
+The kernel runs on the optimizer thread, after the step before (so a step_fn's zero_grad has
+dropped the gradients it read, or the kernel leaves them to the step), and `forward_backward` waits for it as it waits for that step
 (synchronize_optim), so the next call's downloads never meet it. Overlapped calls fold in the
 step kernel already (publish_weights_take_grads waits for each gradient) and data parallel
 folds as it reduces: neither gets this kernel.
@@ -65,8 +65,8 @@ def fold_ahead_of_step(model: RoundPipe, run: RunState) -> dict[str, float] | No
         phases = collections.deque(maxlen=FOLD_STATS)
         object.__setattr__(model, "fold_phases", phases)
     stats = {"fold_s": 0.0, "params": 0.0, "end_wait_s": 0.0}
+    launch_optim_kernel(_fold_kernel, model, run, stats)  # may raise a failed step's error
     phases.append(stats)
-    launch_optim_kernel(_fold_kernel, model, run, stats)
     return stats
 
 
