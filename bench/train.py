@@ -378,6 +378,8 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         rp.step_staleness = args.step_staleness
     if args.no_layer_publish:
         object.__setattr__(rp, "_publish_as_updated", False)
+    if args.no_fold_ahead:
+        object.__setattr__(rp, "_fold_ahead", False)
     dp = getattr(rp, "_dp", None)
     state_dtype = torch.uint8 if compact else getattr(torch, args.optim_state_dtype)
     optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr, state_dtype)
@@ -466,7 +468,9 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         overlap_calls=args.overlap_calls,
         double_buffer_weights=_double_buffer(args),
         second_copy_gib=round(getattr(rp, "second_copy_bytes", 0) / 2**30, 2),
-        optimizer_thread_s=_step_phases(rp, args.warmup),
+        optimizer_thread_s=_phase_medians(getattr(rp, "step_phases", []), args.warmup),
+        fold_ahead=not args.no_fold_ahead,
+        fold_ahead_s=_phase_medians(getattr(rp, "fold_phases", []), args.warmup),
         layer_gb=[round(g, 6) for g in rp.layer_size],
         one_device=_one_device(rp),
         replay={
@@ -503,13 +507,16 @@ def _one_device(rp: Any) -> dict[str, Any] | None:
     }
 
 
-def _step_phases(rp: Any, warmup: int) -> dict[str, float] | None:
-    """Medians over the measured steps of the optimizer thread's time per step, by phase
-    (RoundPipe.step_phases: publish, fold, waiting for an overlapped call, step_fn)."""
-    phases = list(getattr(rp, "step_phases", []))[warmup:]
-    if not phases:
+def _phase_medians(rows: Any, warmup: int) -> dict[str, float] | None:
+    """Per key, the median over the measured rows (after `warmup`) of per-step timings:
+    RoundPipe.step_phases (the optimizer thread's step by phase: publish, fold, waiting
+    for an overlapped call, step_fn) or RoundPipe.fold_phases (the fold done while the
+    backward ran, engine.fold_ahead: its seconds, the gradients it made ready, how long
+    the call's end waited for the optimizer thread)."""
+    measured = list(rows)[warmup:]
+    if not measured:
         return None
-    return {k: round(statistics.median(p[k] for p in phases), 4) for k in phases[0]}
+    return {k: round(statistics.median(p[k] for p in measured), 4) for k in measured[0]}
 
 
 def _layer_times(rp: Any) -> dict[str, Any] | None:

@@ -82,6 +82,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         "layer as the optimizer reports them (RoundPipe's private _publish_as_updated; A/B)",
     )
     p.add_argument(
+        "--no-fold-ahead",
+        action="store_true",
+        help="fold the gradients into the optimizer's and sum their squares in the step, not "
+        "while the backward runs (RoundPipe's private _fold_ahead, engine.fold_ahead; A/B)",
+    )
+    p.add_argument(
         "--text",
         action="store_true",
         help="train on generated text (the demo's stories as bytes) instead of random ids",

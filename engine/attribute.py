@@ -15,6 +15,10 @@ With optim_memory='compact' step_fn writes the model params themselves: a layer'
 param_copied is set once the optimizer reports the weights it owns updated (layer 0 first;
 engine.context.StepProgress) or step_fn returns, and grad_copied when step_fn returns, so
 iteration k+1 computes with w[k+1], its forward following the optimizer layer by layer.
+
+The fold usually finds its work done: during iteration k's backward a kernel on the
+optimizer thread (engine.fold_ahead) copies each gradient as it lands (`fold_ahead`), and
+the step's `fold_grad` takes the copy if neither buffer was written since.
 """
 
 from __future__ import annotations
@@ -145,6 +149,8 @@ class ParamAttribute:
         self.grad_pending = False
         self.grad_event: torch.cuda.Event | None = None  # completes the last grad download
         self.optim_grad_buffer: torch.Tensor | None = None
+        # fold_ahead's copy: (grad_host, its version then, the buffer, its version then)
+        self.folded_ahead: tuple[torch.Tensor, int, torch.Tensor, int] | None = None
         self.lock = threading.Lock()
 
     @classmethod
@@ -180,24 +186,72 @@ class ParamAttribute:
         # In place, grad_host *is* the optimizer's gradient until the optimizer drops it.
         return self.grad_in_place and self.optim is not None and self.optim.grad is self.grad_host
 
-    def fold_grad(self) -> None:
-        """Add the pending host gradient into the optimizer-side gradient."""
+    def fold_grad(self) -> bool:
+        """Add the pending host gradient into the optimizer-side gradient; True when the
+        copy `fold_ahead` made of it was still current and is taken as it is."""
+        ahead, self.folded_ahead = self.folded_ahead, None
         if not self.grad_pending or self.optim is None or self.grad_host is None:
             self.grad_pending = False
-            return
+            return False
         g = self.grad_host
+        taken = False
         if self.grad_in_place and (self.optim.grad is None or self.optim.grad is g):
             # The downloads already accumulated into g (accumulates()): hand it over as is.
             self.optim.grad = g
         elif self.optim.grad is None:
-            # Reuse last step's buffer: allocating (and page-faulting) a fresh fp32 gradient
-            # for every parameter each step costs more than the copy itself.
-            buf = self.optim_grad_buffer
-            if buf is None or buf.shape != g.shape:
-                buf = torch.empty(g.shape, dtype=self.optim.dtype)
-                self.optim_grad_buffer = buf
-            buf.copy_(g)
-            self.optim.grad = buf
+            taken = ahead is not None and _still_current(ahead, g, self.optim_grad_buffer)
+            if not taken:
+                self._copy_into_buffer(g)
+            self.optim.grad = self.optim_grad_buffer
         else:
             self.optim.grad.add_(g)
         self.grad_pending = False
+        return taken
+
+    def fold_ahead(self) -> torch.Tensor | None:
+        """Make now, while other layers' backward runs, the copy fold_grad would make of
+        the pending gradient (into the reused buffer); call it once the gradient is down.
+        fold_grad takes the copy if neither it nor the download buffer changed since
+        (another call's download adds to the buffer first: call this again after it).
+        Returns the gradient the optimizer will read (the copy, or the download buffer
+        read in place), for its sum of squares; None when fold_grad is left to do it all
+        (nothing pending, or an optimizer-side gradient kept from before to add to)."""
+        with self.lock:
+            self.folded_ahead = None
+            if not self.grad_pending or self.optim is None or self.grad_host is None:
+                return None
+            g = self.grad_host
+            if self.grad_in_place and (self.optim.grad is None or self.optim.grad is g):
+                return g  # fold_grad hands the download buffer over as it is
+            if self.optim.grad is not None:
+                return None
+            copy = self._copy_into_buffer(g)
+            self.folded_ahead = (g, g._version, copy, copy._version)
+            return copy
+
+    def _copy_into_buffer(self, g: torch.Tensor) -> torch.Tensor:
+        assert self.optim is not None
+        # Reuse last step's buffer: allocating (and page-faulting) a fresh fp32 gradient
+        # for every parameter each step costs more than the copy itself.
+        buf = self.optim_grad_buffer
+        if buf is None or buf.shape != g.shape:
+            buf = torch.empty(g.shape, dtype=self.optim.dtype)
+            self.optim_grad_buffer = buf
+        buf.copy_(g)
+        return buf
+
+
+def _still_current(
+    ahead: tuple[torch.Tensor, int, torch.Tensor, int],
+    grad_host: torch.Tensor,
+    buffer: torch.Tensor | None,
+) -> bool:
+    """Whether fold_ahead's copy is still that of the download buffer: neither written since
+    (every write of either is an in-place torch op, which moves the version counter)."""
+    host, host_version, copy, copy_version = ahead
+    return (
+        host is grad_host
+        and host._version == host_version
+        and copy is buffer
+        and copy._version == copy_version
+    )

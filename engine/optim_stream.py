@@ -50,6 +50,9 @@ def controller() -> None:
             if _error is None:
                 _error = exc
         finally:
+            # Let go of the kernel's arguments before a synchronize can return: a finished
+            # call's state (engine.fold_ahead's kernel holds it) must not outlive the call.
+            fn = args = kwargs = None  # type: ignore[assignment]
             kernel_queue.task_done()
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import statistics
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,6 +38,7 @@ from .device import (
     set_gpu_memory_cap,
 )
 from .errors import ConfigError, GradientsDisabledError
+from .fold_ahead import fold_ahead_of_step
 from .memory import get_model_active_size, get_model_size, pin_module
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
 from .parallel.data_parallel import AUTO_GROUP, attach_data_parallel, resolve_process_group
@@ -611,12 +613,18 @@ class RoundPipe(RoundPipeBase):
         if not overlap:
             self.finish_pending()
         run.previous = self.__dict__.get("_pending_run")
-        for g in range(n_fwd - 1):
-            run.launch(self._next_device(), forward_job, g, name=f"fwd{g}")
-        for part in range(run.tail_split):
-            run.launch(self._next_device(), fused_job, part, name=f"fused{part}")
-        for b in range(len(plan.bwd_plan)):
-            run.launch(self._next_device(), backward_job, b, name=f"bwd{b}")
+        # Before the jobs: launching it may raise a failed step's error (nothing to undo then).
+        fold = None if overlap else fold_ahead_of_step(self, run)
+        try:
+            for g in range(n_fwd - 1):
+                run.launch(self._next_device(), forward_job, g, name=f"fwd{g}")
+            for part in range(run.tail_split):
+                run.launch(self._next_device(), fused_job, part, name=f"fused{part}")
+            for b in range(len(plan.bwd_plan)):
+                run.launch(self._next_device(), backward_job, b, name=f"bwd{b}")
+        except BaseException:
+            run.abort.set()  # the fold kernel must not wait for downloads that never come
+            raise
         if overlap:
             # Return with the losses; the backward jobs go on, overlapping the next call's
             # forward jobs. The call before this one is done by now (its last jobs ran
@@ -630,8 +638,11 @@ class RoundPipe(RoundPipeBase):
             self.model_timer.update_times()
             # The step before this iteration must end before the next step can start
             # anyway; waiting here costs no overlap and surfaces a failed step_fn at this
-            # call.
+            # call. The fold kernel ends here too: the next call's downloads never meet it.
+            waited = time.perf_counter()
             synchronize_optim()
+            if fold is not None:
+                fold["end_wait_s"] = time.perf_counter() - waited
         # A loss HostData's tree says whether loss_fn returned a sequence.
         batch.loss_list = [
             list(a.leaves) if a.tree else a.leaves[0] for a in run.flow.losses if a is not None

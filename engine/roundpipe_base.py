@@ -266,7 +266,9 @@ class RoundPipeBase(nn.Module):
         """
         # "swapped": parameters published by swapping in the copy the optimizer wrote;
         # "early_layers": layers published while step_fn ran, "first_layer_s" after how
-        # long the first (weights the optimizer writes in place, _LayerProgress).
+        # long the first (weights the optimizer writes in place, _LayerProgress);
+        # "folded_ahead": gradients whose fold was done while the backward ran
+        # (engine.fold_ahead), leaving "fold_s" next to nothing.
         phases = {
             "publish_s": 0.0,
             "fold_s": 0.0,
@@ -275,6 +277,7 @@ class RoundPipeBase(nn.Module):
             "swapped": 0.0,
             "early_layers": 0.0,
             "first_layer_s": 0.0,
+            "folded_ahead": 0.0,
         }
         start = time.perf_counter()
         progress: _LayerProgress | None = None
@@ -397,6 +400,7 @@ class RoundPipeBase(nn.Module):
         synchronize_optim()
         for p, pa in self._all_params():
             pa.grad_pending = False
+            pa.folded_ahead = None
             if pa.optim is not None:
                 pa.optim.grad = None
             p.grad = None
@@ -632,7 +636,9 @@ def publish_weights_take_grads(
                 with clock("wait_s"):
                     pending.wait_grads(p)
             with clock("fold_s"):
-                pa.fold_grad()
+                taken = pa.fold_grad()
+            if taken and phases is not None:  # copied while the backward ran (fold_ahead)
+                phases["folded_ahead"] = phases.get("folded_ahead", 0.0) + 1
         # A gradient read in place stays the optimizer's until step_fn returns (the
         # caller sets every event then).
         if not any(pa.grad_in_place for _, pa in params):

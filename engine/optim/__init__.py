@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..context import StepProgress, step_progress
 from ..errors import ConfigError
-from . import _native, _q8
+from . import _native, _q8, _sumsq
 from ._native import (
     NativeBuildError,
     available_isas,
@@ -264,13 +264,15 @@ class Adam(torch.optim.Optimizer):
     def grad_norm(self) -> Tensor:
         """The 2-norm of every gradient this optimizer would step with, as an fp32 scalar
         (`torch.nn.utils.get_total_norm`'s value, summed in double by the C library over
-        all cores: one read of the gradients, in a fraction of torch's time on the CPU)."""
+        all cores: one read of the gradients, in a fraction of torch's time on the CPU).
+        A gradient's sum kept since it became final (RoundPipe folds each layer's while the
+        backward runs) is used as it is: the same norm, to the last bit (`_sumsq`)."""
         grads = self._grads()
         if not grads:
             return torch.zeros((), dtype=torch.float32)
         if get_isa() == _native.TORCH_FALLBACK:
             return torch.nn.utils.get_total_norm(grads).to(torch.float32)
-        return torch.tensor(math.sqrt(_native_sumsq(grads)), dtype=torch.float32)
+        return torch.tensor(math.sqrt(_sumsq.total(grads)), dtype=torch.float32)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -468,24 +470,6 @@ def _sr_seed(step: float) -> int:
 def _param_sr_seed(step: float) -> int:
     """The same for a bf16 parameter's rounding bits (another stream than the moments')."""
     return (int(step) * 0x85EBCA6B + 0x632BE5AB) & _MASK32
-
-
-def _native_sumsq(grads: list[Tensor]) -> float:
-    """The sum of the squares of every element of `grads` (CPU tensors), in double."""
-    native = _native.load()
-    ffi, lib = native.ffi, native.lib
-    dense = [g.contiguous() for g in grads]
-    tensors = ffi.new("rp_adam_tensor[]", len(dense))
-    for k, g in enumerate(dense):
-        if g.dtype not in _GRAD_DTYPES or g.device.type != "cpu":
-            raise ConfigError(f"a gradient must be an fp32, fp16 or bf16 CPU tensor, got {g.dtype}")
-        tensors[k].grad = g.data_ptr()
-        tensors[k].grad_dtype = _GRAD_DTYPES[g.dtype]
-        tensors[k].numel = g.numel()
-    out = ffi.new("double[]", len(dense))
-    if lib.rp_grad_sumsq(tensors, len(dense), out, get_num_threads()) != 0:
-        raise MemoryError("the C library could not allocate its per-chunk sums")
-    return math.fsum(out[k] for k in range(len(dense)))
 
 
 def _native_update(

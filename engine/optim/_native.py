@@ -53,6 +53,7 @@ __all__ = [
     "get_isa",
     "get_num_threads",
     "load",
+    "loaded",
     "native_info",
     "physical_cores",
     "set_isa",
@@ -230,6 +231,11 @@ def load() -> NativeLib:
                 log.debug("C Adam: no installed build (%s)", _MODULE_NAME)
             _loaded = native or _build_into_cache()
         return _loaded
+
+
+def loaded() -> bool:
+    """Whether `load()` has run: the library is in memory, nothing left to build."""
+    return _loaded is not None
 
 
 def physical_cores() -> int:

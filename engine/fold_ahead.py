@@ -1,0 +1,95 @@
+"""Folding a call's gradients into the optimizer's while its backward still runs (issue 44).
+
+The step's first work used to be the fold of every downloaded gradient into the optimizer-side
+one (an fp32 copy per parameter) and, with clipping, a pass over all of them for the norm.
+With `step_staleness=0` both stood between the end of the backward and the next call's
+first layer (which waits for layer 0's update). Here a kernel queued on the optimizer thread
+by each `forward_backward` takes the layers from the last down, the order the backward
+downloads their gradients: once a parameter's gradient of this call is down
+(`RunState.wait_grads`) it makes the copy the fold would make (`ParamAttribute.fold_ahead`)
+and keeps its sum of squares with it (engine.optim._sumsq), one C call per layer. The step's
+fold then takes each copy as it is (`fold_grad`), and `Adam.grad_norm` adds the kept sums:
+what is left before layer 0 can be published is the sum of the kept sums, the clip
+coefficient and layer 0's update.
+
+Nothing changes a bit of the results. The copy is taken only if neither the download buffer
+nor the copy was written since (version counters): a second call before the step (gradient
+accumulation) adds its download to the buffer, so the step refolds unless that call's own
+kernel copied again, which it does once its download is down. A gradient the optimizer kept
+from the step before (a step_fn that does not zero it) is left to the step's fold, which adds
+to it. The kept sums are the C library's per-tensor sums, which do not depend on how the
+tensors are batched, and the norm adds them with math.fsum, whose result does not depend on
+their order.
+
+The kernel runs on the optimizer thread, after the step before (so a step_fn's zero_grad has
+dropped the gradients it read, or the kernel leaves them to the step), and `forward_backward` waits for it as it waits for that step
+(synchronize_optim), so the next call's downloads never meet it. Overlapped calls fold in the
+step kernel already (publish_weights_take_grads waits for each gradient) and data parallel
+folds as it reduces: neither gets this kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .optim import _sumsq
+from .optim_stream import launch_optim_kernel
+from .run_state import RunAborted
+
+if TYPE_CHECKING:
+    from .roundpipe import RoundPipe
+    from .run_state import RunState
+
+__all__ = ["FOLD_STATS", "fold_ahead_of_step"]
+
+FOLD_STATS = 64  # calls whose fold-ahead times a model keeps (RoundPipe.fold_phases)
+
+
+def fold_ahead_of_step(model: RoundPipe, run: RunState) -> dict[str, float] | None:
+    """Queue the fold of `run`'s gradients on the optimizer thread (see the module doc);
+    nothing with data parallel or when the model's `_fold_ahead` switch is off.
+
+    Returns the call's entry in `model.fold_phases`, which the kernel fills: "fold_s", the
+    seconds spent copying and summing; "params", the gradients made ready; the caller adds
+    "end_wait_s", how long the call's end waited for the optimizer thread (this kernel and,
+    with staleness one, the step before).
+    """
+    if model._dp is not None or not model.__dict__.get("_fold_ahead", True):
+        return None
+    phases = model.__dict__.get("fold_phases")
+    if phases is None:
+        phases = collections.deque(maxlen=FOLD_STATS)
+        object.__setattr__(model, "fold_phases", phases)
+    stats = {"fold_s": 0.0, "params": 0.0, "end_wait_s": 0.0}
+    launch_optim_kernel(_fold_kernel, model, run, stats)  # may raise a failed step's error
+    phases.append(stats)
+    return stats
+
+
+def _fold_kernel(model: RoundPipe, run: RunState, stats: dict[str, float]) -> None:
+    """On the optimizer thread: per layer, last first, wait for each trainable parameter's
+    gradient of this call, copy it as the fold would, and keep the layer's sums of squares."""
+    keep_sums = _sumsq.can_keep()
+    try:
+        for params in reversed(model._params_by_owner()):
+            grads: list[torch.Tensor] = []
+            for p, pa in params:
+                if pa.optim is None:
+                    continue
+                run.wait_grads(p)
+                t0 = time.perf_counter()
+                grad = pa.fold_ahead()
+                if grad is not None:
+                    grads.append(grad)
+                stats["fold_s"] += time.perf_counter() - t0
+            if grads and keep_sums:
+                t0 = time.perf_counter()
+                _sumsq.keep(grads)
+                stats["fold_s"] += time.perf_counter() - t0
+            stats["params"] += len(grads)
+    except RunAborted:
+        return  # the call failed (it raises its own error); the step folds what is left
