@@ -1,12 +1,22 @@
 """FP8 matmuls (engine.accel.fp8) on a GPU that has them (compute capability >= 8.9).
 
 Tolerances, and why:
-- The engine in FP8 against the same model converted to FP8 and run in plain PyTorch
-  (eager): the engine compiles its decoder layers (fused norms, rotary, SwiGLU) and takes the
-  loss in chunks, so operands differ in the last bf16 bit, and a float8 cast then rounds an
-  element that sits on a rounding boundary to its neighbour (one e4m3 step: 6-12%).
-  Accepted: the loss within 1%, each gradient within 5% (relative L2) of the reference and
-  nearer to it than to the bf16 model's gradient by at least half.
+- The engine in FP8 against the same model converted to FP8 and run in plain PyTorch with the
+  same kernels: its decoder layers called through the engine's compiled function
+  (`_layer_calls._compiled_decoder_call`) and the loss through the engine's chunked loss.
+  On CPU devices with inductor forced on, the two are equal bit for bit; here the loss within
+  1%, each gradient within 5% (relative L2) of this reference and, for the linears FP8
+  computes, nearer to it than to the bf16 model's gradient by at least half.
+- Against the eager FP8 model (plain HF layers, HF's loss) only the loss is held to 1%: the
+  gradients are another draw of FP8's rounding noise. Inductor fuses the layer's
+  elementwise work (SwiGLU, norms, rotary) with one bf16 rounding where eager rounds twice;
+  operands one bf16 step apart cast to a neighbouring float8 value now and then (one e4m3
+  step: 6-12%), and every following FP8 matmul, forward and backward, turns those into more
+  flips. On this random model and random tokens the gradients are small sums of large
+  terms, so the draws end up 7-14% apart (CPU, inductor: embedding 0.111, layer 0's
+  q_proj 0.136 rowwise; the GPU gave 0.11 and 0.165), against 10-18% between FP8 and bf16.
+  Held: each gradient nearer to the eager FP8 model's than the bf16 model's is (worst ratio
+  on the CPU: 0.81 rowwise). docs/FP8.md, "How the FP8 tests compare".
 - A preset trained in FP8 against bf16 (20 AdamW steps on one batch): every step's loss
   within 3% of bf16's (on CPU devices at hidden 64: within 0.4% over the 20 steps).
 - Resume and CUDA-graph replay: bit for bit, with the math attention recomputed (the
@@ -25,7 +35,8 @@ import torch
 from engine import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe
 from engine.accel import graphs
 from engine.accel.fp8 import Fp8Linear, convert_linears
-from engine.models import causal_lm_loss_fn
+from engine.models import causal_lm_loss, causal_lm_loss_fn
+from engine.models._layer_calls import _compiled_decoder_call
 from engine.parallel.checkpoint import load_checkpoint, save_checkpoint
 from tests.tiny_models import tiny_model
 from tests.unit.engine._models import lm_steps
@@ -62,10 +73,45 @@ def _ids(seed: int = 3, rows: int = 6, seq: int = 256) -> torch.Tensor:
 
 
 def _reference_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict]:
+    """Loss and gradients of `model` as HF computes them (eager layers, HF's loss)."""
     model = copy.deepcopy(model).cuda()
     loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
     loss.backward()
     return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+
+
+class _EngineKernels(torch.nn.Module):
+    """An HF decoder layer called through the engine's compiled layer function."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: Any = None,
+        position_ids: Any = None,
+        position_embeddings: Any = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        call = _compiled_decoder_call()
+        return call(self.layer, hidden, attention_mask, position_ids, *position_embeddings, None)
+
+
+def _same_kernel_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict]:
+    """Loss and gradients of `model` in plain PyTorch, but with the engine's kernels: its
+    compiled decoder layer function and its chunked loss (what the engine adds is then
+    only the streaming, the recompute and the bookkeeping)."""
+    model = copy.deepcopy(model).cuda()
+    params = dict(model.named_parameters())
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = _EngineKernels(layer)
+    ids = ids.cuda()
+    hidden = model.model(input_ids=ids).last_hidden_state
+    loss = causal_lm_loss((hidden, model.lm_head.weight), ids)
+    loss.backward()
+    return loss.item(), {n: p.grad.float().cpu() for n, p in params.items()}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,13 +119,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_fp8_layers_equal_the_fp8_reference(cuda_devices: int, recipe: str) -> None:
+def test_fp8_layers_equal_the_fp8_reference(
+    cuda_devices: int, math_attention: None, recipe: str
+) -> None:
     base = _model()
     ids = _ids()
     converted = copy.deepcopy(base)
     convert_linears(converted, recipe)  # type: ignore[arg-type]
-    ref_loss, ref = _reference_grads(converted, ids)
-    _, bf16 = _reference_grads(base, ids)
+    ref_loss, ref = _same_kernel_grads(converted, ids)
+    eager_loss, eager = _reference_grads(converted, ids)
+    _, bf16 = _same_kernel_grads(base, ids)
 
     model = copy.deepcopy(base)
     rp = wrap_model_to_roundpipe(
@@ -97,12 +146,16 @@ def test_fp8_layers_equal_the_fp8_reference(cuda_devices: int, recipe: str) -> N
     )
     rp.synchronize()
     assert float(loss) == pytest.approx(ref_loss, rel=1e-2)
-    for name, want in ref.items():
-        got = dict(model.named_parameters())[name].grad
-        off = _rel(got, want)
-        assert off < 0.05, f"{name}: {off:.3g} from the FP8 reference"
+    assert float(loss) == pytest.approx(eager_loss, rel=1e-2)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    offs = {n: _rel(grads[n], want) for n, want in ref.items()}
+    assert max(offs.values()) < 0.05, f"from the FP8 reference: {offs}"
+    for name, off in offs.items():
         if "proj" in name:  # the linears FP8 computes
-            assert off < 0.5 * _rel(bf16[name], want), name
+            assert off < 0.5 * _rel(bf16[name], ref[name]), name
+    # The eager FP8 model: another draw of the rounding noise, still nearer than bf16's.
+    for name, want in eager.items():
+        assert _rel(grads[name], want) < _rel(bf16[name], want), name
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
