@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.fp8_matmul import time_ms
 from bench.shapes import SHAPES, build_model
 from engine.accel.fp8 import convert_linears
 from engine.models._layer_calls import _compiled_decoder_call, _decoder_call
@@ -110,26 +109,6 @@ class LayerStep:
             p.grad = None
 
 
-def time_ms(fn: Callable[[], None], iters: int, warmup: int, cuda: bool) -> float:
-    """Median milliseconds of `fn` over `iters` calls, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def kernel_table(fn: Callable[[], None], cuda: bool, top: int) -> dict[str, Any]:
     """Device milliseconds of one call of `fn` per category and its `top` kernels (on the
     CPU: CPU operators, for the plumbing only)."""
@@ -175,9 +154,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         common = {"model": "tiny" if args.tiny else args.model, "precision": precision}
         common |= {"tokens": step.hidden.shape[0] * args.seq_len, "compiled": not args.eager}
         row = {"bench": "fp8_layer", **common}
-        timing = (args.iters, args.warmup, cuda)
-        row["forward_ms"] = round(time_ms(lambda s=step: s.forward(fn), *timing), 3)
-        row["backward_ms"] = round(time_ms(lambda s=step: s.backward(fn), *timing), 3)
+        timing = {"warmup": args.warmup, "cuda": cuda}
+        row["forward_ms"] = round(time_ms(lambda s=step: s.forward(fn), args.iters, **timing), 3)
+        row["backward_ms"] = round(time_ms(lambda s=step: s.backward(fn), args.iters, **timing), 3)
         print(json.dumps(row), flush=True)
         table = {"bench": "fp8_layer.kernels", **common, "phase": "backward"}
         table |= kernel_table(lambda s=step: s.backward(fn), cuda, args.top)
