@@ -2,8 +2,9 @@
 
 Tolerances, and why:
 - The engine in FP8 against the same model converted to FP8 and run in plain PyTorch with the
-  same kernels: its decoder layers called through the engine's compiled function
-  (`_layer_calls._compiled_decoder_call`) and the loss through the engine's chunked loss.
+  same kernels in the same order: its decoder layers called through the engine's compiled
+  function (`_layer_calls._compiled_decoder_call`), a forward without grad and then each
+  layer recomputed for its backward, and the loss through the engine's chunked loss.
   On CPU devices with inductor forced on, the two are equal bit for bit; here the loss within
   1%, each gradient within 5% (relative L2) of this reference and, for the linears FP8
   computes, nearer to it than to the bf16 model's gradient by at least half.
@@ -80,37 +81,33 @@ def _reference_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, 
     return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 
-class _EngineKernels(torch.nn.Module):
-    """An HF decoder layer called through the engine's compiled layer function."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        attention_mask: Any = None,
-        position_ids: Any = None,
-        position_embeddings: Any = None,
-        **_: Any,
-    ) -> torch.Tensor:
-        call = _compiled_decoder_call()
-        return call(self.layer, hidden, attention_mask, position_ids, *position_embeddings, None)
-
-
 def _same_kernel_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict]:
-    """Loss and gradients of `model` in plain PyTorch, but with the engine's kernels: its
-    compiled decoder layer function and its chunked loss (what the engine adds is then
-    only the streaming, the recompute and the bookkeeping)."""
+    """Loss and gradients of `model` in plain PyTorch with the engine's kernels and order:
+    its compiled decoder layer function (a forward without grad keeping each layer's input,
+    then each layer recomputed under grad and backpropagated, last first, as the engine's
+    recompute does: the two compiled graphs may round differently on a GPU) and its chunked
+    loss. What the engine adds on top is the streaming, the scheduling and the bookkeeping."""
     model = copy.deepcopy(model).cuda()
     params = dict(model.named_parameters())
-    for i, layer in enumerate(model.model.layers):
-        model.model.layers[i] = _EngineKernels(layer)
+    inner, call = model.model, _compiled_decoder_call()
     ids = ids.cuda()
-    hidden = model.model(input_ids=ids).last_hidden_state
-    loss = causal_lm_loss((hidden, model.lm_head.weight), ids)
+    embedded = inner.embed_tokens(ids)
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    cos, sin = inner.rotary_emb(embedded, positions)
+    inputs, hidden = [], embedded.detach()
+    with torch.no_grad():
+        for layer in inner.layers:
+            inputs.append(hidden)
+            hidden = call(layer, hidden, None, positions, cos, sin, None)
+    top = hidden.requires_grad_()
+    loss = causal_lm_loss((inner.norm(top), model.lm_head.weight), ids)
     loss.backward()
+    grad = top.grad
+    for layer, saved in zip(reversed(inner.layers), reversed(inputs), strict=True):
+        x = saved.requires_grad_()
+        call(layer, x, None, positions, cos, sin, None).backward(grad)
+        grad = x.grad
+    embedded.backward(grad)
     return loss.item(), {n: p.grad.float().cpu() for n, p in params.items()}
 
 
