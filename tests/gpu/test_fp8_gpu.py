@@ -156,6 +156,27 @@ def test_fp8_layers_equal_the_fp8_reference(
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_the_compiled_fp8_linear_equals_eager_bit_for_bit(cuda_devices: int, recipe: str) -> None:
+    """Inductor's Triton casts against eager PyTorch's (equal on the CPU: docs/FP8.md): the
+    engine's compiled layers and bench/fp8_matmul.py's eager casts compute the same FP8."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(512, 768).to(torch.bfloat16)
+    lin = Fp8Linear.from_linear(linear, recipe).cuda()  # type: ignore[arg-type]
+    x = torch.randn(4, 200, 512, device="cuda").to(torch.bfloat16).requires_grad_()
+    g = torch.randn(4, 200, 768, device="cuda").to(torch.bfloat16)
+    results = []
+    compiled = torch.compile(lin, backend="inductor", fullgraph=True, dynamic=False)
+    for call in (lin, compiled):
+        out = call(x)
+        out.backward(g)
+        results.append((out.detach(), x.grad, lin.weight.grad, lin.bias.grad))
+        x.grad = lin.weight.grad = lin.bias.grad = None
+    for name, eager, inductor in zip(("out", "x", "w", "b"), *results, strict=True):
+        assert torch.equal(eager, inductor), name
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_a_preset_trains_in_fp8_within_3_percent_of_bf16(cuda_devices: int, recipe: str) -> None:
     runs = {}
     for precision in ("bf16", "fp8"):
