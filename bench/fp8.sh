@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Issue 49 on one H100/H200 in one call (< 8 minutes): the per-matmul-shape profile, then each
+# Issue 49 on one H100/H200 in one call (< 9 minutes): the per-matmul-shape profile, then each
 # FP8 run beside its bf16 twin (bf16 models, 2048-token sequences, bench/train.py JSON lines):
 #   micro          bench/fp8_matmul.py: the decoder's shapes of 1.7B and 8B, bf16 vs FP8
 #                  rowwise / tensorwise, with and without the casts                (~30 s)
+#   layer          bench/fp8_layer.py: one compiled 1.7B decoder layer, forward and backward
+#                  (recompute + gradients) per precision, and a per-kernel torch.profiler
+#                  table of its backward: GEMMs, fused casts, attention, the rest  (~1.5 min)
 #   1.7b           Qwen3-1.7B full fine-tune: bf16, fp8 rowwise, fp8 tensorwise   (~3 min)
 #   8b             Qwen3-8B full fine-tune, 12-byte mode: bf16, fp8 rowwise       (~1.5 min)
 #   8b-lora        Qwen3-8B LoRA: bf16, fp8 rowwise                               (~1.5 min)
@@ -16,11 +19,11 @@
 #   70b-qlora      the recorded Llama-3.3-70B-shaped QLoRA recipe (bench/RESULTS.md: 1,500
 #                  tokens/s): bf16, fp8 rowwise (~4 min a run, 72 GiB of host memory)
 #   source bench/device_env.sh; bash bench/fp8.sh
-#   STAGES="micro 1.7b" bash bench/fp8.sh;  STAGES=loss SEEDS="0 1 2" bash bench/fp8.sh
+#   STAGES="micro layer 1.7b" bash bench/fp8.sh;  STAGES=loss SEEDS="0 1 2" bash bench/fp8.sh
 set -u
 OUT=${OUT:-/tmp/fp8}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"micro 1.7b 8b 8b-lora"}
+STAGES=${STAGES:-"micro layer 1.7b 8b 8b-lora"}
 SEEDS=${SEEDS:-"0 1 2"}
 LAYERS8B=${LAYERS8B:-12}
 PREFIX=fp8-
@@ -36,6 +39,9 @@ LEAN=(--optim-state-dtype bfloat16 --optim-grad-dtype model --pin-model arena --
 
 if has micro; then
     run micro 120 python3 bench/fp8_matmul.py --models qwen3-1.7b qwen3-8b --tokens 16384
+fi
+if has layer; then
+    run layer 180 python3 bench/fp8_layer.py --model qwen3-1.7b --tokens 16384
 fi
 if has 1.7b; then
     A=(--model qwen3-1.7b --seqs-per-step 32)

@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,12 +57,18 @@ def projections(model: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median milliseconds of `fn` over `iters` calls (after three warm-up calls)."""
-    for _ in range(3):
+def time_ms(fn: Callable[[], object], iters: int, *, warmup: int = 3, cuda: bool = True) -> float:
+    """Median milliseconds of `fn` over `iters` calls, after `warmup` untimed calls: CUDA
+    events, or the host's clock where not `cuda` (bench/fp8_layer.py's CPU plumbing)."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -23,13 +23,17 @@ One autograd Function here serves full fine-tunes, LoRA and NF4 bases (its piece
 `fp8_forward` and `fp8_grad_input` serve LoRA's merged linear), traces whole inside the
 decoder layers' torch.compile graphs and captures into CUDA graphs (no host
 synchronisation: scales stay on the device). It matched torchao 0.18's Float8Linear bit for
-bit on the CPU (both recipes: output, input and weight gradients), checked once; torchao
-is not a dependency. `torch._scaled_mm` runs on the CPU in torch 2.13 (fp32 accumulation),
+bit on the CPU (both recipes: output, input and weight gradients), checked once (since
+then rowwise scales are rounded down to a power of two by clearing their mantissa bits:
+the same values but where torchao's log2 rounds up); torchao is not a dependency. `torch._scaled_mm` runs on the CPU in torch 2.13 (fp32 accumulation),
 so CI checks the arithmetic; only CUDA GPUs of compute capability >= 8.9 make it fast
 (`engine.options.FP8_MIN_CAPABILITY`).
 
 Memory: nothing persistent. The backward keeps the bf16 input and the (streamed) bf16
-weight as a bf16 linear does; the float8 copies live only inside one matmul.
+weight as a bf16 linear does; the float8 copies live only inside one matmul. Inside the
+compiled decoder layers every amax, scale and cast is a plain op of inductor's forward and
+backward graphs (no graph break), fused with its neighbours, and AOTAutograd's partitioner
+may keep the float8 x^T of the weight gradient from the forward instead of x (docs/FP8.md).
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ E5M2 = torch.float8_e5m2
 # The smallest amax a scale is computed from: an all-zero row gets a finite scale (torchao's
 # EPS), and casts to zero whatever the scale.
 _AMAX_FLOOR = 1e-12
+# The exponent field of a float32: clearing the rest rounds a positive normal value down to a
+# power of two.
+_EXPONENT_BITS = 0x7F800000
 # torch._scaled_mm wants both dimensions of its second operand and the inner dimension
 # divisible by 16 (cuBLASLt's FP8 alignment).
 _ALIGN = 16
@@ -97,9 +104,17 @@ def cast_to_fp8(
     # float64 for the division: eager and compiled code round it alike (as torchao notes).
     scale = (top / amax.double().clamp(min=_AMAX_FLOOR)).float()
     if pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = _round_down_to_pow2(scale)
     q = (t.float() * scale).clamp(-top, top).to(dtype)
     return q, scale.reciprocal()
+
+
+def _round_down_to_pow2(scale: Tensor) -> Tensor:
+    """Positive normal float32 `scale` rounded down to a power of two: its mantissa bits
+    cleared. Exact on every backend, where `exp2(floor(log2(s)))` (torchao's form) depends
+    on a log2 that may round up to the next integer for s just below a power of two (then
+    the scale doubles and the amax saturates) and may differ between eager and compiled."""
+    return (scale.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
 
 
 def fp8_shape_ok(in_features: int, out_features: int) -> bool:

@@ -1,12 +1,22 @@
 """FP8 matmuls (engine.accel.fp8) on a GPU that has them (compute capability >= 8.9).
 
 Tolerances, and why:
-- The engine in FP8 against the same model converted to FP8 and run in plain PyTorch
-  (eager): the engine compiles its decoder layers (fused norms, rotary, SwiGLU) and takes the
-  loss in chunks, so operands differ in the last bf16 bit, and a float8 cast then rounds an
-  element that sits on a rounding boundary to its neighbour (one e4m3 step: 6-12%).
-  Accepted: the loss within 1%, each gradient within 5% (relative L2) of the reference and
-  nearer to it than to the bf16 model's gradient by at least half.
+- The engine in FP8 against the same model converted to FP8 and run in plain PyTorch with the
+  same kernels in the same order: its decoder layers called through the engine's compiled
+  function (`_layer_calls._compiled_decoder_call`), a forward without grad and then each
+  layer recomputed for its backward, and the loss through the engine's chunked loss.
+  On CPU devices with inductor forced on, the two are equal bit for bit; here the loss within
+  1%, each gradient within 5% (relative L2) of this reference and, for the linears FP8
+  computes, nearer to it than to the bf16 model's gradient by at least half.
+- Against the eager FP8 model (plain HF layers, HF's loss) only the loss is held to 1%: the
+  gradients are another draw of FP8's rounding noise. Inductor fuses the layer's
+  elementwise work (SwiGLU, norms, rotary) with one bf16 rounding where eager rounds twice;
+  operands one bf16 step apart cast to a neighbouring float8 value now and then (one e4m3
+  step: 6-12%), and every following FP8 matmul, forward and backward, turns those into more
+  flips. On this random model and random tokens the gradients are small sums of large
+  terms, so the draws end up far apart (CPU, inductor: embedding 0.111 rowwise, 0.162
+  tensorwise; the GPU gave 0.11 and 0.165), nearly as far as FP8 is from bf16 (0.15-0.18).
+  docs/FP8.md, "How the FP8 tests compare".
 - A preset trained in FP8 against bf16 (20 AdamW steps on one batch): every step's loss
   within 3% of bf16's (on CPU devices at hidden 64: within 0.4% over the 20 steps).
 - Resume and CUDA-graph replay: bit for bit, with the math attention recomputed (the
@@ -25,7 +35,8 @@ import torch
 from engine import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe
 from engine.accel import graphs
 from engine.accel.fp8 import Fp8Linear, convert_linears
-from engine.models import causal_lm_loss_fn
+from engine.models import causal_lm_loss, causal_lm_loss_fn
+from engine.models._layer_calls import _compiled_decoder_call
 from engine.parallel.checkpoint import load_checkpoint, save_checkpoint
 from tests.tiny_models import tiny_model
 from tests.unit.engine._models import lm_steps
@@ -61,11 +72,41 @@ def _ids(seed: int = 3, rows: int = 6, seq: int = 256) -> torch.Tensor:
     return torch.randint(0, SIZES["vocab_size"], (rows, seq), generator=g)
 
 
-def _reference_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict]:
+def _eager_loss(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    """The loss of `model` as HF computes it (eager layers, HF's loss)."""
     model = copy.deepcopy(model).cuda()
-    loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
+    with torch.no_grad():
+        return model(input_ids=ids.cuda(), labels=ids.cuda()).loss.item()
+
+
+def _same_kernel_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict]:
+    """Loss and gradients of `model` in plain PyTorch with the engine's kernels and order:
+    its compiled decoder layer function (a forward without grad keeping each layer's input,
+    then each layer recomputed under grad and backpropagated, last first, as the engine's
+    recompute does: the two compiled graphs may round differently on a GPU) and its chunked
+    loss. What the engine adds on top is the streaming, the scheduling and the bookkeeping."""
+    model = copy.deepcopy(model).cuda()
+    params = dict(model.named_parameters())
+    inner, call = model.model, _compiled_decoder_call()
+    ids = ids.cuda()
+    embedded = inner.embed_tokens(ids)
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    cos, sin = inner.rotary_emb(embedded, positions)
+    inputs, hidden = [], embedded.detach()
+    with torch.no_grad():
+        for layer in inner.layers:
+            inputs.append(hidden)
+            hidden = call(layer, hidden, None, positions, cos, sin, None)
+    top = hidden.requires_grad_()
+    loss = causal_lm_loss((inner.norm(top), model.lm_head.weight), ids)
     loss.backward()
-    return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
+    grad = top.grad
+    for layer, saved in zip(reversed(inner.layers), reversed(inputs), strict=True):
+        x = saved.requires_grad_()
+        call(layer, x, None, positions, cos, sin, None).backward(grad)
+        grad = x.grad
+    embedded.backward(grad)
+    return loss.item(), {n: p.grad.float().cpu() for n, p in params.items()}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,13 +114,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_fp8_layers_equal_the_fp8_reference(cuda_devices: int, recipe: str) -> None:
+def test_fp8_layers_equal_the_fp8_reference(
+    cuda_devices: int, math_attention: None, recipe: str
+) -> None:
     base = _model()
     ids = _ids()
     converted = copy.deepcopy(base)
     convert_linears(converted, recipe)  # type: ignore[arg-type]
-    ref_loss, ref = _reference_grads(converted, ids)
-    _, bf16 = _reference_grads(base, ids)
+    ref_loss, ref = _same_kernel_grads(converted, ids)
+    eager_loss = _eager_loss(converted, ids)
+    _, bf16 = _same_kernel_grads(base, ids)
 
     model = copy.deepcopy(base)
     rp = wrap_model_to_roundpipe(
@@ -97,12 +141,34 @@ def test_fp8_layers_equal_the_fp8_reference(cuda_devices: int, recipe: str) -> N
     )
     rp.synchronize()
     assert float(loss) == pytest.approx(ref_loss, rel=1e-2)
-    for name, want in ref.items():
-        got = dict(model.named_parameters())[name].grad
-        off = _rel(got, want)
-        assert off < 0.05, f"{name}: {off:.3g} from the FP8 reference"
+    assert float(loss) == pytest.approx(eager_loss, rel=1e-2)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    offs = {n: _rel(grads[n], want) for n, want in ref.items()}
+    assert max(offs.values()) < 0.05, f"from the FP8 reference: {offs}"
+    for name, off in offs.items():
         if "proj" in name:  # the linears FP8 computes
-            assert off < 0.5 * _rel(bf16[name], want), name
+            assert off < 0.5 * _rel(bf16[name], ref[name]), name
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_the_compiled_fp8_linear_equals_eager_bit_for_bit(cuda_devices: int, recipe: str) -> None:
+    """Inductor's Triton casts against eager PyTorch's (equal on the CPU: docs/FP8.md): the
+    engine's compiled layers and bench/fp8_matmul.py's eager casts compute the same FP8."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(512, 768).to(torch.bfloat16)
+    lin = Fp8Linear.from_linear(linear, recipe).cuda()  # type: ignore[arg-type]
+    x = torch.randn(4, 200, 512, device="cuda").to(torch.bfloat16).requires_grad_()
+    g = torch.randn(4, 200, 768, device="cuda").to(torch.bfloat16)
+    results = []
+    compiled = torch.compile(lin, backend="inductor", fullgraph=True, dynamic=False)
+    for call in (lin, compiled):
+        out = call(x)
+        out.backward(g)
+        results.append((out.detach(), x.grad, lin.weight.grad, lin.bias.grad))
+        x.grad = lin.weight.grad = lin.bias.grad = None
+    for name, eager, inductor in zip(("out", "x", "w", "b"), *results, strict=True):
+        assert torch.equal(eager, inductor), name
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])

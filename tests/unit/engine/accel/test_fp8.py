@@ -86,6 +86,17 @@ def test_scales_map_each_rows_amax_onto_the_largest_float8() -> None:
     assert ((peaks > 224) & (peaks <= 448)).all()
 
 
+def test_power_of_two_scales_never_round_up() -> None:
+    # amax 56 + one float32 step: 448 / amax is one float32 step below 8, whose float32 log2
+    # rounds to 3.0 exactly (exp2(floor(log2)) would give 8 and saturate the amax).
+    amax = torch.tensor(56.0).nextafter(torch.tensor(100.0))
+    t = torch.stack([amax, torch.tensor(1.0)]).unsqueeze(0)
+    assert torch.log2(torch.tensor(448.0) / amax).item() == 3.0
+    q, inv = cast_to_fp8(t, E4M3, rowwise=True, pow2=True)
+    assert inv.item() == 0.25
+    assert q.float()[0, 0].item() == 224.0  # 56.0000038 * 4 in e4m3, not clamped at 448
+
+
 def test_rowwise_keeps_small_rows_that_tensorwise_flushes() -> None:
     gen = torch.Generator().manual_seed(1)
     t = torch.randn(8, 64, generator=gen)
