@@ -1,0 +1,187 @@
+"""The rollout sampler (`rp_service.worker.generation`): its KV-cached batched completions
+equal the engine's uncached ones (`sampling`) token for token, greedy and sampled, for LoRA
+and full fine-tuning; after an optimizer step its refreshed copy gives the trainer's
+logits; and where its copy is placed.
+
+The models are the sampling tests' tiny ones (wide initialisation: clear choices), on the
+CPU device the engine runs on in CI (`cpu:3`, so the engine's side goes through three
+micro-batches while the sampler decodes the whole batch at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from engine import wrap_model_to_roundpipe
+from rp_service.worker.generation import (
+    RolloutSampler,
+    kv_cache_bytes,
+    make_sampler,
+    placement,
+)
+from rp_service.worker.sampling import greedy_completions, sampled_completions, top_p_draw
+from tests.unit.engine.conftest import use_devices
+from tests.unit.rp_service.test_sampling import PAD, POSITIONS, PROMPTS, tiny, with_lora
+
+pytest.importorskip("transformers")
+
+GROUPS = [p for p in PROMPTS for _ in range(3)]  # each prompt 3 times, as a GRPO group
+
+
+@pytest.fixture(autouse=True)
+def cpu3() -> Iterator[int]:
+    yield from use_devices("cpu:3", 3)
+
+
+def _model(lora: bool) -> nn.Module:
+    model = tiny("qwen3")
+    return with_lora(model) if lora else model
+
+
+def _limits(**extra: object) -> dict[str, object]:
+    return {"max_new_tokens": 9, "max_positions": POSITIONS, "pad_id": PAD, **extra}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_greedy_rollouts_equal_the_engines_token_for_token(lora: bool) -> None:
+    model = _model(lora)
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    free = greedy_completions(rp, PROMPTS, stop=set(), num_microbatch=3, **_limits())
+    stop = {free[2].ids[3]}  # a stop id that ends one row early and maybe others
+    want = greedy_completions(rp, PROMPTS, stop=stop, num_microbatch=3, **_limits())
+    sampler = RolloutSampler(model, torch.device("cpu"))
+    got = sampler.complete(PROMPTS, stop=stop, draw=None, **_limits())
+    assert got == want
+    assert any(s.finish_reason == "stop" for s in got)
+    assert any(s.finish_reason == "length" for s in got)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_rollouts_equal_the_engines_token_for_token(lora: bool, top_p: float) -> None:
+    model = _model(lora)
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    stop = {7, 91}
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(11)
+
+    want = sampled_completions(
+        rp,
+        GROUPS,
+        stop=stop,
+        num_microbatch=3,
+        temperature=1.3,
+        top_p=top_p,
+        generator=gen(),
+        **_limits(),
+    )
+    draw = top_p_draw(temperature=1.3, top_p=top_p, generator=gen())
+    sampler = RolloutSampler(model, torch.device("cpu"))
+    got = sampler.complete(GROUPS, stop=stop, draw=draw, **_limits())
+    assert got == want
+    assert len({tuple(s.ids) for s in got[:3]}) > 1  # one prompt's group draws apart
+
+
+def test_prompts_at_the_position_limit_end_as_the_engines_do() -> None:
+    model = tiny("qwen3")
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    prompts = [list(range(1, 12)), [4, 5], [], [9, 9, 9]]
+    limits = {"max_new_tokens": 40, "max_positions": 11, "pad_id": PAD, "stop": set()}
+    want = greedy_completions(rp, prompts, num_microbatch=3, **limits)
+    got = RolloutSampler(model, torch.device("cpu")).complete(prompts, draw=None, **limits)
+    assert got == want
+    assert got[0].ids == [] and got[2].ids == [] and len(got[1].ids) == 9
+
+
+def _engine_logits(rp: object, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return rp.forward(input_ids=ids).logits[:, -1].float()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_after_a_step_the_sampler_gives_the_trainers_logits(lora: bool) -> None:
+    model = _model(lora)
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    sampler = RolloutSampler(model, torch.device("cpu"))
+    sampler.refresh()
+    copy_params = dict(sampler.model.named_parameters())  # type: ignore[union-attr]
+    base_name = "model.layers.0.mlp.up_proj" + (".base_layer.weight" if lora else ".weight")
+    base_before = copy_params[base_name]
+    prompt = torch.tensor([PROMPTS[0]] * 4)  # one row per micro-batch
+    before = _engine_logits(rp, prompt)
+
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.5)
+    ids = torch.tensor([PROMPTS[0] + [3, 4, 5]] * 4)
+    rp.forward_backward(
+        input_kwargs={"input_ids": ids, "labels": ids}, loss_fn=lambda out, _: out.loss
+    )
+
+    def step_fn() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    rp.step(step_fn)
+    rp.synchronize()
+    after = _engine_logits(rp, prompt)
+    assert (after - before).abs().max() > 1e-2  # the step moved the model
+
+    sampler.refresh()
+    mine = _sampler_logits(sampler, PROMPTS[0])
+    torch.testing.assert_close(mine, after[0], rtol=1e-5, atol=1e-5)
+    # LoRA: the adapters were swapped in, the base copy stayed the tensor it was
+    copy_now = dict(sampler.model.named_parameters())  # type: ignore[union-attr]
+    assert copy_now[base_name] is base_before
+    assert len(sampler._trained) == (4 * 7 if lora else len(copy_params))
+
+
+def _sampler_logits(sampler: RolloutSampler, prompt: list[int]) -> torch.Tensor:
+    seen: list[torch.Tensor] = []
+
+    def draw(logits: torch.Tensor) -> torch.Tensor:
+        seen.append(logits[0])
+        return torch.tensor([PAD])
+
+    sampler.complete([prompt], draw=draw, stop={PAD}, **_limits())
+    return seen[0]
+
+
+def test_the_copy_is_placed_by_its_size_against_the_devices_memory() -> None:
+    gib = 1 << 30
+    assert placement(model_bytes=16 * gib, kv_bytes=22 * gib, usable=140 * gib, held=0) == (
+        "resident"
+    )
+    assert placement(model_bytes=16 * gib, kv_bytes=22 * gib, usable=70 * gib, held=0) == (
+        "per_step"
+    )
+    assert placement(model_bytes=16 * gib, kv_bytes=22 * gib, usable=40 * gib, held=3 * gib) == (
+        "none"
+    )
+    # Qwen3-8B's shape: 36 layers, 8 KV heads of 128, bf16: 144 KiB a token
+    config = type(
+        "C",
+        (),
+        {
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "hidden_size": 4096,
+        },
+    )()
+    assert kv_cache_bytes(config, rows=1, tokens=1, dtype=torch.bfloat16) == 144 * 1024
+    tiny_sampler = make_sampler(tiny("qwen3"), rows=64, tokens=POSITIONS)
+    assert tiny_sampler is not None and tiny_sampler.keep
+
+
+def test_a_per_step_copy_is_dropped_after_the_rollouts_and_uploaded_again() -> None:
+    model = tiny("qwen3")
+    sampler = RolloutSampler(model, torch.device("cpu"), keep=False)
+    first = sampler.complete(PROMPTS, draw=None, stop=set(), **_limits())
+    sampler.step_done()
+    assert sampler.model is None
+    assert sampler.complete(PROMPTS, draw=None, stop=set(), **_limits()) == first
