@@ -1,24 +1,31 @@
 """A GRPO job's side of the training loop: its prompts, rollouts, rewards and step.
 
-Each step (`forward_backward`), with the weights the previous update published (the loop
-synchronizes first, `needs_sync_before_step`):
+Each batch of rollouts (`_make_rollouts`), with the weights the previous update published
+(the loop synchronizes first, `needs_sync_before_step`):
 
-1. rollouts: the step's `train.batch_size` prompts, each `grpo.group_size` times, sampled
-   together through the engine's forward (`sampling.sampled_completions`, temperature and
-   top-p) from a generator seeded by (train.seed, step): a resumed attempt draws what the
-   uninterrupted one drew, with no sampler state to store;
+1. rollouts: the batch's `train.batch_size` prompts, each `grpo.group_size` times, sampled
+   together (temperature, top-p) from a generator seeded by (train.seed, step): a resumed
+   attempt draws what the uninterrupted one drew. Where the model fits on the first GPU
+   they are decoded with a KV cache on a copy of the model there (`generation`, the
+   adapters or weights refreshed each batch); else, or with `grpo.generation: engine`,
+   through the engine's forward, one full forward a token (`sampling`);
 2. rewards: the grader scores every completion against its prompt's row (one `grade`
-   call a step); a grader error scores 0 and is counted (`grader_errors`);
-3. the loss (`grpo.grpo_loss_fn`) on the completion tokens (the end-of-text token that
-   closed a completion included, so stopping is learned), with the k3 KL to the base with
-   the adapters off when `grpo.kl_coef` > 0 (LoRA only: the spec refuses it otherwise).
+   call a batch); a grader error scores 0 and is counted (`grader_errors`);
+3. with `grpo.num_iterations` > 1, the rollout policy's log-probabilities (one forward
+   without gradients), the denominator of the ratio in every step on this batch.
 
-The engine keeps no KV cache: each new token is one forward over the whole batch so far
-(see `sampling`). Where a step's time goes is in its metrics: `rollout_seconds`,
-`grading_seconds`, the rest being the training forward and backward.
+Each step then takes the loss (`grpo.grpo_loss_fn`) on the completion tokens (the
+end-of-text token that closed a completion included, so stopping is learned), with the k3
+KL to the base with the adapters off when `grpo.kl_coef` > 0 (LoRA only: the spec refuses
+it otherwise). A batch of rollouts serves `num_iterations` consecutive steps (the loop's
+`BatchOrder` repeats its prompts as many times). Where a step's time goes is in its
+metrics: `rollout_seconds`, `grading_seconds` (0 on the steps that reuse a batch), the rest
+being the training forward and backward.
 
-The prompt order is the loop's `BatchOrder` (a function of the seed and the step), so a
-checkpoint needs nothing beyond what the loop keeps; `state_dict` is empty.
+The prompt order is the loop's `BatchOrder` (a function of the seed and the step). A
+checkpoint taken inside a batch's steps keeps that batch (completions, scores, and the
+rollout policy's and the reference's log-probabilities: the weights that made them are
+gone) in `state_dict`; otherwise the state is empty.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,9 +43,17 @@ from ...data.formats import DataFormatError, iter_records
 from ...data.prompts import PromptRows, build_prompts, synthetic_prompts
 from ...demo import SYNTHETIC
 from ...errors import JobFailure
-from ...graders import GraderConfigError, Sample, build_grader, python_graders_allowed
+from ...graders import (
+    GraderConfigError,
+    GradeResult,
+    Sample,
+    build_grader,
+    python_graders_allowed,
+)
 from ..evaluation import evaluating
-from ..sampling import greedy_completions, sampled_completions, stop_ids
+from ..generation import RolloutSampler, make_sampler
+from ..sampling import Sample as Completion
+from ..sampling import greedy_completions, sampled_completions, stop_ids, top_p_draw
 from . import grpo
 
 if TYPE_CHECKING:
@@ -45,7 +61,6 @@ if TYPE_CHECKING:
     from ...graders import Grader
     from ...schemas import JobSpec
     from ..meter import Emit
-    from ..sampling import Sample as Completion
     from ..training import JobPaths
 
 __all__ = ["MAX_SAMPLE_ROWS", "GrpoObjective", "step_generator"]
@@ -94,6 +109,22 @@ def _sample(text: str) -> Sample:
     return Sample(output_text=text, output_json=value if isinstance(value, dict) else None)
 
 
+@dataclass(kw_only=True, slots=True)
+class _Rollouts:
+    """One batch of rollouts and what every step that trains on it reads."""
+
+    step: int  # the step that made them
+    rows: list[int]  # the prompt of each completion, group by group
+    completions: list[Completion]
+    graded: GradeResult
+    ids: torch.Tensor  # input ids (rows, width), right-padded
+    targets: torch.Tensor  # the completion tokens, -100 elsewhere
+    old: torch.Tensor | None  # the rollout policy's log-probabilities (num_iterations > 1)
+    ref: torch.Tensor | None  # the reference's (kl_coef > 0)
+    rollout_s: float = 0.0
+    grading_s: float = 0.0
+
+
 class GrpoObjective:
     """Prompts, grader, rollouts and loss of one attempt of a GRPO job (an `Objective`)."""
 
@@ -112,6 +143,8 @@ class GrpoObjective:
         assert spec.grpo is not None and spec.grader is not None  # JobSpec's rules
         self.options = spec.grpo
         self.seed = spec.train.seed
+        self.batch_size = spec.train.batch_size
+        self.steps_per_batch = spec.grpo.num_iterations
         self.emit = emit
         self.tokenizer = tokenizer
         self.train = _load_prompts(paths.train_path, "data.train", spec, tokenizer)
@@ -132,6 +165,9 @@ class GrpoObjective:
         self._values: list[torch.Tensor] | None = None
         self._metrics: dict[str, Any] = {}
         self._initial: float | None = None
+        self.sampler: RolloutSampler | None = None
+        self._batch: _Rollouts | None = None
+        self._step = 0  # the last step trained
 
     # -- setup
 
@@ -140,6 +176,8 @@ class GrpoObjective:
         positions = getattr(hf_model.config, "max_position_embeddings", None)
         self.max_positions = positions or self.max_positions
         self.stop = stop_ids(self.tokenizer, getattr(hf_model, "generation_config", None))
+        if self.options.generation == "auto":
+            self.sampler = self._make_sampler(hf_model)
         if self.valid is not None and not resuming:
             # The untrained model's held-out reward: what training is to raise, reported
             # with step 1 as `valid_reward_initial`.
@@ -147,58 +185,121 @@ class GrpoObjective:
                 self._initial = self.evaluate(rp)["valid_reward_mean"]
             log.info("GRPO: untrained valid_reward_mean %.4f", self._initial)
 
+    def _make_sampler(self, hf_model: Any) -> RolloutSampler | None:
+        opts = self.options
+        longest = max(
+            (len(p) for source in (self.train, self.valid) if source for p in source.ids),
+            default=0,
+        )
+        rows = max(self.batch_size * opts.group_size, opts.eval_prompts)
+        tokens = min(longest + opts.max_completion_tokens, self.max_positions)
+        return make_sampler(hf_model, rows=rows, tokens=tokens)
+
     def close(self) -> None:
         self.grader.close()
+        if self.sampler is not None:
+            self.sampler.release()
 
     # -- a step
 
-    def _rollouts(self, rp: Any, prompts: list[list[int]], step: int) -> list[Completion]:
+    def _complete(
+        self, rp: Any, prompts: list[list[int]], *, step: int | None, max_new_tokens: int
+    ) -> list[Completion]:
+        """Completions of `prompts` with the current (synced) weights: sampled from step
+        `step`'s generator, or greedy (`step` None); by the sampler where there is one."""
         opts = self.options
-        with evaluating(rp):  # no dropout while sampling
-            return sampled_completions(
-                rp,
-                prompts,
-                max_new_tokens=opts.max_completion_tokens,
-                stop=self.stop,
-                max_positions=self.max_positions,
-                pad_id=self.tokenizer.pad_id,
-                num_microbatch=rp.num_microbatch,
+        limits = {
+            "max_new_tokens": max_new_tokens,
+            "stop": self.stop,
+            "max_positions": self.max_positions,
+            "pad_id": self.tokenizer.pad_id,
+        }
+        draw = (
+            None
+            if step is None
+            else top_p_draw(
                 temperature=opts.temperature,
                 top_p=opts.top_p,
                 generator=step_generator(self.seed, step),
             )
+        )
+        if self.sampler is not None:
+            self.sampler.refresh()
+            try:
+                return self.sampler.complete(prompts, draw=draw, **limits)
+            finally:
+                self.sampler.step_done()
+        with evaluating(rp):  # no dropout while sampling
+            if draw is None:
+                return greedy_completions(rp, prompts, num_microbatch=rp.num_microbatch, **limits)
+            return sampled_completions(
+                rp,
+                prompts,
+                num_microbatch=rp.num_microbatch,
+                temperature=opts.temperature,
+                top_p=opts.top_p,
+                generator=step_generator(self.seed, step),
+                **limits,
+            )
 
-    def _grade(
-        self, completions: list[Completion], items: list[dict[str, Any]]
-    ) -> tuple[list[str], Any]:
+    def _grade(self, completions: list[Completion], items: list[dict[str, Any]]) -> GradeResult:
         texts = [self.tokenizer.decode(c.ids) for c in completions]
-        return texts, self.grader.grade([_sample(t) for t in texts], items)
+        return self.grader.grade([_sample(t) for t in texts], items)
+
+    def _make_rollouts(self, rp: Any, step: int, indices: torch.Tensor) -> _Rollouts:
+        """Step `step`'s rollouts of the prompts at `indices`, graded (see the module doc)."""
+        opts = self.options
+        rows = [int(i) for i in indices for _ in range(opts.group_size)]  # group by group
+        prompts = [self.train.ids[i] for i in rows]
+        start = time.perf_counter()
+        completions = self._complete(
+            rp, prompts, step=step, max_new_tokens=opts.max_completion_tokens
+        )
+        sampled = time.perf_counter()
+        graded = self._grade(completions, [self.train.items[i] for i in rows])
+        graded_at = time.perf_counter()
+        ids, targets = _sequences(prompts, completions, pad_id=self.tokenizer.pad_id)
+        old = None
+        if opts.num_iterations > 1:  # the rollout policy, the ratio's denominator
+            with evaluating(rp):
+                old = self._logps(rp, ids, targets)
+        ref = self._reference(rp, ids, targets) if opts.kl_coef > 0 else None
+        return _Rollouts(
+            step=step,
+            rows=rows,
+            completions=completions,
+            graded=graded,
+            ids=ids,
+            targets=targets,
+            old=old,
+            ref=ref,
+            rollout_s=sampled - start,
+            grading_s=graded_at - sampled,
+        )
 
     def forward_backward(self, rp: Any, step: int, indices: torch.Tensor) -> tuple[Any, int]:
         from engine import RoundPipeRunConfig
 
         opts = self.options
-        group = opts.group_size
-        rows = [int(i) for i in indices for _ in range(group)]  # group by group
-        prompts = [self.train.ids[i] for i in rows]
-        start = time.perf_counter()
-        completions = self._rollouts(rp, prompts, step)
-        sampled = time.perf_counter()
-        texts, graded = self._grade(completions, [self.train.items[i] for i in rows])
-        graded_at = time.perf_counter()
+        first = step - (step - 1) % opts.num_iterations  # the step that made this batch
+        batch = self._batch
+        fresh = batch is None or batch.step != first
+        if fresh:
+            batch = self._batch = self._make_rollouts(rp, first, indices)
+        assert batch is not None
+        self._step = step
+        rows, completions, graded = batch.rows, batch.completions, batch.graded
         rewards = torch.tensor(graded.scores, dtype=torch.float64)
-        advantages = grpo.group_advantages(rewards, group, scale=opts.scale_rewards).float()
-
-        ids, targets = _sequences(prompts, completions, pad_id=self.tokenizer.pad_id)
+        advantages = grpo.group_advantages(rewards, opts.group_size, scale=opts.scale_rewards)
+        ids, targets = batch.ids, batch.targets
         mask = targets != -100
         denominator, row_tokens = grpo.normalizer(
             opts.loss_type, mask, max_completion_tokens=opts.max_completion_tokens
         )
-        ref = self._reference(rp, ids, targets) if opts.kl_coef > 0 else None
         counts = _row_counts(len(rows), rp.num_microbatch)
         self._values = rp.forward_backward(
             input_kwargs={"input_ids": ids, "return_logits": False},
-            label=(targets, advantages, ref, row_tokens),
+            label=(targets, advantages.float(), batch.ref, row_tokens, batch.old),
             loss_fn=grpo.grpo_loss_fn(
                 temperature=opts.temperature,
                 epsilon_low=opts.clip_epsilon,
@@ -217,45 +318,43 @@ class GrpoObjective:
         self._metrics = _step_metrics(
             rewards,
             graded,
-            group=group,
+            group=opts.group_size,
             completions=completions,
-            rollout_s=sampled - start,
-            grading_s=graded_at - sampled,
+            rollout_s=batch.rollout_s if fresh else 0.0,
+            grading_s=batch.grading_s if fresh else 0.0,
         )
         self._metrics["kl"] = None if opts.kl_coef == 0 else 0.0  # filled by `metrics`
         if self._initial is not None:
             self._metrics["valid_reward_initial"], self._initial = self._initial, None
-        if opts.sample_interval > 0 and step % opts.sample_interval == 0:
-            self._emit_samples(step, rows, completions, texts, graded)
+        if fresh and opts.sample_interval > 0 and step % opts.sample_interval == 0:
+            self._emit_samples(step, rows, completions, graded)
         return self._values[0], int(mask.sum())
+
+    def _logps(self, rp: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return grpo.token_logps(
+            rp, ids, targets, temperature=self.options.temperature, num_microbatch=rp.num_microbatch
+        )
 
     def _reference(self, rp: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token log-probabilities of the base (the adapters off), no gradients."""
         from engine.adapters.lora import adapters_disabled
 
         with adapters_disabled(rp):
-            return grpo.token_logps(
-                rp,
-                ids,
-                targets,
-                temperature=self.options.temperature,
-                num_microbatch=rp.num_microbatch,
-            )
+            return self._logps(rp, ids, targets)
 
     def _emit_samples(
         self,
         step: int,
         rows: list[int],
         completions: list[Completion],
-        texts: list[str],
-        graded: Any,
+        graded: GradeResult,
     ) -> None:
         shown = []
         for r in range(min(MAX_SAMPLE_ROWS, len(rows))):
             shown.append(
                 {
                     "prompt": self.train.texts[rows[r]],
-                    "completion": texts[r],
+                    "completion": self.tokenizer.decode(completions[r].ids),
                     "tokens": len(completions[r].ids),
                     "finish_reason": completions[r].finish_reason,
                     "reward": float(graded.scores[r]),
@@ -284,23 +383,26 @@ class GrpoObjective:
         prompts with the current (synced) weights."""
         assert self.valid is not None
         count = min(len(self.valid), self.options.eval_prompts)
-        completions = greedy_completions(
+        completions = self._complete(
             rp,
             self.valid.ids[:count],
+            step=None,
             max_new_tokens=self.options.max_completion_tokens,
-            stop=self.stop,
-            max_positions=self.max_positions,
-            pad_id=self.tokenizer.pad_id,
-            num_microbatch=rp.num_microbatch,
         )
-        _, graded = self._grade(completions, self.valid.items[:count])
+        graded = self._grade(completions, self.valid.items[:count])
         return {"valid_reward_mean": round(sum(graded.scores) / max(count, 1), 6)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {}  # the sampler is seeded by (seed, step); the prompt order is the loop's
+        """Empty, or inside a batch's steps that batch (`_rollouts_state`): the sampler
+        is seeded by (seed, step) and the prompt order is the loop's."""
+        batch = self._batch
+        if batch is None or self._step % self.options.num_iterations == 0:
+            return {}
+        return {"rollouts": _rollouts_state(batch)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if "rollouts" in state:
+            self._batch = _rollouts_from_state(state["rollouts"], self.train.ids, self.tokenizer)
 
 
 def _row_counts(rows: int, num_microbatch: int) -> list[int]:
@@ -351,3 +453,59 @@ def _step_metrics(
         "rollout_seconds": round(rollout_s, 4),
         "grading_seconds": round(grading_s, 4),
     }
+
+
+def _masked(values: torch.Tensor | None, mask: torch.Tensor) -> list[float] | None:
+    return None if values is None else values[mask].tolist()
+
+
+def _unmasked(values: list[float] | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """The inverse of `_masked`: 0 off the completion tokens, as `grpo.token_logps` gives."""
+    if values is None:
+        return None
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    out[mask] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def _rollouts_state(batch: _Rollouts) -> dict[str, Any]:
+    """A batch of rollouts as JSON: the completions, their grades, and the log-probabilities
+    on the completion tokens (fp32 values as Python floats: they read back exactly)."""
+    mask = batch.targets != -100
+    return {
+        "step": batch.step,
+        "rows": batch.rows,
+        "completions": [[c.ids, c.finish_reason, c.stop_id] for c in batch.completions],
+        "scores": batch.graded.scores,
+        "by_grader": batch.graded.by_grader,
+        "errors": batch.graded.errors,
+        "old": _masked(batch.old, mask),
+        "ref": _masked(batch.ref, mask),
+    }
+
+
+def _rollouts_from_state(
+    state: dict[str, Any], train_ids: list[list[int]], tokenizer: JobTokenizer
+) -> _Rollouts:
+    rows = [int(r) for r in state["rows"]]
+    completions = [
+        Completion(ids=list(ids), finish_reason=reason, stop_id=stop)
+        for ids, reason, stop in state["completions"]
+    ]
+    ids, targets = _sequences([train_ids[r] for r in rows], completions, pad_id=tokenizer.pad_id)
+    mask = targets != -100
+    graded = GradeResult(
+        scores=[float(v) for v in state["scores"]],
+        by_grader={k: [float(x) for x in v] for k, v in state["by_grader"].items()},
+        errors=int(state["errors"]),
+    )
+    return _Rollouts(
+        step=int(state["step"]),
+        rows=rows,
+        completions=completions,
+        graded=graded,
+        ids=ids,
+        targets=targets,
+        old=_unmasked(state["old"], mask),
+        ref=_unmasked(state["ref"], mask),
+    )

@@ -165,7 +165,7 @@ def test_loss_and_gradients_equal_trls(loss_type: str, beta: float, temperature:
     )
     ours_h = hidden.clone().requires_grad_(True)
     ours_w = weight.clone().requires_grad_(True)
-    label = (targets, advantages, ref if beta else None, row_tokens)
+    label = (targets, advantages, ref if beta else None, row_tokens, None)
     parts = grpo.split_label([4, 2])(label, 2)
     values = [
         loss_fn((ours_h[a:b], ours_w), part)
@@ -215,3 +215,59 @@ def test_an_off_policy_ratio_clips_as_trl_does(loss_type: str) -> None:
     torch.testing.assert_close(our_grad, their_grad)
     fraction = float((bound & mask).sum() / mask.sum())
     assert 0 < fraction == pytest.approx(logged["clip_ratio/region_mean"])
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_several_iterations_score_against_the_rollout_policy_as_trl_does(loss_type: str) -> None:
+    """num_iterations > 1: the label's old log-probabilities are the ratio's denominator
+    (TRL's `old_per_token_logps`); loss, gradients, KL and clip fraction equal TRL's."""
+    hidden, weight, targets, rewards = _batch(seed=11)
+    advantages = grpo.group_advantages(rewards, GROUP).float()
+    temperature, beta = 0.7, 0.04
+    gen = torch.Generator().manual_seed(5)
+    base = _token_logps(hidden, weight, targets, temperature)
+    old = (base + 0.3 * torch.randn(ROWS, SEQ, generator=gen)).detach()
+    ref = (base + 0.2 * torch.randn(ROWS, SEQ, generator=gen)).detach()
+
+    theirs_h = hidden.clone().requires_grad_(True)
+    theirs, logged = _trl_loss(
+        _token_logps(theirs_h, weight, targets, temperature),
+        targets,
+        advantages,
+        loss_type=loss_type,
+        beta=beta,
+        ref=ref,
+        old=old,
+    )
+    theirs.backward()
+
+    mask = targets != -100
+    denominator, row_tokens = grpo.normalizer(
+        loss_type,  # type: ignore[arg-type]
+        mask,
+        max_completion_tokens=MAX_COMPLETION,
+    )
+    loss_fn = grpo.grpo_loss_fn(
+        temperature=temperature,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        beta=beta,
+        loss_type=loss_type,  # type: ignore[arg-type]
+        denominator=denominator,
+        batch_tokens=int(mask.sum()),
+        chunk_tokens=5,
+    )
+    ours_h = hidden.clone().requires_grad_(True)
+    parts = grpo.split_label([2, 4])((targets, advantages, ref, row_tokens, old), 2)
+    values = [
+        loss_fn((ours_h[a:b], weight), part)
+        for (a, b), part in zip([(0, 2), (2, 6)], parts, strict=True)
+    ]
+    ours = sum(v[0] for v in values)
+    ours.backward()  # type: ignore[union-attr]
+
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_h.grad, theirs_h.grad, rtol=1e-4, atol=1e-6)
+    clip = float(sum(v[2] for v in values))
+    assert 0 < clip == pytest.approx(logged["clip_ratio/region_mean"], rel=1e-5)
+    assert float(sum(v[1] for v in values)) == pytest.approx(logged["kl"], rel=1e-5)
