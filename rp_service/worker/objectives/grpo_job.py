@@ -70,6 +70,11 @@ log = logging.getLogger(__name__)
 MAX_SAMPLE_ROWS = 8  # rollouts shown in a `sample` event
 SYNTHETIC_TRAIN_PROMPTS, SYNTHETIC_VALID_PROMPTS = 256, 16  # the demo's generated rows
 _SEED_STRIDE = 1_000_003  # a prime: (seed, step) pairs map to distinct generator seeds
+# On GPUs the training batch's width is rounded up to a multiple of this (right padding,
+# which no loss token sees): there the half-precision decoder layers are compiled for fixed
+# shapes (engine.models._compile), and a width that changed every step would compile them
+# again every step. CPU devices run eagerly: no padding, no extra work.
+WIDTH_MULTIPLE = 64
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -160,6 +165,7 @@ class GrpoObjective:
         except GraderConfigError as exc:
             raise JobFailure("invalid_grader", str(exc), param=exc.field) from None
         self.lora = False
+        self.width_multiple = 1
         self.max_positions = 1 << 30
         self.stop: set[int] = set()
         self._values: list[torch.Tensor] | None = None
@@ -172,7 +178,10 @@ class GrpoObjective:
     # -- setup
 
     def prepare(self, rp: Any, hf_model: Any, *, lora: bool, resuming: bool) -> None:
+        from engine.device import get_devices
+
         self.lora = lora
+        self.width_multiple = WIDTH_MULTIPLE if any(d.is_cuda for d in get_devices()) else 1
         positions = getattr(hf_model.config, "max_position_embeddings", None)
         self.max_positions = positions or self.max_positions
         self.stop = stop_ids(self.tokenizer, getattr(hf_model, "generation_config", None))
@@ -258,7 +267,7 @@ class GrpoObjective:
         sampled = time.perf_counter()
         graded = self._grade(completions, [self.train.items[i] for i in rows])
         graded_at = time.perf_counter()
-        ids, targets = _sequences(prompts, completions, pad_id=self.tokenizer.pad_id)
+        ids, targets = self._sequences(prompts, completions)
         old = None
         if opts.num_iterations > 1:  # the rollout policy, the ratio's denominator
             with evaluating(rp):
@@ -275,6 +284,17 @@ class GrpoObjective:
             ref=ref,
             rollout_s=sampled - start,
             grading_s=graded_at - sampled,
+        )
+
+    def _sequences(
+        self, prompts: list[list[int]], completions: list[Completion]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _sequences(
+            prompts,
+            completions,
+            pad_id=self.tokenizer.pad_id,
+            max_positions=self.max_positions,
+            multiple=self.width_multiple,
         )
 
     def forward_backward(self, rp: Any, step: int, indices: torch.Tensor) -> tuple[Any, int]:
@@ -402,7 +422,7 @@ class GrpoObjective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "rollouts" in state:
-            self._batch = _rollouts_from_state(state["rollouts"], self.train.ids, self.tokenizer)
+            self._batch = _rollouts_from_state(state["rollouts"], self)
 
 
 def _row_counts(rows: int, num_microbatch: int) -> list[int]:
@@ -412,15 +432,22 @@ def _row_counts(rows: int, num_microbatch: int) -> list[int]:
 
 
 def _sequences(
-    prompts: list[list[int]], completions: list[Completion], *, pad_id: int
+    prompts: list[list[int]],
+    completions: list[Completion],
+    *,
+    pad_id: int,
+    max_positions: int = 1 << 30,
+    multiple: int = WIDTH_MULTIPLE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ids (rows, width), right-padded, and next-token targets that are the
-    completion's tokens (with its end-of-text token) and -100 elsewhere."""
+    """Input ids (rows, width), right-padded to a multiple of `multiple` tokens (not past
+    `max_positions`), and next-token targets that are the completion's tokens (with its
+    end-of-text token) and -100 elsewhere."""
     seqs = []
     for prompt, c in zip(prompts, completions, strict=True):
         tail = c.ids + ([c.stop_id] if c.stop_id is not None else [])
         seqs.append((prompt, tail))
-    width = max(len(p) + len(t) for p, t in seqs)
+    longest = max(len(p) + len(t) for p, t in seqs)
+    width = max(longest, min(-(-longest // multiple) * multiple, max_positions))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     targets = torch.full((len(seqs), width), -100, dtype=torch.long)
     for r, (prompt, tail) in enumerate(seqs):
@@ -484,15 +511,13 @@ def _rollouts_state(batch: _Rollouts) -> dict[str, Any]:
     }
 
 
-def _rollouts_from_state(
-    state: dict[str, Any], train_ids: list[list[int]], tokenizer: JobTokenizer
-) -> _Rollouts:
+def _rollouts_from_state(state: dict[str, Any], objective: GrpoObjective) -> _Rollouts:
     rows = [int(r) for r in state["rows"]]
     completions = [
         Completion(ids=list(ids), finish_reason=reason, stop_id=stop)
         for ids, reason, stop in state["completions"]
     ]
-    ids, targets = _sequences([train_ids[r] for r in rows], completions, pad_id=tokenizer.pad_id)
+    ids, targets = objective._sequences([objective.train.ids[r] for r in rows], completions)
     mask = targets != -100
     graded = GradeResult(
         scores=[float(v) for v in state["scores"]],

@@ -121,3 +121,23 @@ def test_a_batch_lasts_num_iterations_steps_and_epochs_count_batches() -> None:
     # a batch counts as taken at its first step
     assert twice.position(3) == once.position(2) == {"epoch": 0, "offset": 8, "samples": 8}
     assert twice.epoch(4) == once.epoch(2) == 0.8
+
+
+def test_the_training_batch_is_padded_to_a_width_multiple_within_the_positions() -> None:
+    """A width that changed every step would compile the GPU's decoder layers again every
+    step: it is rounded up to a multiple of 64 tokens (the padding has no targets)."""
+    from rp_service.worker.objectives.grpo_job import _sequences
+    from rp_service.worker.sampling import Sample as Completion
+
+    prompts = [[5, 6, 7], [8]]
+    completions = [
+        Completion(ids=[1, 2], finish_reason="stop", stop_id=9),
+        Completion(ids=[3], finish_reason="length"),
+    ]
+    ids, targets = _sequences(prompts, completions, pad_id=0)
+    assert ids.shape == targets.shape == (2, 64)
+    assert ids[0, :6].tolist() == [5, 6, 7, 1, 2, 9] and ids[0, 6:].eq(0).all()
+    assert targets[0, 2:5].tolist() == [1, 2, 9] and int((targets != -100).sum()) == 4
+    assert targets[1, 0] == 3
+    assert _sequences(prompts, completions, pad_id=0, max_positions=40)[0].shape == (2, 40)
+    assert _sequences(prompts, completions, pad_id=0, max_positions=4)[0].shape == (2, 6)
