@@ -32,6 +32,7 @@ has the device to itself while it trains.
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import logging
 from collections.abc import Sequence
@@ -158,6 +159,7 @@ class RolloutSampler:
         self.model = None
         self._trained = []
         if self.device.type == "cuda":
+            gc.collect()  # a module cycle would keep the copy's tensors alive
             torch.cuda.empty_cache()
 
     def step_done(self) -> None:
