@@ -15,6 +15,13 @@ peft computes them); the trainer's device replicas merge them into the weight, s
 precision the two differ by a rounding of the adapter's contribution. The loss reads the
 trainer's own log-probabilities, never the sampler's.
 
+Why a decode loop here and not transformers' `generate` (which chat serving uses,
+`serving/process.py`): `generate` draws on the device from torch's global generator and
+keeps finished rows in the batch; rollouts must draw on the host from the job's seeded
+generator over the active rows only, or a resumed job and the engine path would draw
+other tokens. The cache itself is transformers'. Decoding is eager: serving's static
+cache and compiled step are a possible speed-up, not used yet.
+
 Tokens are chosen exactly as `sampling._complete` chooses them: greedy on the device, or
 `draw` over the active rows' fp32 logits on the host from the caller's seeded generator,
 so a resumed job draws the same tokens, and the two paths give the same rows for the same
