@@ -142,25 +142,21 @@ def _summary(args: argparse.Namespace, run: str, phases: list[dict[str, float]])
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
-    from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
-    from engine.adapters.lora import LoraConfig
-    from engine.optim import Adam
+    from bench.dpo import _wrap  # the same random LoRA model, wrapped, and the engine's Adam
     from rp_service.graders import Sample, build_grader
     from rp_service.graders.spec import StringCheckGrader
+    from rp_service.schemas import GrpoSection
     from rp_service.worker.generation import make_sampler
     from rp_service.worker.objectives import grpo
-    from rp_service.worker.objectives.grpo_job import _row_counts, _sequences, step_generator
+    from rp_service.worker.objectives.grpo_job import (
+        _sequences,
+        step_generator,
+        train_on_rollouts,
+    )
     from rp_service.worker.sampling import top_p_draw
 
-    model = build_model(args, nf4=False)
-    rp = wrap_model_to_roundpipe(
-        model,
-        lora_config=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
-        model_run_config=RoundPipeRunConfig(num_microbatch=args.num_microbatch),
-        optim_dtype=torch.float32,
-        pin_model="arena" if torch.cuda.is_available() else "off",
-    )
-    opt = Adam(rp.optim_parameters(), lr=1e-6)
+    rp, opt = _wrap(args)
+    model = rp.rp_unwrap()[1]  # the HF model: the sampler copies its modules
     rows = args.prompts * args.group
     sampler = make_sampler(model, rows=rows, tokens=args.seq_len)
     if sampler is None:
@@ -177,7 +173,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         workdir=Path("/tmp"),
     )
     prompts = [p for p in prompt_ids(args, model.config.vocab_size) for _ in range(args.group)]
-    counts = _row_counts(rows, args.num_microbatch)
+    options = GrpoSection(group_size=args.group, max_completion_tokens=args.completion_len)
 
     def step_fn() -> None:
         opt.step()
@@ -204,27 +200,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         graded = grader.grade([Sample(output_text=_text(s.ids)) for s in samples], [{}] * rows)
         t2 = time.perf_counter()
         rewards = torch.tensor(graded.scores, dtype=torch.float64)
-        advantages = grpo.group_advantages(rewards, args.group).float()
+        advantages = grpo.group_advantages(rewards, args.group)
         ids, targets = _sequences(prompts, samples, pad_id=0)
-        mask = targets != -100
-        denominator, row_tokens = grpo.normalizer("dapo", mask, max_completion_tokens=1)
-        values = rp.forward_backward(
-            input_kwargs={"input_ids": ids, "return_logits": False},
-            label=(targets, advantages, None, row_tokens, None),
-            loss_fn=grpo.grpo_loss_fn(
-                temperature=1.0,
-                epsilon_low=0.2,
-                epsilon_high=0.2,
-                beta=0.0,
-                loss_type="dapo",
-                denominator=denominator,
-                batch_tokens=int(mask.sum()),
-            ),
-            run_config=RoundPipeRunConfig(
-                num_microbatch=len(counts),
-                split_input=grpo.split_rows(counts),
-                split_label=grpo.split_label(counts),
-            ),
+        values = train_on_rollouts(
+            rp, ids, targets, advantages, ref=None, old=None, options=options
         )
         rp.step(step_fn, is_async=True)
         float(values[0])  # the step's host sync

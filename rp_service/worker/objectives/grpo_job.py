@@ -59,11 +59,11 @@ from . import grpo
 if TYPE_CHECKING:
     from ...data.tokenizer import JobTokenizer
     from ...graders import Grader
-    from ...schemas import JobSpec
+    from ...schemas import GrpoSection, JobSpec
     from ..meter import Emit
     from ..training import JobPaths
 
-__all__ = ["MAX_SAMPLE_ROWS", "GrpoObjective", "step_generator"]
+__all__ = ["MAX_SAMPLE_ROWS", "GrpoObjective", "step_generator", "train_on_rollouts"]
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +298,6 @@ class GrpoObjective:
         )
 
     def forward_backward(self, rp: Any, step: int, indices: torch.Tensor) -> tuple[Any, int]:
-        from engine import RoundPipeRunConfig
-
         opts = self.options
         first = step - (step - 1) % opts.num_iterations  # the step that made this batch
         batch = self._batch
@@ -311,29 +309,8 @@ class GrpoObjective:
         rows, completions, graded = batch.rows, batch.completions, batch.graded
         rewards = torch.tensor(graded.scores, dtype=torch.float64)
         advantages = grpo.group_advantages(rewards, opts.group_size, scale=opts.scale_rewards)
-        ids, targets = batch.ids, batch.targets
-        mask = targets != -100
-        denominator, row_tokens = grpo.normalizer(
-            opts.loss_type, mask, max_completion_tokens=opts.max_completion_tokens
-        )
-        counts = _row_counts(len(rows), rp.num_microbatch)
-        self._values = rp.forward_backward(
-            input_kwargs={"input_ids": ids, "return_logits": False},
-            label=(targets, advantages.float(), batch.ref, row_tokens, batch.old),
-            loss_fn=grpo.grpo_loss_fn(
-                temperature=opts.temperature,
-                epsilon_low=opts.clip_epsilon,
-                epsilon_high=opts.clip_epsilon_high or opts.clip_epsilon,
-                beta=opts.kl_coef,
-                loss_type=opts.loss_type,
-                denominator=denominator,
-                batch_tokens=int(mask.sum()),
-            ),
-            run_config=RoundPipeRunConfig(
-                num_microbatch=len(counts),
-                split_input=grpo.split_rows(counts),
-                split_label=grpo.split_label(counts),
-            ),
+        self._values = train_on_rollouts(
+            rp, batch.ids, batch.targets, advantages, ref=batch.ref, old=batch.old, options=opts
         )
         self._metrics = _step_metrics(
             rewards,
@@ -348,7 +325,7 @@ class GrpoObjective:
             self._metrics["valid_reward_initial"], self._initial = self._initial, None
         if fresh and opts.sample_interval > 0 and step % opts.sample_interval == 0:
             self._emit_samples(step, rows, completions, graded)
-        return self._values[0], int(mask.sum())
+        return self._values[0], int((batch.targets != -100).sum())
 
     def _logps(self, rp: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return grpo.token_logps(
@@ -425,10 +402,45 @@ class GrpoObjective:
             self._batch = _rollouts_from_state(state["rollouts"], self)
 
 
-def _row_counts(rows: int, num_microbatch: int) -> list[int]:
+def train_on_rollouts(
+    rp: Any,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    ref: torch.Tensor | None,
+    old: torch.Tensor | None,
+    options: GrpoSection,
+) -> list[torch.Tensor]:
+    """The GRPO loss's forward and backward through the engine on rollouts `ids` whose
+    completion tokens are `targets` (-100 elsewhere); returns the loss function's values
+    (loss, KL and clip-fraction shares: `grpo.grpo_loss_fn`)."""
+    from engine import RoundPipeRunConfig
     from engine.batch import even_counts
 
-    return even_counts(rows, num_microbatch)
+    mask = targets != -100
+    denominator, row_tokens = grpo.normalizer(
+        options.loss_type, mask, max_completion_tokens=options.max_completion_tokens
+    )
+    counts = even_counts(ids.shape[0], rp.num_microbatch)
+    return rp.forward_backward(
+        input_kwargs={"input_ids": ids, "return_logits": False},
+        label=(targets, advantages.float(), ref, row_tokens, old),
+        loss_fn=grpo.grpo_loss_fn(
+            temperature=options.temperature,
+            epsilon_low=options.clip_epsilon,
+            epsilon_high=options.clip_epsilon_high or options.clip_epsilon,
+            beta=options.kl_coef,
+            loss_type=options.loss_type,
+            denominator=denominator,
+            batch_tokens=int(mask.sum()),
+        ),
+        run_config=RoundPipeRunConfig(
+            num_microbatch=len(counts),
+            split_input=grpo.split_rows(counts),
+            split_label=grpo.split_label(counts),
+        ),
+    )
 
 
 def _sequences(
