@@ -233,11 +233,18 @@ class GrpoObjective:
             )
         )
         if self.sampler is not None:
-            self.sampler.refresh()
             try:
+                self.sampler.refresh()
                 return self.sampler.complete(prompts, draw=draw, **limits)
+            except torch.OutOfMemoryError:
+                # The placement's estimate was short (another process, fragmentation): the
+                # job goes on through the engine, which needs no copy, from a fresh draw.
+                log.warning("rollout sampler out of GPU memory: sampling through the engine")
+                self.sampler.release()
+                self.sampler = None
             finally:
-                self.sampler.step_done()
+                if self.sampler is not None:
+                    self.sampler.step_done()
         with evaluating(rp):  # no dropout while sampling
             if draw is None:
                 return greedy_completions(rp, prompts, num_microbatch=rp.num_microbatch, **limits)

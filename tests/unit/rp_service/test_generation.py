@@ -24,6 +24,7 @@ from rp_service.worker.generation import (
     placement,
 )
 from rp_service.worker.sampling import greedy_completions, sampled_completions, top_p_draw
+from tests import tiny_models
 from tests.unit.engine.conftest import use_devices
 from tests.unit.rp_service.test_sampling import PAD, POSITIONS, PROMPTS, tiny, with_lora
 
@@ -185,3 +186,67 @@ def test_a_per_step_copy_is_dropped_after_the_rollouts_and_uploaded_again() -> N
     sampler.step_done()
     assert sampler.model is None
     assert sampler.complete(PROMPTS, draw=None, stop=set(), **_limits()) == first
+
+
+def test_a_sampler_out_of_memory_falls_back_to_the_engine(tmp_path: object) -> None:
+    """The job goes on: the rollouts of that step, and every later one, come from the
+    engine's path with the step's own seeded draw."""
+    from pathlib import Path
+
+    from rp_service.data.tokenizer import load_tokenizer
+    from rp_service.schemas import JobSpec
+    from rp_service.worker.objectives.grpo_job import GrpoObjective, step_generator
+    from rp_service.worker.training import JobPaths
+
+    spec = JobSpec.model_validate(
+        {
+            "model": {"preset": "qwen3"},
+            "data": {"train": "synthetic", "seq_len": 64},
+            "train": {"objective": "grpo"},
+            "grader": {
+                "type": "string_check",
+                "name": "y",
+                "input": "{{sample.output_text}}",
+                "reference": "y",
+                "operation": "like",
+            },
+        }
+    )
+    root = Path(str(tmp_path))
+    paths = JobPaths(
+        train_path="synthetic",
+        valid_path=None,
+        model_path=None,
+        tokenizer_path=None,
+        output_dir=root / "out",
+        checkpoint_dir=root / "ckpt",
+    )
+    tokenizer = load_tokenizer(None)  # byte-level: 260 ids, the pad among them
+    objective = GrpoObjective(spec, paths, tokenizer, valid_source=None, emit=print)
+    model = tiny_models.tiny_model(
+        "qwen3", vocab_size=len(tokenizer.hf), max_position_embeddings=POSITIONS
+    ).eval()
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    objective.prepare(rp, model, lora=False, resuming=False)
+    assert objective.sampler is not None
+
+    def out_of_memory(*_: object, **__: object) -> None:
+        raise torch.OutOfMemoryError("simulated")
+
+    objective.sampler.complete = out_of_memory  # type: ignore[method-assign]
+    got = objective._complete(rp, GROUPS, step=3, max_new_tokens=5)
+    assert objective.sampler is None
+    want = sampled_completions(
+        rp,
+        GROUPS,
+        stop=objective.stop,
+        max_new_tokens=5,
+        max_positions=POSITIONS,
+        pad_id=objective.tokenizer.pad_id,
+        num_microbatch=rp.num_microbatch,
+        temperature=1.0,
+        top_p=1.0,
+        generator=step_generator(spec.train.seed, 3),
+    )
+    assert got == want
+    objective.close()
