@@ -250,3 +250,29 @@ def test_a_sampler_out_of_memory_falls_back_to_the_engine(tmp_path: object) -> N
     )
     assert got == want
     objective.close()
+
+
+@pytest.mark.parametrize("family", [f for f in tiny_models.FAMILIES if f != "qwen3"])
+def test_every_family_samples_as_the_engine_does(family: str) -> None:
+    """Sliding windows (qwen2, mistral, gpt_oss) and experts (qwen3_moe, gpt_oss) too:
+    the cache's layers follow the config, rows leave the batch and the cache alike."""
+    model = tiny_models.tiny_model(
+        family,
+        vocab_size=256,
+        max_position_embeddings=POSITIONS,
+        initializer_range=0.2,
+        **tiny_models.WIDE,
+    ).eval()
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    limits = _limits(max_new_tokens=12, stop={7, 91})
+    want = sampled_completions(
+        rp,
+        GROUPS,
+        num_microbatch=2,
+        temperature=1.2,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(3),
+        **limits,
+    )
+    draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(3))
+    assert RolloutSampler(model, torch.device("cpu")).complete(GROUPS, draw=draw, **limits) == want
