@@ -113,6 +113,10 @@ def _device_value(t: Tensor, device: torch.device) -> Tensor:
     return t.detach().to(device, copy=True)
 
 
+def _adapter_weights(module: nn.Module) -> tuple[Tensor, Tensor]:
+    return module.lora_A.weight, module.lora_B.weight  # type: ignore[union-attr, return-value]
+
+
 def _cache_keyword(model: nn.Module) -> str:
     """The forward's name for the KV cache (transformers renamed `past_key_values`)."""
     names = inspect.signature(model.forward).parameters
@@ -137,12 +141,22 @@ class RolloutSampler:
         return _param_bytes(self.host)
 
     def _upload(self) -> nn.Module:
+        from engine.adapters.lora import lora_modules
+
         memo: dict[int, Any] = {}
         self._trained = []
+        # LoRA's fp32 A and B of a half-precision model are kept in the model's dtype: its
+        # forward casts them to the activations' dtype at every call (the same values), two
+        # small kernels per adapter per token saved.
+        half = self.host.get_input_embeddings().weight.dtype
+        lora_ids = {id(w) for _, m in lora_modules(self.host) for w in _adapter_weights(m)}
         for p in self.host.parameters():
             if id(p) in memo:
                 continue
-            q = nn.Parameter(_device_value(p, self.device), requires_grad=False)
+            value = _device_value(p, self.device)
+            if id(p) in lora_ids and half in (torch.float16, torch.bfloat16):
+                value = value.to(half)
+            q = nn.Parameter(value, requires_grad=False)
             memo[id(p)] = q
             if p.requires_grad:
                 self._trained.append((p, q))

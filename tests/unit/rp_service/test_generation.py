@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine import wrap_model_to_roundpipe
+from engine.adapters.lora import lora_modules
 from rp_service.worker.generation import (
     RolloutSampler,
     kv_cache_bytes,
@@ -276,3 +277,25 @@ def test_every_family_samples_as_the_engine_does(family: str) -> None:
     )
     draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(3))
     assert RolloutSampler(model, torch.device("cpu")).complete(GROUPS, draw=draw, **limits) == want
+
+
+def test_a_half_precision_models_adapters_are_copied_in_its_dtype() -> None:
+    """LoRA's fp32 A and B of a bf16 model: kept bf16 in the copy (the forward casts them
+    so at every call), refreshed from the fp32 host values; the logits are the model's."""
+    model = with_lora(tiny("qwen3")).to(torch.bfloat16)
+    for _, module in lora_modules(model):
+        module.lora_A.float()
+        module.lora_B.float()
+    sampler = RolloutSampler(model, torch.device("cpu"))
+    sampler.refresh()
+    copied = dict(sampler.model.named_parameters())  # type: ignore[union-attr]
+    a_name = "model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert copied[a_name].dtype == torch.bfloat16
+    assert model.get_parameter(a_name).dtype == torch.float32
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([PROMPTS[0]])).logits[0, -1].float()
+    torch.testing.assert_close(_sampler_logits(sampler, PROMPTS[0]), want, rtol=0.02, atol=0.02)
+    with torch.no_grad():
+        model.get_parameter(a_name).add_(1.0)
+    sampler.refresh()
+    assert torch.equal(copied[a_name], model.get_parameter(a_name).to(torch.bfloat16))
