@@ -93,9 +93,10 @@ def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -
             **_limits(),
         )
         sampler = RolloutSampler(model, torch.device("cuda"), keep=False)
-        before = torch.cuda.memory_allocated()
         draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
         assert sampler.complete(GROUPS, stop={7}, draw=draw, **_limits()) == want
-        assert torch.cuda.memory_allocated() > before  # the copy is on the GPU
+        held = torch.cuda.memory_allocated()  # the copy, on the GPU
         sampler.step_done()
-        assert sampler.model is None and torch.cuda.memory_allocated() <= before
+        assert sampler.model is None
+        # the copy's bytes came back (cuBLAS workspaces of the first calls may stay)
+        assert held - torch.cuda.memory_allocated() >= sampler.model_bytes
