@@ -474,6 +474,20 @@ class GrpoSection(_Section):
         description="Validation prompts completed greedily and graded at each evaluation "
         "(valid_reward_mean).",
     )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Optimizer steps on each batch of rollouts (TRL's num_iterations, mu): "
+        "above 1 the rollout policy's log-probabilities are the ratio's denominator and the "
+        "clip binds; a batch of prompts then lasts that many steps.",
+    )
+    generation: Literal["auto", "engine"] = Field(
+        "auto",
+        description="How rollouts are generated: auto, with a KV cache on a copy of the "
+        "model on the first GPU where it fits (else through the engine); engine, always "
+        "through the engine's forward (no KV cache, no second copy).",
+    )
 
 
 class JobSpec(_Section):

@@ -318,6 +318,8 @@ class GrpoSection(_Model):
     scale_rewards: str | None = None  # group | batch | none
     sample_interval: int | None = None
     eval_prompts: int | None = None
+    num_iterations: int | None = None  # optimizer steps on each batch of rollouts
+    generation: str | None = None  # auto | engine
 
 
 class JobSpec(_Model):

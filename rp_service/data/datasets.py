@@ -199,14 +199,19 @@ class BatchOrder:
 
     Step `k` takes the positions ``k * batch_size ...`` of the endless sequence
     ``perm(0) + perm(1) + ...``, so the order depends only on the seed and the step.
+    With `repeat` r > 1 each batch serves r consecutive steps (GRPO's `num_iterations`:
+    several updates on one batch of rollouts): step k takes batch k // r.
     """
 
-    def __init__(self, num_blocks: int, batch_size: int, *, seed: int) -> None:
+    def __init__(self, num_blocks: int, batch_size: int, *, seed: int, repeat: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+        if repeat < 1:
+            raise ValueError("repeat must be >= 1")
         self.num_blocks = num_blocks
         self.batch_size = batch_size
         self.seed = seed
+        self.repeat = repeat
         self._cached: tuple[int, torch.Tensor] | None = None
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -217,7 +222,7 @@ class BatchOrder:
 
     def indices(self, step: int) -> torch.Tensor:
         """Block indices of the batch of 0-based step `step`."""
-        start = step * self.batch_size
+        start = step // self.repeat * self.batch_size
         out = torch.empty(self.batch_size, dtype=torch.int64)
         filled = 0
         while filled < self.batch_size:
@@ -229,13 +234,18 @@ class BatchOrder:
 
     def position(self, steps_done: int) -> dict[str, int]:
         """Where the data stands after `steps_done` steps: epoch and offset in it."""
-        epoch, offset = divmod(steps_done * self.batch_size, self.num_blocks)
-        return {"epoch": epoch, "offset": offset, "samples": steps_done * self.batch_size}
+        samples = self._batches(steps_done) * self.batch_size
+        epoch, offset = divmod(samples, self.num_blocks)
+        return {"epoch": epoch, "offset": offset, "samples": samples}
 
     def epoch(self, steps_done: int) -> float:
         """Epochs completed after `steps_done` steps, fractional."""
-        return steps_done * self.batch_size / self.num_blocks
+        return self._batches(steps_done) * self.batch_size / self.num_blocks
+
+    def _batches(self, steps_done: int) -> int:
+        """Batches taken by `steps_done` steps (a batch is taken at its first step)."""
+        return -(-steps_done // self.repeat)
 
     def steps_for_epochs(self, epochs: float) -> int:
         """Optimizer steps that cover `epochs` passes over the blocks (at least 1)."""
-        return max(1, math.ceil(epochs * self.num_blocks / self.batch_size))
+        return self.repeat * max(1, math.ceil(epochs * self.num_blocks / self.batch_size))

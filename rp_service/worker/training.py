@@ -184,7 +184,12 @@ class _Run:
         self.objective = _make_objective(spec, paths, self.tokenizer, valid_source, emit)
         self.blocks = self.objective.train
         self.valid = self.objective.valid
-        self.order = BatchOrder(len(self.blocks), train.batch_size, seed=train.seed)
+        self.order = BatchOrder(
+            len(self.blocks),
+            train.batch_size,
+            seed=train.seed,
+            repeat=self.objective.steps_per_batch,
+        )
         self.total_steps = train.steps or self.order.steps_for_epochs(train.epochs or 1.0)
         log.info(
             "data: %d train sequences of %d tokens, %s valid, %d steps",

@@ -66,3 +66,37 @@ def test_grpo_resumes_bit_for_bit_on_cuda(tmp_path: Path) -> None:
     ours = load_file(str(job / "output" / "adapter_model.safetensors"))
     theirs = load_file(str(straight / "output" / "adapter_model.safetensors"))
     assert all(ours[k].equal(theirs[k]) for k in theirs)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -> None:
+    """The sampler's copy on the GPU (fp32: the engine runs it eagerly there too) draws
+    the engine's uncached rollouts token for token, and per-step placement gives the
+    copy's memory back."""
+    from engine import wrap_model_to_roundpipe
+    from rp_service.worker.generation import RolloutSampler
+    from rp_service.worker.sampling import sampled_completions, top_p_draw
+    from tests.unit.engine.conftest import use_devices
+    from tests.unit.rp_service.test_generation import GROUPS, _limits, _model
+
+    for _ in use_devices("cuda", 1):
+        model = _model(lora)
+        rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+        want = sampled_completions(
+            rp,
+            GROUPS,
+            stop={7},
+            num_microbatch=3,
+            temperature=1.2,
+            top_p=0.9,
+            generator=torch.Generator().manual_seed(4),
+            **_limits(),
+        )
+        sampler = RolloutSampler(model, torch.device("cuda"), keep=False)
+        draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
+        assert sampler.complete(GROUPS, stop={7}, draw=draw, **_limits()) == want
+        held = torch.cuda.memory_allocated()  # the copy, on the GPU
+        sampler.step_done()
+        assert sampler.model is None
+        # the copy's bytes came back (cuBLAS workspaces of the first calls may stay)
+        assert held - torch.cuda.memory_allocated() >= sampler.model_bytes

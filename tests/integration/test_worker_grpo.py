@@ -101,12 +101,21 @@ def test_grpo_raises_the_held_out_reward_to_0_9(tmp_path: Path) -> None:
     assert (job / "output" / "model.safetensors").is_file()
 
 
+# Two updates per batch of rollouts (num_iterations 2): the checkpoint at step 3 falls
+# between the two steps of the batch made at step 3, so the resumed attempt must train step
+# 4 on that batch, which it can only read from the checkpoint.
 LORA_KL = {
     "train.steps": 6,
     "train.method": "lora",
     "train.checkpoint_interval": 3,
     "train.lr": 0.01,
-    "grpo": {"group_size": 4, "max_completion_tokens": 6, "kl_coef": 0.05, "sample_interval": 0},
+    "grpo": {
+        "group_size": 4,
+        "max_completion_tokens": 6,
+        "kl_coef": 0.05,
+        "sample_interval": 0,
+        "num_iterations": 2,
+    },
 }
 
 
@@ -123,6 +132,13 @@ def test_kill_9_mid_job_resumes_bit_for_bit(uninterrupted_lora, tmp_path: Path) 
     want = metrics(straight_events)
     assert all(isinstance(m["kl"], float) for m in want)
     assert any(m["kl"] > 0 for m in want[1:])  # the adapters moved away from the base
+    # steps 2, 4, 6 reuse the batch of 1, 3, 5: same rewards, no sampling, a ratio off 1
+    for made, reused in zip(want[::2], want[1::2], strict=True):
+        assert reused["reward_mean"] == made["reward_mean"]
+        assert reused["completion_tokens_mean"] == made["completion_tokens_mean"]
+        assert reused["rollout_seconds"] == 0.0 < made["rollout_seconds"]
+    assert all(m["clip_fraction"] == 0.0 for m in want[::2])
+    assert any(m["clip_fraction"] > 0.0 for m in want[1::2])
     job = make_job(tmp_path / "killed", LORA_KL)
 
     def kill_after_checkpoint(proc: subprocess.Popen[str], event: dict[str, Any]) -> None:
@@ -137,7 +153,7 @@ def test_kill_9_mid_job_resumes_bit_for_bit(uninterrupted_lora, tmp_path: Path) 
     got = metrics(first)[:3] + metrics(second)
     assert [m["step"] for m in got] == list(range(1, 7))
     for a, b in zip(got, want, strict=True):
-        for key in ("train_loss", "reward_mean", "kl", "completion_tokens_mean"):
+        for key in ("train_loss", "reward_mean", "kl", "clip_fraction", "completion_tokens_mean"):
             assert a[key] == b[key], (a["step"], key)
     ours = load_file(str(job / "output" / "adapter_model.safetensors"))
     theirs = load_file(str(straight / "output" / "adapter_model.safetensors"))

@@ -36,6 +36,8 @@ class Objective(Protocol):
     data_format: str
     """How sample prompts are rendered: ``chat``/``preference``/``prompt`` in the chat
     template, ``text``/``prompt_completion`` as plain text."""
+    steps_per_batch: int
+    """Optimizer steps each batch serves (GRPO's `num_iterations`; 1 for the others)."""
     needs_sync_before_step: bool
     """True when `forward_backward` reads the model copy outside the engine's own
     ordering (GRPO's rollouts): the loop synchronizes the previous update first."""

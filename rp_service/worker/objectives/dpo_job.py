@@ -68,6 +68,7 @@ class DpoObjective:
 
     data_format = "preference"
     needs_sync_before_step = False
+    steps_per_batch = 1
 
     def __init__(
         self, spec: JobSpec, paths: JobPaths, tokenizer: JobTokenizer, *, valid_source: str | None

@@ -16,9 +16,12 @@ k3 estimate of the KL divergence to the reference:
     l_t = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i)
           + beta (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
 
-One optimizer step per batch of rollouts, so pi_old is the policy itself (its detached
-log-probabilities): rho_t is 1 in value, the clip never binds (clip_fraction 0) and the
-gradient is A_i grad log pi(o_t), as in TRL with its default `num_iterations` 1.
+With one optimizer step per batch of rollouts (`num_iterations` 1, TRL's default) pi_old
+is the policy itself (its detached log-probabilities): rho_t is 1 in value, the clip never
+binds (clip_fraction 0) and the gradient is A_i grad log pi(o_t). With `num_iterations`
+mu > 1 the same rollouts serve mu optimizer steps and pi_old is the rollout policy: its
+log-probabilities, taken once when the rollouts are made, come in the label (TRL's
+`old_per_token_logps`), and the clip binds as the policy moves away.
 
 Normalisation (`loss_type`, TRL's names; "dapo" is TRL's default):
 
@@ -171,22 +174,24 @@ def grpo_loss_fn(
 ) -> Callable[[Any, Any], list[Tensor]]:
     """A `forward_backward` loss_fn for a preset model called with `return_logits=False`
     and the label `(targets (rows, seq), advantages (rows,), ref (rows, seq) | None,
-    row_tokens (rows,) | None)`; `denominator` from `normalizer` over the whole batch,
-    `batch_tokens` its completion tokens.
+    row_tokens (rows,) | None, old (rows, seq) | None)`, `old` the rollout policy's
+    log-probabilities (None: the policy's own, detached); `denominator` from `normalizer`
+    over the whole batch, `batch_tokens` its completion tokens.
 
     Returns `[loss, kl, clipped]`: the micro-batch's shares of the batch loss, of the
     batch's mean KL per completion token and of its clipped fraction (detached).
     """
 
     def loss_fn(outputs: Any, label: Any) -> list[Tensor]:
-        targets, advantages, ref, row_tokens = label
+        targets, advantages, ref, row_tokens, old = label
         logps = _completion_logps(outputs, targets, temperature, chunk_tokens)
         device = logps.device
         mask = (targets != -100).to(device)
         ref_d = None if ref is None else ref.to(device, torch.float32)
+        old_d = logps.detach() if old is None else old.to(device, torch.float32)
         loss, kl, bound = per_token_loss(
             logps,
-            logps.detach(),
+            old_d,
             advantages.to(device),
             ref_d,
             epsilon_low=epsilon_low,

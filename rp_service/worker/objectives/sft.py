@@ -50,6 +50,7 @@ class SftObjective:
     """Token blocks and the chunked causal-LM loss of one attempt of an SFT job."""
 
     needs_sync_before_step = False
+    steps_per_batch = 1
 
     def __init__(
         self, spec: JobSpec, paths: JobPaths, tokenizer: JobTokenizer, *, valid_source: str | None

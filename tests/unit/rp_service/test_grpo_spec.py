@@ -80,6 +80,8 @@ def test_a_grpo_spec_fills_its_defaults_and_takes_the_fine_tune_rate() -> None:
         ({**_spec(grader=GRADER), "train": {"objective": "sft"}}, "grader", "objective"),
         ({**_spec(grpo={}), "train": {"objective": "dpo"}}, "grpo", "objective"),
         (_spec(grader={**GRADER, "operation": "startswith"}), "grader", "operation"),
+        (_spec(grader=GRADER, grpo={"num_iterations": 0}), "grpo", "num_iterations"),
+        (_spec(grader=GRADER, grpo={"generation": "vllm"}), "grpo", "generation"),
     ],
 )
 def test_bad_grpo_specs_are_422s_naming_the_field(
@@ -105,3 +107,37 @@ def test_a_python_grader_is_refused_at_submission_unless_the_operator_allows_it(
         check_grader(JobSpec.model_validate(_spec(grader=formula)))
     assert info.value.param == "grader.calculate_output"
     check_grader(JobSpec.model_validate(_spec(grader=GRADER)))  # a runnable one passes
+
+
+def test_a_batch_lasts_num_iterations_steps_and_epochs_count_batches() -> None:
+    from rp_service.data.datasets import BatchOrder
+
+    once = BatchOrder(10, 4, seed=3)
+    twice = BatchOrder(10, 4, seed=3, repeat=2)
+    for step in range(6):
+        assert twice.indices(2 * step).equal(once.indices(step))
+        assert twice.indices(2 * step + 1).equal(once.indices(step))
+    assert twice.steps_for_epochs(2.0) == 2 * once.steps_for_epochs(2.0) == 10
+    # a batch counts as taken at its first step
+    assert twice.position(3) == once.position(2) == {"epoch": 0, "offset": 8, "samples": 8}
+    assert twice.epoch(4) == once.epoch(2) == 0.8
+
+
+def test_the_training_batch_is_padded_to_a_width_multiple_within_the_positions() -> None:
+    """A width that changed every step would compile the GPU's decoder layers again every
+    step: it is rounded up to a multiple of 64 tokens (the padding has no targets)."""
+    from rp_service.worker.objectives.grpo_job import _sequences
+    from rp_service.worker.sampling import Sample as Completion
+
+    prompts = [[5, 6, 7], [8]]
+    completions = [
+        Completion(ids=[1, 2], finish_reason="stop", stop_id=9),
+        Completion(ids=[3], finish_reason="length"),
+    ]
+    ids, targets = _sequences(prompts, completions, pad_id=0)
+    assert ids.shape == targets.shape == (2, 64)
+    assert ids[0, :6].tolist() == [5, 6, 7, 1, 2, 9] and ids[0, 6:].eq(0).all()
+    assert targets[0, 2:5].tolist() == [1, 2, 9] and int((targets != -100).sum()) == 4
+    assert targets[1, 0] == 3
+    assert _sequences(prompts, completions, pad_id=0, max_positions=40)[0].shape == (2, 40)
+    assert _sequences(prompts, completions, pad_id=0, max_positions=4)[0].shape == (2, 6)

@@ -106,6 +106,49 @@ def _trl_loss(
     return loss, logged
 
 
+def _ours(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    advantages: Tensor,
+    *,
+    loss_type: str,
+    beta: float,
+    temperature: float,
+    ref: Tensor | None,
+    old: Tensor | None,
+    rows: list[int],
+    chunk_tokens: int,
+) -> tuple[Tensor, list[list[Tensor]]]:
+    """Our loss of the batch, in micro-batches of `rows` whose shares add up to the batch's,
+    backward done; the loss and each micro-batch's values (loss, KL, clip shares)."""
+    mask = targets != -100
+    denominator, row_tokens = grpo.normalizer(
+        loss_type,  # type: ignore[arg-type]
+        mask,
+        max_completion_tokens=MAX_COMPLETION,
+    )
+    loss_fn = grpo.grpo_loss_fn(
+        temperature=temperature,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        beta=beta,
+        loss_type=loss_type,  # type: ignore[arg-type]
+        denominator=denominator,
+        batch_tokens=int(mask.sum()),
+        chunk_tokens=chunk_tokens,
+    )
+    parts = grpo.split_label(rows)((targets, advantages, ref, row_tokens, old), len(rows))
+    starts = [sum(rows[:k]) for k in range(len(rows))]
+    values = [
+        loss_fn((hidden[a : a + n], weight), part)
+        for a, n, part in zip(starts, rows, parts, strict=True)
+    ]
+    loss = sum(v[0] for v in values)
+    loss.backward()  # type: ignore[union-attr]
+    return loss, values  # type: ignore[return-value]
+
+
 @pytest.mark.parametrize("scale", grpo.SCALE_REWARDS)
 def test_advantages_equal_trls(scale: str) -> None:
     rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 1.0, 1.0, 0.2, 0.9, 0.0])
@@ -147,32 +190,21 @@ def test_loss_and_gradients_equal_trls(loss_type: str, beta: float, temperature:
     theirs.backward()
 
     # ours: the batch in two micro-batches whose shares add up to the batch's loss
-    mask = targets != -100
-    denominator, row_tokens = grpo.normalizer(
-        loss_type,  # type: ignore[arg-type]
-        mask,
-        max_completion_tokens=MAX_COMPLETION,
-    )
-    loss_fn = grpo.grpo_loss_fn(
-        temperature=temperature,
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        beta=beta,
-        loss_type=loss_type,  # type: ignore[arg-type]
-        denominator=denominator,
-        batch_tokens=int(mask.sum()),
-        chunk_tokens=7,
-    )
     ours_h = hidden.clone().requires_grad_(True)
     ours_w = weight.clone().requires_grad_(True)
-    label = (targets, advantages, ref if beta else None, row_tokens)
-    parts = grpo.split_label([4, 2])(label, 2)
-    values = [
-        loss_fn((ours_h[a:b], ours_w), part)
-        for (a, b), part in zip([(0, 4), (4, 6)], parts, strict=True)
-    ]
-    ours = sum(v[0] for v in values)
-    ours.backward()  # type: ignore[union-attr]
+    ours, values = _ours(
+        ours_h,
+        ours_w,
+        targets,
+        advantages,
+        loss_type=loss_type,
+        beta=beta,
+        temperature=temperature,
+        ref=ref if beta else None,
+        old=None,
+        rows=[4, 2],
+        chunk_tokens=7,
+    )
 
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ours_h.grad, theirs_h.grad, rtol=1e-4, atol=1e-6)
@@ -215,3 +247,49 @@ def test_an_off_policy_ratio_clips_as_trl_does(loss_type: str) -> None:
     torch.testing.assert_close(our_grad, their_grad)
     fraction = float((bound & mask).sum() / mask.sum())
     assert 0 < fraction == pytest.approx(logged["clip_ratio/region_mean"])
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_several_iterations_score_against_the_rollout_policy_as_trl_does(loss_type: str) -> None:
+    """num_iterations > 1: the label's old log-probabilities are the ratio's denominator
+    (TRL's `old_per_token_logps`); loss, gradients, KL and clip fraction equal TRL's."""
+    hidden, weight, targets, rewards = _batch(seed=11)
+    advantages = grpo.group_advantages(rewards, GROUP).float()
+    temperature, beta = 0.7, 0.04
+    gen = torch.Generator().manual_seed(5)
+    base = _token_logps(hidden, weight, targets, temperature)
+    old = (base + 0.3 * torch.randn(ROWS, SEQ, generator=gen)).detach()
+    ref = (base + 0.2 * torch.randn(ROWS, SEQ, generator=gen)).detach()
+
+    theirs_h = hidden.clone().requires_grad_(True)
+    theirs, logged = _trl_loss(
+        _token_logps(theirs_h, weight, targets, temperature),
+        targets,
+        advantages,
+        loss_type=loss_type,
+        beta=beta,
+        ref=ref,
+        old=old,
+    )
+    theirs.backward()
+
+    ours_h = hidden.clone().requires_grad_(True)
+    ours, values = _ours(
+        ours_h,
+        weight,
+        targets,
+        advantages,
+        loss_type=loss_type,
+        beta=beta,
+        temperature=temperature,
+        ref=ref,
+        old=old,
+        rows=[2, 4],
+        chunk_tokens=5,
+    )
+
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_h.grad, theirs_h.grad, rtol=1e-4, atol=1e-6)
+    clip = float(sum(v[2] for v in values))
+    assert 0 < clip == pytest.approx(logged["clip_ratio/region_mean"], rel=1e-5)
+    assert float(sum(v[1] for v in values)) == pytest.approx(logged["kl"], rel=1e-5)

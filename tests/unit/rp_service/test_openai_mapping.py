@@ -208,6 +208,18 @@ def _validation_error(body: dict[str, Any]) -> RequestValidationError:
             "metadata",
             "invalid_value",
         ),
+        (
+            {
+                "model": "m",
+                "training_file": "f",
+                "method": {
+                    "type": "reinforcement",
+                    "reinforcement": {**_RL, "grpo": {"num_iterations": 0}},
+                },
+            },
+            "method.reinforcement.grpo.num_iterations",
+            "invalid_value",
+        ),
     ],
 )
 def test_validation_errors_become_400s_naming_the_parameter(
@@ -425,11 +437,18 @@ def test_reinforcement_maps_to_a_grpo_job_with_openais_hyperparameters() -> None
     assert plan.fields["hyperparameters"]["compute_multiplier"] == 0.5
     assert plan.fields["hyperparameters"]["eval_samples"] == 10
     # the daemon's extension: the grpo section's own fields win over the mapped ones
-    method["reinforcement"]["grpo"] = {"group_size": 3, "max_completion_tokens": 9}
+    assert spec.grpo.num_iterations == 1  # OpenAI has no name for it: TRL's default
+    method["reinforcement"]["grpo"] = {
+        "group_size": 3,
+        "max_completion_tokens": 9,
+        "num_iterations": 2,
+    }
     del hp["eval_interval"]
     spec = _plan({"method": method}).spec
     assert spec.grpo is not None and (spec.grpo.group_size, spec.grpo.max_completion_tokens) == (
         3,
         9,
     )
+    assert spec.grpo.num_iterations == 2
+
     assert spec.train.eval_interval == 0  # auto without a validation file: no evaluation

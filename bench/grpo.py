@@ -1,0 +1,350 @@
+"""GRPO step time: the engine's LoRA GRPO step beside TRL's GRPOTrainer (no vLLM).
+
+Prints one JSON line per run, then a summary (issue 48's Performance section):
+
+    python bench/grpo.py --model qwen3-8b                  # 32 prompts x 8, 512 tokens
+    python bench/grpo.py --model qwen3-8b --runs engine    # the engine alone
+    RP_DEVICES=cpu:1 python bench/grpo.py --tiny           # CPU self-check, both runs
+
+Weights are random bf16 (no download), LoRA rank 16 (alpha 32) on every projection. The
+tokenizer is a word-level one over the model's whole vocabulary (`t0` .. `tN`, built here:
+nothing to download), so TRL can decode and re-encode the completions. Each prompt is
+`--prompt-len` random tokens; a step is `--prompts` prompts x `--group` completions of at
+most `--completion-len` tokens at temperature 1 (random weights almost never draw the
+end-of-text token: completions run to the limit in both runs). The reward is a cheap
+string check (1 when the completion holds the token `t1`), so grading is a small share,
+as with the string graders; the point is sampling and training.
+
+Each run goes in its own subprocess (`--run`), so the host and GPU peaks are its own:
+
+- `engine`: the job's pieces as the worker calls them: the rollout sampler
+  (`rp_service.worker.generation`: a KV-cached batched generate on a GPU-resident copy,
+  the adapters refreshed each step), the grader, then the GRPO loss through the engine
+  (`forward_backward`, layers streamed from host memory) and the engine's Adam;
+- `trl`: `trl.GRPOTrainer` with a peft LoRA of the same rank and targets, bf16, gradient
+  checkpointing, transformers' `generate` (no vLLM: it cannot be carried to the device),
+  `per_device_train_batch_size` `--trl-micro` completions, gradient accumulation to the same
+  `prompts x group` completions a step, `num_iterations` 1, `beta` 0 (TRL's defaults).
+
+Fields: `step_s` (mean over the measured steps), `sampling_s`, `grading_s`, `training_s`
+(the rest of the step), `rollout_tokens_per_s` (completion tokens / sampling seconds),
+`steps_per_hour`, `gpu_peak_gib` (allocated), `gpu_reserved_gib` and `host_peak_gib`
+(RSS). trl is a dev extra here; on the device machine it may be missing: the run's line
+then says so (carry the wheel: docs/RL.md, "The benchmark").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.qlora import SHAPES, build_model, gpu_peak_gib, gpu_reserved_peak_gib, host_peak_gib
+
+_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_REWARD_TOKEN = "t1"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, short")
+    p.add_argument("--prompts", type=int, default=32, help="prompts a step")
+    p.add_argument("--group", type=int, default=8, help="completions a prompt")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--completion-len", type=int, default=512)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--num-microbatch", type=int, default=8, help="the engine's micro-batches")
+    p.add_argument("--trl-micro", type=int, default=8, help="TRL's completions a micro-batch")
+    p.add_argument("--steps", type=int, default=2, help="measured steps")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured first steps")
+    p.add_argument(
+        "--runs",
+        default="engine,trl",
+        help="which runs, comma-separated (engine, trl): one each per 10-minute device call",
+    )
+    p.add_argument("--run", choices=["engine", "trl"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.model = "tiny"
+        args.prompts, args.group, args.prompt_len, args.completion_len = 4, 4, 8, 16
+        args.num_microbatch, args.trl_micro, args.steps, args.warmup = 2, 4, 2, 1
+    args.seq_len = args.prompt_len + args.completion_len  # what build_model sizes by
+    return args
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer whose tokens are `t0` .. `t{vocab_size - 1}`; `t0` pads and
+    ends text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="t0", pad_token="t0", unk_token="t0"
+    )
+
+
+def prompt_ids(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (args.prompts, args.prompt_len), generator=gen)
+    return ids.tolist()
+
+
+def _text(ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _summary(args: argparse.Namespace, run: str, phases: list[dict[str, float]]) -> dict:
+    measured = phases[args.warmup :]
+    n = max(len(measured), 1)
+
+    def mean(key: str) -> float:
+        return sum(p[key] for p in measured) / n
+
+    step = mean("step")
+    return {
+        "run": run,
+        "step_s": round(step, 3),
+        "sampling_s": round(mean("sampling"), 3),
+        "grading_s": round(mean("grading"), 4),
+        "training_s": round(step - mean("sampling") - mean("grading"), 3),
+        "completion_tokens": round(mean("tokens"), 1),
+        "rollout_tokens_per_s": round(mean("tokens") / max(mean("sampling"), 1e-9), 1),
+        "steps_per_hour": round(3600 / step, 2),
+        "gpu_peak_gib": None if gpu_peak_gib() is None else round(gpu_peak_gib(), 2),
+        "gpu_reserved_gib": gpu_reserved_peak_gib(),
+        "host_peak_gib": round(host_peak_gib(), 2),
+        "steps": [round(p["step"], 3) for p in measured],
+    }
+
+
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.dpo import _wrap  # the same random LoRA model, wrapped, and the engine's Adam
+    from rp_service.graders import Sample, build_grader
+    from rp_service.graders.spec import StringCheckGrader
+    from rp_service.schemas import GrpoSection
+    from rp_service.worker.generation import make_sampler
+    from rp_service.worker.objectives import grpo
+    from rp_service.worker.objectives.grpo_job import (
+        _sequences,
+        step_generator,
+        train_on_rollouts,
+    )
+    from rp_service.worker.sampling import top_p_draw
+
+    rp, opt = _wrap(args)
+    model = rp.rp_unwrap()[1]  # the HF model: the sampler copies its modules
+    rows = args.prompts * args.group
+    sampler = make_sampler(model, rows=rows, tokens=args.seq_len)
+    if sampler is None:
+        return {"run": "engine", "error": "the model and its KV cache do not fit on the GPU"}
+    grader = build_grader(
+        StringCheckGrader(
+            type="string_check",
+            name="has_t1",
+            input="{{sample.output_text}}",
+            reference=_REWARD_TOKEN,
+            operation="like",
+        ),
+        allow_python=False,
+        workdir=Path("/tmp"),
+    )
+    prompts = [p for p in prompt_ids(args, model.config.vocab_size) for _ in range(args.group)]
+    options = GrpoSection(group_size=args.group, max_completion_tokens=args.completion_len)
+
+    def step_fn() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    phases: list[dict[str, float]] = []
+    for step in range(1, args.warmup + args.steps + 1):
+        if step == args.warmup + 1 and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        rp.synchronize()  # the worker's needs_sync_before_step
+        t0 = time.perf_counter()
+        sampler.refresh()
+        draw = top_p_draw(temperature=1.0, top_p=1.0, generator=step_generator(0, step))
+        samples = sampler.complete(
+            prompts,
+            draw=draw,
+            max_new_tokens=args.completion_len,
+            stop=set(),
+            max_positions=1 << 30,
+            pad_id=0,
+        )
+        sampler.step_done()
+        t1 = time.perf_counter()
+        graded = grader.grade([Sample(output_text=_text(s.ids)) for s in samples], [{}] * rows)
+        t2 = time.perf_counter()
+        rewards = torch.tensor(graded.scores, dtype=torch.float64)
+        advantages = grpo.group_advantages(rewards, args.group)
+        ids, targets = _sequences(prompts, samples, pad_id=0)
+        values = train_on_rollouts(
+            rp, ids, targets, advantages, ref=None, old=None, options=options
+        )
+        rp.step(step_fn, is_async=True)
+        float(values[0])  # the step's host sync
+        t3 = time.perf_counter()
+        tokens = sum(len(s.ids) for s in samples)
+        phases.append({"step": t3 - t0, "sampling": t1 - t0, "grading": t2 - t1, "tokens": tokens})
+    rp.synchronize()
+    out = _summary(args, "engine", phases)
+    out["sampler_placement"] = "resident" if sampler.keep else "per_step"
+    grader.close()
+    return out
+
+
+def run_trl(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        import datasets
+        import peft
+        import trl
+    except ImportError as exc:
+        return {"run": "trl", "error": f"not installed here: {exc}"}
+    from transformers import TrainerCallback
+
+    model = build_model(args, nf4=False).to(_device())
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    model.config.pad_token_id = model.config.eos_token_id = 0
+    rows = args.prompts * args.group
+    texts = [_text(p) for p in prompt_ids(args, model.config.vocab_size)]
+    data = datasets.Dataset.from_list([{"prompt": t} for t in texts] * (args.warmup + args.steps))
+    phases: list[dict[str, float]] = []
+
+    def reward(completions: list[str], **_: Any) -> list[float]:
+        return [float(_REWARD_TOKEN in c.split()) for c in completions]
+
+    class Timed(trl.GRPOTrainer):  # type: ignore[misc]
+        """Times the generation (with scoring) of each step's rollouts."""
+
+        def _generate_and_score_completions(self, inputs: Any) -> Any:
+            _sync()
+            start = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            _sync()
+            phases[-1]["sampling"] += time.perf_counter() - start
+            phases[-1]["tokens"] += float(out["completion_mask"].sum())
+            return out
+
+    class Steps(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            if len(phases) == args.warmup and torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            phases.append({"start": time.perf_counter(), "sampling": 0.0, "tokens": 0.0})
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            _sync()
+            phases[-1]["step"] = time.perf_counter() - phases[-1]["start"]
+
+    config = trl.GRPOConfig(
+        output_dir="/tmp/bench-grpo-trl",
+        per_device_train_batch_size=args.trl_micro,
+        gradient_accumulation_steps=rows // args.trl_micro,
+        num_generations=args.group,
+        max_completion_length=args.completion_len,
+        temperature=1.0,
+        learning_rate=1e-6,
+        max_steps=args.warmup + args.steps,
+        bf16=torch.cuda.is_available(),
+        gradient_checkpointing=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_vllm=False,
+        seed=0,
+    )
+    trainer = Timed(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=peft.LoraConfig(
+            r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=_TARGETS
+        ),
+        callbacks=[Steps()],
+    )
+    trainer.train()
+    for p in phases:
+        p["grading"] = 0.0  # inside TRL's scoring, counted as sampling (a string check)
+    out = _summary(args, "trl", phases)
+    out["trl"] = trl.__version__
+    return out
+
+
+def _child(args: argparse.Namespace, run: str, argv: list[str]) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--run", run]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"run": run, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.run is not None:  # a child: one run, one line
+        try:
+            result = run_engine(args) if args.run == "engine" else run_trl(args)
+        except torch.OutOfMemoryError as exc:
+            result = {"run": args.run, "error": f"out of memory: {str(exc)[:200]}"}
+        print(json.dumps(result), flush=True)
+        return [result]
+    common = {
+        "bench": "grpo",
+        "model": args.model,
+        "prompts": args.prompts,
+        "group": args.group,
+        "prompt_len": args.prompt_len,
+        "completion_len": args.completion_len,
+        "lora_rank": args.lora_rank,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    results = []
+    for run in [r for r in args.runs.split(",") if r]:
+        result = {**common, **_child(args, run, argv)}
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    done = {r["run"]: r for r in results if "step_s" in r}
+    if {"engine", "trl"} <= done.keys():
+        summary = {
+            **common,
+            "run": "summary",
+            "steps_per_hour_ratio": round(
+                done["engine"]["steps_per_hour"] / done["trl"]["steps_per_hour"], 3
+            ),
+            "rollout_tokens_per_s_ratio": round(
+                done["engine"]["rollout_tokens_per_s"] / done["trl"]["rollout_tokens_per_s"], 3
+            ),
+        }
+        print(json.dumps(summary), flush=True)
+        results.append(summary)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""KV-cached batched generation on a device-resident copy of the model (GRPO's rollouts).
+
+Why a copy: the trainer streams layers from host memory, so no GPU holds the whole model,
+and the engine's forward keeps no KV cache (`sampling` generates through it: one forward
+over the whole sequence a token). For a base that fits, `RolloutSampler` keeps one full
+copy on the first engine device and decodes with transformers' own KV cache
+(`DynamicCache`) through the HF model's modules, the whole batch (every prompt's group) a
+step: one prefill of the left-padded prompts, then one one-token forward per step.
+
+The copy holds the current weights: `refresh()` copies the trainable host parameters into
+it (LoRA: the adapters' A and B only, the base stays; full fine-tuning: every weight), read
+after the loop's `synchronize()`. An NF4 base is decoded once, at the upload, into its
+half-precision dtype. The adapters run unmerged (base GEMM plus the low-rank product, as
+peft computes them); the trainer's device replicas merge them into the weight, so in half
+precision the two differ by a rounding of the adapter's contribution. The loss reads the
+trainer's own log-probabilities, never the sampler's.
+
+Why a decode loop here and not transformers' `generate` (which chat serving uses,
+`serving/process.py`): `generate` draws on the device from torch's global generator and
+keeps finished rows in the batch; rollouts must draw on the host from the job's seeded
+generator over the active rows only, or a resumed job and the engine path would draw
+other tokens. The cache itself is transformers'. Decoding is eager: serving's static
+cache and compiled step are a possible speed-up, not used yet.
+
+Tokens are chosen exactly as `sampling._complete` chooses them: greedy on the device, or
+`draw` over the active rows' fp32 logits on the host from the caller's seeded generator,
+so a resumed job draws the same tokens, and the two paths give the same rows for the same
+logits (tests/unit/rp_service/test_generation.py checks it token for token). A row leaves
+the batch (and the cache) at a stop id, at the token limit or at the model's positions.
+
+Placement (`placement`): the copy and the largest KV cache must fit in the device's memory
+(the GPU memory cap where one is set) beside what the process already holds, else no
+sampler (the job samples through the engine, `sampling`). The copy stays on the device
+between steps when the copy and the KV cache take at most half of that memory; else it
+is dropped after each step's rollouts (and uploaded again at the next), so the trainer
+has the device to itself while it trains.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import inspect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from .sampling import Draw, Sample
+
+__all__ = ["Placement", "RolloutSampler", "kv_cache_bytes", "make_sampler", "placement"]
+
+log = logging.getLogger(__name__)
+
+Placement = Literal["resident", "per_step", "none"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Shape:
+    """What a KV cache's size depends on."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def _kv_shape(config: Any) -> _Shape:
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return _Shape(
+        layers=int(config.num_hidden_layers),
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+    )
+
+
+def kv_cache_bytes(config: Any, *, rows: int, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a KV cache of `rows` sequences of `tokens` tokens (keys and values)."""
+    shape = _kv_shape(config)
+    per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim
+    return per_token * rows * tokens * torch.empty(0, dtype=dtype).element_size()
+
+
+def placement(*, model_bytes: int, kv_bytes: int, usable: int, held: int) -> Placement:
+    """Where the sampler's copy lives (see the module doc): `usable` is the device's memory
+    (its cap), `held` what this process holds there already."""
+    need = model_bytes + kv_bytes
+    if need > usable - held:
+        return "none"
+    return "resident" if need <= usable // 2 else "per_step"
+
+
+def _param_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as the device holds them (an NF4 weight decoded)."""
+    seen: set[int] = set()
+    total = 0
+    for p in list(model.parameters()) + list(model.buffers()):
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _device_value(t: Tensor, device: torch.device) -> Tensor:
+    from engine.memory import packed_form
+
+    packed = packed_form(t)
+    if packed is not None:  # NF4: the parameter's own storage is a stand-in
+        return packed.to_device(device, non_blocking=False)
+    return t.detach().to(device, copy=True)
+
+
+def _adapter_weights(module: nn.Module) -> tuple[Tensor, Tensor]:
+    return module.lora_A.weight, module.lora_B.weight  # type: ignore[union-attr, return-value]
+
+
+def _cache_keyword(model: nn.Module) -> str:
+    """The forward's name for the KV cache (transformers renamed `past_key_values`)."""
+    names = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
+class RolloutSampler:
+    """One full copy of a HF causal LM on `device`, kept at the host model's current
+    weights (`refresh`), that completes batches of prompts with a KV cache (`complete`)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, *, keep: bool = True) -> None:
+        self.host = model
+        self.device = device
+        self.keep = keep  # False: `release` after each step's rollouts (Placement per_step)
+        self.model: nn.Module | None = None
+        # (host parameter, copy's parameter) of every weight that training changes
+        self._trained: list[tuple[nn.Parameter, nn.Parameter]] = []
+        self._cache_kw = _cache_keyword(model)
+
+    @property
+    def model_bytes(self) -> int:
+        return _param_bytes(self.host)
+
+    def _upload(self) -> nn.Module:
+        from engine.adapters.lora import lora_modules
+
+        memo: dict[int, Any] = {}
+        self._trained = []
+        # LoRA's fp32 A and B of a half-precision model are kept in the model's dtype: its
+        # forward casts them to the activations' dtype at every call (the same values), two
+        # small kernels per adapter per token saved.
+        half = self.host.get_input_embeddings().weight.dtype
+        lora_ids = {id(w) for _, m in lora_modules(self.host) for w in _adapter_weights(m)}
+        for p in self.host.parameters():
+            if id(p) in memo:
+                continue
+            value = _device_value(p, self.device)
+            if id(p) in lora_ids and half in (torch.float16, torch.bfloat16):
+                value = value.to(half)
+            q = nn.Parameter(value, requires_grad=False)
+            memo[id(p)] = q
+            if p.requires_grad:
+                self._trained.append((p, q))
+        for b in self.host.buffers():
+            if id(b) not in memo:
+                memo[id(b)] = _device_value(b, self.device)
+        model = copy.deepcopy(self.host, memo)  # the modules, with the copies as tensors
+        return model.eval()
+
+    def refresh(self) -> None:
+        """Make the copy's weights the host model's (call with the update synchronized)."""
+        if self.model is None:
+            self.model = self._upload()
+            return
+        with torch.no_grad():
+            for host, mine in self._trained:
+                mine.copy_(host.detach(), non_blocking=True)
+
+    def release(self) -> None:
+        """Drop the copy from the device (the next `refresh` uploads it again)."""
+        self.model = None
+        self._trained = []
+        if self.device.type == "cuda":
+            gc.collect()  # a module cycle would keep the copy's tensors alive
+            torch.cuda.empty_cache()
+
+    def step_done(self) -> None:
+        """After a step's rollouts: drop the copy unless it stays resident."""
+        if not self.keep:
+            self.release()
+
+    def _logits(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
+        assert self.model is not None
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        return out.logits[:, -1]
+
+    def complete(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        stop: set[int],
+        max_positions: int,
+        pad_id: int,
+        draw: Draw | None,
+    ) -> list[Sample]:
+        """Continuations of `prompts`, each token chosen by `draw` (None: greedy); the
+        arguments as `sampling._complete`'s."""
+        from transformers import DynamicCache
+
+        if self.model is None:
+            self.refresh()
+        made: list[list[int]] = [[] for _ in prompts]
+        stops: list[int | None] = [None for _ in prompts]
+        finish: list[str | None] = [
+            "length" if not p or len(p) >= max_positions or max_new_tokens < 1 else None
+            for p in prompts
+        ]
+        rows = [i for i, f in enumerate(finish) if f is None]  # the batch's rows, in order
+        if rows:
+            with torch.inference_mode():
+                self._decode(
+                    prompts,
+                    rows,
+                    made,
+                    stops,
+                    finish,
+                    DynamicCache,
+                    draw=draw,
+                    max_new_tokens=max_new_tokens,
+                    stop=stop,
+                    max_positions=max_positions,
+                    pad_id=pad_id,
+                )
+        return [
+            Sample(ids=m, finish_reason=f or "length", stop_id=e)
+            for m, f, e in zip(made, finish, stops, strict=True)
+        ]
+
+    def _decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        rows: list[int],
+        made: list[list[int]],
+        stops: list[int | None],
+        finish: list[str | None],
+        cache_cls: Any,
+        *,
+        draw: Draw | None,
+        max_new_tokens: int,
+        stop: set[int],
+        max_positions: int,
+        pad_id: int,
+    ) -> None:
+        dev = self.device
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):  # left-padded: every row's last token is the last column
+            ids[r, width - len(prompts[i]) :] = torch.tensor(list(prompts[i]), dtype=torch.long)
+            mask[r, width - len(prompts[i]) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = cache_cls(config=self.model.config)  # type: ignore[union-attr]
+        logits = self._logits(ids, mask, positions, cache)
+        next_pos = positions[:, -1:] + 1
+        while True:
+            chosen = logits.argmax(dim=-1) if draw is None else draw(logits.float().cpu())
+            keep: list[int] = []
+            for r, (i, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
+                if token in stop:
+                    finish[i], stops[i] = "stop", token
+                    continue
+                made[i].append(token)
+                if (
+                    len(made[i]) >= max_new_tokens
+                    or len(prompts[i]) + len(made[i]) >= max_positions
+                ):
+                    finish[i] = "length"
+                    continue
+                keep.append(r)
+            if not keep:
+                return
+            tokens = torch.tensor([[made[rows[r]][-1]] for r in keep], dtype=torch.long, device=dev)
+            if len(keep) < len(rows):  # finished rows leave the batch and the cache
+                index = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.batch_select_indices(index)
+                mask, next_pos = mask[index], next_pos[index]
+                rows = [rows[r] for r in keep]
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+            logits = self._logits(tokens, mask, next_pos, cache)
+            next_pos = next_pos + 1
+
+
+def make_sampler(model: nn.Module, *, rows: int, tokens: int) -> RolloutSampler | None:
+    """A sampler on the first engine device for batches of `rows` sequences of at most
+    `tokens` tokens, placed by `placement`; None where the copy does not fit."""
+    from engine.device import device_memory_bytes, get_devices
+
+    device = get_devices()[0].device
+    dtype = model.get_input_embeddings().weight.dtype
+    sampler = RolloutSampler(model, device)
+    model_bytes = sampler.model_bytes
+    kv = kv_cache_bytes(model.config, rows=rows, tokens=tokens, dtype=dtype)
+    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    where = placement(
+        model_bytes=model_bytes, kv_bytes=kv, usable=device_memory_bytes(device), held=held
+    )
+    log.info(
+        "rollout sampler on %s: %s (model %.2f GiB, KV cache %.2f GiB)",
+        device,
+        where,
+        model_bytes / (1 << 30),
+        kv / (1 << 30),
+    )
+    if where == "none":
+        return None
+    sampler.keep = where == "resident"
+    return sampler
