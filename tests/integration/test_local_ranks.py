@@ -1,0 +1,140 @@
+"""engine.gpu_mode ranks through a real daemon on CPU devices: two data-parallel rank
+processes (rp_service.cluster.local, one cpu:1 device each, gloo) with the real worker.
+
+The oracle is the same job as one process (gpu_mode pipeline, the same global batch):
+the ranks train the same losses and final weights (fp32, the tolerance of the Ray
+cluster's test); a ranks job paused and resumed ends with exactly the weights of the
+uninterrupted one, and keeps its mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration.service_daemon import Daemon, spec
+
+pytestmark = pytest.mark.timeout(300)
+
+_CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+_STEPS = 24  # a step takes ~0.1 s: room to pause mid-job
+_LAUNCHED = "2 data-parallel ranks on this box"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("ranks-daemon")
+    d = Daemon(root / "data", {"RP_WORKER_MODULE": "rp_service.worker", "RP_MAX_CPU_JOBS": "3"})
+    d.start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def _job(mode: str) -> dict[str, Any]:
+    return spec(
+        model={"preset": "qwen3", "config": _CONFIG, "dtype": "float32"},
+        train={"steps": _STEPS, "batch_size": 4, "checkpoint_interval": 4, "seed": 3},
+        engine={"gpus": 2, "gpu_mode": mode, "num_microbatch": 2},
+    )
+
+
+def _submit(daemon: Daemon, body: dict[str, Any]) -> str:
+    with daemon.client() as c:
+        r = c.post("/v1/jobs", json=body)
+        assert r.status_code == 201, r.text
+        return r.json()["id"]
+
+
+def _finish(daemon: Daemon, job_id: str) -> dict[str, Any]:
+    done = daemon.wait_for(job_id, {"succeeded", "failed", "cancelled"}, 180)
+    with daemon.client() as c:
+        logs = c.get(f"/v1/jobs/{job_id}/logs").text
+    assert done["status"] == "succeeded", (done, logs[-4000:])
+    return done
+
+
+def _events(daemon: Daemon, job_id: str) -> list[dict[str, Any]]:
+    with daemon.client() as c:
+        return c.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+
+
+def _losses(daemon: Daemon, job_id: str) -> dict[int, float]:
+    return {
+        e["data"]["step"]: e["data"]["train_loss"]
+        for e in _events(daemon, job_id)
+        if e["type"] == "metrics"
+    }
+
+
+def _weights(job: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(job["output_model_path"]) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(daemon: Daemon) -> dict[str, Any]:
+    """The ranks job and the pipeline job run through, and a ranks job paused after its
+    first step and resumed: all three side by side (their processes start in the same
+    seconds, which most of a run's time is)."""
+    ranks, pipeline, paused = (_submit(daemon, _job(m)) for m in ("ranks", "pipeline", "ranks"))
+    daemon.wait_for_step(paused, 1, timeout_s=120)
+    with daemon.client() as c:
+        assert c.post(f"/v1/jobs/{paused}/pause").status_code == 200
+    stopped = daemon.wait_for(paused, {"paused", "failed", "succeeded"}, timeout_s=120)
+    assert stopped["status"] == "paused" and stopped["progress"]["step"] < _STEPS, stopped
+    with daemon.client() as c:
+        assert c.post(f"/v1/jobs/{paused}/resume").status_code == 200
+    return {
+        "ranks": _finish(daemon, ranks),
+        "pipeline": _finish(daemon, pipeline),
+        "paused": _finish(daemon, paused),
+    }
+
+
+def test_two_ranks_train_as_one_process(daemon: Daemon, runs: dict[str, Any]) -> None:
+    ranks, pipeline = runs["ranks"], runs["pipeline"]
+    assert ranks["gpu_mode"] == {
+        "mode": "ranks",
+        "ranks": 2,
+        "reason": "engine.gpu_mode is 'ranks'",
+    }
+    assert pipeline["gpu_mode"]["mode"] == "pipeline"
+    got, expected = _losses(daemon, ranks["id"]), _losses(daemon, pipeline["id"])
+    assert sorted(got) == list(range(1, _STEPS + 1))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    w2, w1 = _weights(ranks), _weights(pipeline)
+    assert sorted(w2) == sorted(w1)
+    for name, tensor in w1.items():
+        torch.testing.assert_close(w2[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    messages = [e["message"] for e in _events(daemon, ranks["id"])]
+    assert sum(m.startswith(_LAUNCHED) for m in messages) == 1
+    assert not any(e["message"].startswith(_LAUNCHED) for e in _events(daemon, pipeline["id"]))
+    # every rank's optimizer shard is in the committed checkpoint
+    last = sorted((Path(ranks["output_model_path"]).parent / "checkpoints").glob("step-*"))[-1]
+    assert (last / "rank-00001.shard").is_file() and (last / "optimizer.safetensors").is_file()
+
+
+def test_a_paused_ranks_job_resumes_as_ranks_to_the_same_weights(
+    daemon: Daemon, runs: dict[str, Any]
+) -> None:
+    done = runs["paused"]
+    assert done["attempt"] == 2 and done["gpu_mode"]["mode"] == "ranks"
+    messages = [e["message"] for e in _events(daemon, done["id"])]
+    assert sum(m.startswith(_LAUNCHED) for m in messages) == 2, messages
+    expected, got = _weights(runs["ranks"]), _weights(done)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name  # resumed bit for bit
