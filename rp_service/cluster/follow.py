@@ -10,8 +10,10 @@ SIGUSR1 pauses. Both hold one `RankHandle` a rank and hand them to `follow_ranks
 - passes SIGTERM and SIGUSR1 on to every rank, once each;
 - returns rank 0's exit status; a rank that ends in failure while rank 0 runs fails the
   attempt with that rank's error once the others had `grace_s` to end (rank 0 may still
-  say why), and a handle that can no longer be read (`RankLost`) fails it at once. Every
-  rank still running at the end is killed.
+  say why), a rank killed by a signal before rank 0 failed fails it as `node_lost` (the
+  retryable code: rank 0's error is then only its lost peer), and a handle that can no
+  longer be read (`RankLost`) fails it at once. Every rank still running at the end is
+  killed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from rp_service.worker.main import EXIT_PAUSED, EventWriter
+from rp_service.worker.main import EXIT_CANCELLED, EXIT_PAUSED, EventWriter
 
 __all__ = ["RankHandle", "RankLost", "Signals", "follow_ranks"]
 
@@ -110,6 +112,8 @@ def follow_ranks(
             rank, code = failed[0]
             return _other_rank_failed(fail, rank, code, rank_errors.get(rank))
         time.sleep(_POLL_S)
+    # ranks killed by a signal while rank 0 ran (the OOM killer, kill -9)
+    killed = [(r, c) for r, c in enumerate(codes) if r > 0 and c is not None and c < 0]
     deadline = time.monotonic() + grace_s
     while any(c is None for c in codes[1:]) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
@@ -123,6 +127,10 @@ def follow_ranks(
                 _pass_on(rank, out, err, emit, rank_errors)
     _kill_all(ranks)
     assert codes[0] is not None
+    if killed and codes[0] not in (0, EXIT_PAUSED, EXIT_CANCELLED):
+        # rank 0's own error is then only its lost peer (a collective's broken
+        # connection): the attempt fails as node_lost, which the daemon retries
+        return _other_rank_failed(fail, *killed[0], None)
     return codes[0]
 
 

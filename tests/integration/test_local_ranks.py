@@ -3,12 +3,14 @@ processes (rp_service.cluster.local, one cpu:1 device each, gloo) with the real 
 
 The oracle is the same job as one process (gpu_mode pipeline, the same global batch):
 the ranks train the same losses and final weights (fp32, the tolerance of the Ray
-cluster's test); a ranks job paused and resumed ends with exactly the weights of the
-uninterrupted one, and keeps its mode.
+cluster's test); a ranks job paused and resumed, and one whose rank 1 was killed with -9
+(retried from its checkpoint), end with exactly the weights of the uninterrupted one.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ _LAUNCHED = "2 data-parallel ranks on this box"
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("ranks-daemon")
-    d = Daemon(root / "data", {"RP_WORKER_MODULE": "rp_service.worker", "RP_MAX_CPU_JOBS": "3"})
+    d = Daemon(root / "data", {"RP_WORKER_MODULE": "rp_service.worker", "RP_MAX_CPU_JOBS": "4"})
     d.start()
     try:
         yield d
@@ -80,6 +82,20 @@ def _losses(daemon: Daemon, job_id: str) -> dict[int, float]:
     }
 
 
+def _rank_pid(job_id: str, rank: int) -> int:
+    """The pid of `rank`'s process of the job (`python -m rp_service.cluster.rank JOB_DIR`)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        ours = b"rp_service.cluster.rank" in argv and any(job_id.encode() in a for a in argv)
+        if ours and f"RANK={rank}".encode() in env:
+            return int(proc.name)
+    raise AssertionError(f"no rank {rank} process of {job_id}")
+
+
 def _weights(job: dict[str, Any]) -> dict[str, torch.Tensor]:
     return load_file(str(Path(job["output_model_path"]) / "model.safetensors"))
 
@@ -89,7 +105,11 @@ def runs(daemon: Daemon) -> dict[str, Any]:
     """The ranks job and the pipeline job run through, and a ranks job paused after its
     first step and resumed: all three side by side (their processes start in the same
     seconds, which most of a run's time is)."""
-    ranks, pipeline, paused = (_submit(daemon, _job(m)) for m in ("ranks", "pipeline", "ranks"))
+    ranks, pipeline, paused, killed = (
+        _submit(daemon, _job(m)) for m in ("ranks", "pipeline", "ranks", "ranks")
+    )
+    daemon.wait_for_step(killed, 5, timeout_s=120)  # past its first checkpoint
+    os.kill(_rank_pid(killed, 1), signal.SIGKILL)
     daemon.wait_for_step(paused, 1, timeout_s=120)
     with daemon.client() as c:
         assert c.post(f"/v1/jobs/{paused}/pause").status_code == 200
@@ -101,6 +121,7 @@ def runs(daemon: Daemon) -> dict[str, Any]:
         "ranks": _finish(daemon, ranks),
         "pipeline": _finish(daemon, pipeline),
         "paused": _finish(daemon, paused),
+        "killed": _finish(daemon, killed),
     }
 
 
@@ -138,3 +159,15 @@ def test_a_paused_ranks_job_resumes_as_ranks_to_the_same_weights(
     expected, got = _weights(runs["ranks"]), _weights(done)
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name  # resumed bit for bit
+
+
+def test_a_rank_killed_mid_job_is_retried_from_the_checkpoint(
+    daemon: Daemon, runs: dict[str, Any]
+) -> None:
+    done = runs["killed"]
+    assert done["restarts"] == 1 and done["attempt"] == 2
+    requeued = [e for e in _events(daemon, done["id"]) if "re-queued" in e["message"]]
+    assert len(requeued) == 1 and "rank 1 was killed by signal 9" in requeued[0]["message"]
+    expected, got = _weights(runs["ranks"]), _weights(done)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name

@@ -166,7 +166,9 @@ class _Out:
         pass
 
 
-def _follow(ranks: list[_Rank], *, pause: bool = False) -> tuple[int, list[Any], list[_Rank]]:
+def _follow(
+    ranks: list[_Rank], *, pause: bool = False, grace_s: float = 0.0
+) -> tuple[int, list[Any], list[_Rank]]:
     out = _Out()
     emit = EventWriter(out)  # type: ignore[arg-type]
     failures: list[Any] = []
@@ -177,7 +179,7 @@ def _follow(ranks: list[_Rank], *, pause: bool = False) -> tuple[int, list[Any],
 
     signals = Signals.__new__(Signals)  # no handlers installed: the test sets the flags
     signals.cancel, signals.pause = False, pause
-    code = follow_ranks(ranks, emit, signals, fail, grace_s=0.0)
+    code = follow_ranks(ranks, emit, signals, fail, grace_s=grace_s)
     return code, failures + out.lines, ranks
 
 
@@ -203,3 +205,18 @@ def test_a_failed_rank_fails_the_attempt_with_its_own_error() -> None:
     assert killed[0] == ("node_lost", "rank 1 was killed by signal 9", None)
     lost = _follow([_Rank([([], [], None)]), _Rank([RankLost("the node left")])])[1]
     assert lost[0] == ("node_lost", "the node left", None)
+
+
+def test_rank_zero_failing_after_a_killed_peer_is_the_retryable_node_lost() -> None:
+    broken = json.dumps({"level": "error", "data": {"code": "internal_error", "message": "gloo"}})
+    code, seen, _ = _follow(
+        [
+            _Rank([([], [], None), ([broken], [], EXIT_FAILED)]),
+            _Rank([([], [], -signal.SIGKILL)]),
+        ],
+        grace_s=30.0,  # rank 0 ends within it, with its own error
+    )
+    assert code == EXIT_FAILED
+    assert seen[0] == ("node_lost", "rank 1 was killed by signal 9", None)
+    # rank 0 paused or cancelled meanwhile: its status stands
+    assert _follow([_Rank([([], [], 75)]), _Rank([([], [], -signal.SIGKILL)])])[0] == 75
