@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rp_service.cluster.agent import RankAgent
-from rp_service.cluster.follow import RankLost, Signals, follow_ranks
+from rp_service.cluster.follow import RankLost, Signals, follow_ranks, start_launcher
 from rp_service.cluster.nodes import NAMESPACE, placement_group_name
 from rp_service.durable import write_bytes
 from rp_service.worker.main import EXIT_CANCELLED, EXIT_FAILED, EXIT_PAUSED, EventWriter
@@ -246,20 +246,11 @@ class _Driver:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `python -m rp_service.cluster.driver JOB_DIR`."""
-    from rp_service.worker.main import _take_stdout
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m rp_service.cluster.driver JOB_DIR", file=sys.stderr)
+    started = start_launcher(argv, "rp_service.cluster.driver")
+    if started is None:
         return 2
-    signals = Signals()
-    emit = EventWriter(_take_stdout())
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    driver = _Driver(Path(args[0]), emit, signals)
+    job_dir, emit, signals = started
+    driver = _Driver(job_dir, emit, signals)
     try:
         return driver.run()
     except Exception as exc:

@@ -19,15 +19,17 @@ SIGUSR1 pauses. Both hold one `RankHandle` a rank and hand them to `follow_ranks
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from rp_service.worker.main import EXIT_CANCELLED, EXIT_PAUSED, EventWriter
 
-__all__ = ["RankHandle", "RankLost", "Signals", "follow_ranks"]
+__all__ = ["RankHandle", "RankLost", "Signals", "follow_ranks", "start_launcher"]
 
 _POLL_S = 0.1
 RANK_GRACE_S = 10.0  # how long the others may take to end once one rank has ended
@@ -70,6 +72,26 @@ class Signals:
             self.cancel = True
         else:
             self.pause = True
+
+
+def start_launcher(argv: list[str] | None, module: str) -> tuple[Path, EventWriter, Signals] | None:
+    """A launcher's start, as the worker's: `python -m MODULE JOB_DIR` parsed (None, with the
+    usage on stderr, otherwise), signals noted, stdout taken for the events, logging to
+    stderr (the job's worker.log)."""
+    from rp_service.worker.main import _take_stdout
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(f"usage: python -m {module} JOB_DIR", file=sys.stderr)
+        return None
+    signals = Signals()
+    emit = EventWriter(_take_stdout())
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return Path(args[0]), emit, signals
 
 
 def follow_ranks(

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from rp_service.cluster.agent import RankAgent
-from rp_service.cluster.follow import Signals, follow_ranks
+from rp_service.cluster.follow import Signals, follow_ranks, start_launcher
 from rp_service.worker.main import EXIT_FAILED, EventWriter
 
 __all__ = ["main", "rank_envs"]
@@ -112,22 +112,15 @@ def run(job_dir: Path, emit: EventWriter, signals: Signals) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `python -m rp_service.cluster.local JOB_DIR`."""
-    from rp_service.worker.main import _die_with_daemon, _take_stdout
+    from rp_service.worker.main import _die_with_daemon
 
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m rp_service.cluster.local JOB_DIR", file=sys.stderr)
-        return 2
     _die_with_daemon()
-    signals = Signals()
-    emit = EventWriter(_take_stdout())
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    started = start_launcher(argv, "rp_service.cluster.local")
+    if started is None:
+        return 2
+    job_dir, emit, signals = started
     try:
-        return run(Path(args[0]), emit, signals)
+        return run(job_dir, emit, signals)
     except Exception as exc:
         log.exception("the rank launcher failed")
         return _fail(
