@@ -17,69 +17,37 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from tests.integration.job_runs import (
+    TINY_FP32_CONFIG,
+    events,
+    finish,
+    losses,
+    real_worker_daemon,
+    submit,
+    weights,
+)
 from tests.integration.service_daemon import Daemon, spec
 
 pytestmark = pytest.mark.timeout(300)
 
-_CONFIG = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
-_STEPS = 24  # a step takes ~0.1 s: room to pause mid-job
+_STEPS = 32  # a step takes ~0.1 s: room to pause and to kill mid-job
 _LAUNCHED = "2 data-parallel ranks on this box"
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("ranks-daemon")
-    d = Daemon(root / "data", {"RP_WORKER_MODULE": "rp_service.worker", "RP_MAX_CPU_JOBS": "4"})
-    d.start()
-    try:
+    with real_worker_daemon(root, {"RP_MAX_CPU_JOBS": "4"}) as d:
         yield d
-    finally:
-        d.stop()
 
 
 def _job(mode: str) -> dict[str, Any]:
     return spec(
-        model={"preset": "qwen3", "config": _CONFIG, "dtype": "float32"},
+        model={"preset": "qwen3", "config": TINY_FP32_CONFIG, "dtype": "float32"},
         train={"steps": _STEPS, "batch_size": 4, "checkpoint_interval": 4, "seed": 3},
         engine={"gpus": 2, "gpu_mode": mode, "num_microbatch": 2},
     )
-
-
-def _submit(daemon: Daemon, body: dict[str, Any]) -> str:
-    with daemon.client() as c:
-        r = c.post("/v1/jobs", json=body)
-        assert r.status_code == 201, r.text
-        return r.json()["id"]
-
-
-def _finish(daemon: Daemon, job_id: str) -> dict[str, Any]:
-    done = daemon.wait_for(job_id, {"succeeded", "failed", "cancelled"}, 180)
-    with daemon.client() as c:
-        logs = c.get(f"/v1/jobs/{job_id}/logs").text
-    assert done["status"] == "succeeded", (done, logs[-4000:])
-    return done
-
-
-def _events(daemon: Daemon, job_id: str) -> list[dict[str, Any]]:
-    with daemon.client() as c:
-        return c.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
-
-
-def _losses(daemon: Daemon, job_id: str) -> dict[int, float]:
-    return {
-        e["data"]["step"]: e["data"]["train_loss"]
-        for e in _events(daemon, job_id)
-        if e["type"] == "metrics"
-    }
 
 
 def _rank_pid(job_id: str, rank: int) -> int:
@@ -96,32 +64,29 @@ def _rank_pid(job_id: str, rank: int) -> int:
     raise AssertionError(f"no rank {rank} process of {job_id}")
 
 
-def _weights(job: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(job["output_model_path"]) / "model.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def runs(daemon: Daemon) -> dict[str, Any]:
-    """The ranks job and the pipeline job run through, and a ranks job paused after its
-    first step and resumed: all three side by side (their processes start in the same
-    seconds, which most of a run's time is)."""
+    """The ranks job and the pipeline job run through; a ranks job paused after its first
+    step and resumed; a ranks job whose rank 1 is killed with -9 past its first
+    checkpoint. All four side by side: their processes start in the same seconds, which is
+    most of a run's time."""
     ranks, pipeline, paused, killed = (
-        _submit(daemon, _job(m)) for m in ("ranks", "pipeline", "ranks", "ranks")
+        submit(daemon, _job(m)) for m in ("ranks", "pipeline", "ranks", "ranks")
     )
-    daemon.wait_for_step(killed, 5, timeout_s=120)  # past its first checkpoint
-    os.kill(_rank_pid(killed, 1), signal.SIGKILL)
     daemon.wait_for_step(paused, 1, timeout_s=120)
     with daemon.client() as c:
         assert c.post(f"/v1/jobs/{paused}/pause").status_code == 200
+    daemon.wait_for_step(killed, 5, timeout_s=120)
+    os.kill(_rank_pid(killed, 1), signal.SIGKILL)
     stopped = daemon.wait_for(paused, {"paused", "failed", "succeeded"}, timeout_s=120)
     assert stopped["status"] == "paused" and stopped["progress"]["step"] < _STEPS, stopped
     with daemon.client() as c:
         assert c.post(f"/v1/jobs/{paused}/resume").status_code == 200
     return {
-        "ranks": _finish(daemon, ranks),
-        "pipeline": _finish(daemon, pipeline),
-        "paused": _finish(daemon, paused),
-        "killed": _finish(daemon, killed),
+        "ranks": finish(daemon, ranks),
+        "pipeline": finish(daemon, pipeline),
+        "paused": finish(daemon, paused),
+        "killed": finish(daemon, killed),
     }
 
 
@@ -133,17 +98,17 @@ def test_two_ranks_train_as_one_process(daemon: Daemon, runs: dict[str, Any]) ->
         "reason": "engine.gpu_mode is 'ranks'",
     }
     assert pipeline["gpu_mode"]["mode"] == "pipeline"
-    got, expected = _losses(daemon, ranks["id"]), _losses(daemon, pipeline["id"])
+    got, expected = losses(daemon, ranks["id"]), losses(daemon, pipeline["id"])
     assert sorted(got) == list(range(1, _STEPS + 1))
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    w2, w1 = _weights(ranks), _weights(pipeline)
+    w2, w1 = weights(ranks), weights(pipeline)
     assert sorted(w2) == sorted(w1)
     for name, tensor in w1.items():
         torch.testing.assert_close(w2[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    messages = [e["message"] for e in _events(daemon, ranks["id"])]
+    messages = [e["message"] for e in events(daemon, ranks["id"])]
     assert sum(m.startswith(_LAUNCHED) for m in messages) == 1
-    assert not any(e["message"].startswith(_LAUNCHED) for e in _events(daemon, pipeline["id"]))
+    assert not any(e["message"].startswith(_LAUNCHED) for e in events(daemon, pipeline["id"]))
     # every rank's optimizer shard is in the committed checkpoint
     last = sorted((Path(ranks["output_model_path"]).parent / "checkpoints").glob("step-*"))[-1]
     assert (last / "rank-00001.shard").is_file() and (last / "optimizer.safetensors").is_file()
@@ -154,9 +119,9 @@ def test_a_paused_ranks_job_resumes_as_ranks_to_the_same_weights(
 ) -> None:
     done = runs["paused"]
     assert done["attempt"] == 2 and done["gpu_mode"]["mode"] == "ranks"
-    messages = [e["message"] for e in _events(daemon, done["id"])]
+    messages = [e["message"] for e in events(daemon, done["id"])]
     assert sum(m.startswith(_LAUNCHED) for m in messages) == 2, messages
-    expected, got = _weights(runs["ranks"]), _weights(done)
+    expected, got = weights(runs["ranks"]), weights(done)
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name  # resumed bit for bit
 
@@ -166,8 +131,8 @@ def test_a_rank_killed_mid_job_is_retried_from_the_checkpoint(
 ) -> None:
     done = runs["killed"]
     assert done["restarts"] == 1 and done["attempt"] == 2
-    requeued = [e for e in _events(daemon, done["id"]) if "re-queued" in e["message"]]
+    requeued = [e for e in events(daemon, done["id"]) if "re-queued" in e["message"]]
     assert len(requeued) == 1 and "rank 1 was killed by signal 9" in requeued[0]["message"]
-    expected, got = _weights(runs["ranks"]), _weights(done)
+    expected, got = weights(runs["ranks"]), weights(done)
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
