@@ -101,12 +101,19 @@ def follow_ranks(
     fail: Fail,
     *,
     grace_s: float = RANK_GRACE_S,
+    one_device_each: bool = False,
 ) -> int:
-    """Pass lines and signals on until rank 0 ends; rank 0's exit status (or `fail`'s)."""
+    """Pass lines and signals on until rank 0 ends; rank 0's exit status (or `fail`'s).
+
+    `one_device_each` (the ranks of one box, one device a rank): rank 0's metrics events
+    carry every rank's `gpu_share`, rank r's device named `cuda:r` (`cpu-virtual:r`), the
+    r-th of the job's GPUs as the daemon counts them: GET /v1/system shows each GPU's share.
+    """
     codes: list[int | None] = [None] * len(ranks)
     forwarded_pause = forwarded_cancel = False
     other_failed_at: float | None = None
     rank_errors: dict[int, str] = {}
+    shares: dict[int, list[Any]] | None = {} if one_device_each else None
     while True:
         if signals.cancel and not forwarded_cancel:
             forwarded_cancel = True
@@ -122,7 +129,7 @@ def follow_ranks(
             except RankLost as exc:
                 _kill_all(ranks)
                 return fail("node_lost", str(exc), None)
-            _pass_on(rank, out, err, emit, rank_errors)
+            _pass_on(rank, out, err, emit, rank_errors, shares)
             codes[rank] = code
         if codes[0] is not None:
             break
@@ -146,7 +153,7 @@ def follow_ranks(
                 except RankLost:
                     codes[rank] = -signal.SIGKILL
                     continue
-                _pass_on(rank, out, err, emit, rank_errors)
+                _pass_on(rank, out, err, emit, rank_errors, shares)
     _kill_all(ranks)
     assert codes[0] is not None
     if killed and codes[0] not in (0, EXIT_PAUSED, EXIT_CANCELLED):
@@ -157,17 +164,52 @@ def follow_ranks(
 
 
 def _pass_on(
-    rank: int, out: list[str], err: list[str], emit: EventWriter, rank_errors: dict[int, str]
+    rank: int,
+    out: list[str],
+    err: list[str],
+    emit: EventWriter,
+    rank_errors: dict[int, str],
+    shares: dict[int, list[Any]] | None,
 ) -> None:
     for line in err:
         print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
     if rank == 0:
         for line in out:
-            emit.raw(line)
+            emit.raw(line if not shares else _with_shares(line, shares))
         return
     for line in out:  # the last error a rank reported, should it end
         if '"level": "error"' in line:
             rank_errors[rank] = line
+        elif shares is not None and '"gpu_share"' in line:
+            share = _metrics_share(line)
+            if share is not None:
+                shares[rank] = [_renamed(d, rank) for d in share]
+
+
+def _metrics_share(line: str) -> list[Any] | None:
+    """The `gpu_share` of a metrics event line, None for any other line."""
+    try:
+        event = json.loads(line)
+        share = event["data"]["gpu_share"] if event.get("type") == "metrics" else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return share if isinstance(share, list) else None
+
+
+def _renamed(device: Any, rank: int) -> Any:
+    """Rank `rank`'s own device (`cuda:0`, the one it sees) as the job's `cuda:rank`."""
+    if isinstance(device, dict) and isinstance(device.get("device"), str):
+        return {**device, "device": f"{device['device'].split(':')[0]}:{rank}"}
+    return device
+
+
+def _with_shares(line: str, shares: dict[int, list[Any]]) -> str:
+    """Rank 0's line, a metrics event's `gpu_share` extended with the other ranks' latest."""
+    if _metrics_share(line) is None:
+        return line
+    event = json.loads(line)
+    event["data"]["gpu_share"] += [d for r in sorted(shares) for d in shares[r]]
+    return json.dumps(event)
 
 
 def _other_rank_failed(fail: Fail, rank: int, code: int, error_line: str | None) -> int:

@@ -107,7 +107,9 @@ def run(job_dir: Path, emit: EventWriter, signals: Signals) -> int:
     agents = [RankAgent() for _ in envs]
     for agent, env in zip(agents, envs, strict=True):
         agent.start(str(job_dir), env)
-    return follow_ranks(agents, emit, signals, lambda c, m, p: _fail(emit, c, m, p))
+    return follow_ranks(
+        agents, emit, signals, lambda c, m, p: _fail(emit, c, m, p), one_device_each=True
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

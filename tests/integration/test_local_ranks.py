@@ -106,8 +106,13 @@ def test_two_ranks_train_as_one_process(daemon: Daemon, runs: dict[str, Any]) ->
     assert sorted(w2) == sorted(w1)
     for name, tensor in w1.items():
         torch.testing.assert_close(w2[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    messages = [e["message"] for e in events(daemon, ranks["id"])]
-    assert sum(m.startswith(_LAUNCHED) for m in messages) == 1
+    seen = events(daemon, ranks["id"])
+    assert sum(e["message"].startswith(_LAUNCHED) for e in seen) == 1
+    # rank 0's metrics carry both ranks' device shares, as the job's devices 0 and 1
+    shares = [e["data"].get("gpu_share") or [] for e in seen if e["type"] == "metrics"]
+    assert any(
+        [d["device"] for d in share] == [f"cpu-virtual:{r}" for r in (0, 1)] for share in shares
+    ), shares
     assert not any(e["message"].startswith(_LAUNCHED) for e in events(daemon, pipeline["id"]))
     # every rank's optimizer shard is in the committed checkpoint
     last = sorted((Path(ranks["output_model_path"]).parent / "checkpoints").glob("step-*"))[-1]

@@ -167,7 +167,7 @@ class _Out:
 
 
 def _follow(
-    ranks: list[_Rank], *, pause: bool = False, grace_s: float = 0.0
+    ranks: list[_Rank], *, pause: bool = False, grace_s: float = 0.0, one_device_each: bool = False
 ) -> tuple[int, list[Any], list[_Rank]]:
     out = _Out()
     emit = EventWriter(out)  # type: ignore[arg-type]
@@ -179,7 +179,9 @@ def _follow(
 
     signals = Signals.__new__(Signals)  # no handlers installed: the test sets the flags
     signals.cancel, signals.pause = False, pause
-    code = follow_ranks(ranks, emit, signals, fail, grace_s=grace_s)
+    code = follow_ranks(
+        ranks, emit, signals, fail, grace_s=grace_s, one_device_each=one_device_each
+    )
     return code, failures + out.lines, ranks
 
 
@@ -220,3 +222,25 @@ def test_rank_zero_failing_after_a_killed_peer_is_the_retryable_node_lost() -> N
     assert seen[0] == ("node_lost", "rank 1 was killed by signal 9", None)
     # rank 0 paused or cancelled meanwhile: its status stands
     assert _follow([_Rank([([], [], 75)]), _Rank([([], [], -signal.SIGKILL)])])[0] == 75
+
+
+def _metrics(step: int, busy: float) -> str:
+    share = [{"device": "cuda:0", "busy_fraction": busy, "jobs": 3}]
+    return json.dumps({"type": "metrics", "data": {"step": step, "gpu_share": share}})
+
+
+def test_rank_zero_metrics_carry_every_ranks_gpu_share_as_the_jobs_gpus() -> None:
+    ranks = [
+        _Rank([([], [], None), ([_metrics(1, 0.9)], [], 0)]),
+        _Rank([([_metrics(1, 0.5)], [], None), ([], [], 0)]),
+    ]
+    code, seen, _ = _follow(ranks, grace_s=5.0, one_device_each=True)
+    assert code == 0
+    share = json.loads(seen[0])["data"]["gpu_share"]
+    assert [(d["device"], d["busy_fraction"]) for d in share] == [("cuda:0", 0.9), ("cuda:1", 0.5)]
+    # the Ray driver's ranks (several devices a node): rank 0's line as it is
+    ranks = [
+        _Rank([([], [], None), ([_metrics(1, 0.9)], [], 0)]),
+        _Rank([([_metrics(1, 0.5)], [], None), ([], [], 0)]),
+    ]
+    assert _follow(ranks, grace_s=5.0)[1] == [_metrics(1, 0.9)]
