@@ -50,6 +50,7 @@ __all__ = [
     "File",
     "FileDeleted",
     "FileFormat",
+    "GpuModeChoice",
     "GpuShare",
     "GrpoSection",
     "Health",
@@ -348,6 +349,15 @@ class EngineSection(_Section):
         description="Machines of the daemon's Ray cluster (RP_RAY_ADDRESS) the job spans, one "
         "data-parallel rank each with engine.gpus GPUs; 1: this box (docs/SCALING.md).",
     )
+    gpu_mode: Literal["auto", "pipeline", "ranks"] = Field(
+        "auto",
+        description="How a job on several GPUs of this box runs: pipeline, one process "
+        "driving all engine.gpus GPUs round robin; ranks, one data-parallel process per GPU "
+        "(each holds a copy of the model in host memory; full fine-tunes with the sft "
+        "objective only); auto, ranks where they can run and their copies fit the host "
+        "memory budget, else pipeline. The job object's gpu_mode says which ran and why "
+        "(docs/SCALING.md).",
+    )
     async_step: bool = Field(
         True,
         description="true: the optimizer step runs on a host thread while the next step "
@@ -643,6 +653,15 @@ class JobError(BaseModel):
     details: dict[str, Any] | None = None
 
 
+class GpuModeChoice(BaseModel):
+    mode: Literal["pipeline", "ranks"] = Field(
+        description="pipeline: one process drives the job's GPUs; ranks: one data-parallel "
+        "process per GPU."
+    )
+    ranks: int = Field(description="Processes that run the job (1 for pipeline).")
+    reason: str = Field(description="Why this mode (engine.gpu_mode and the auto rule).")
+
+
 class Job(BaseModel):
     id: str
     object: Literal["job"] = "job"
@@ -664,6 +683,11 @@ class Job(BaseModel):
     error: JobError | None
     parameters: ParameterCounts | None = Field(
         None, description="Set once the worker has built the model; null before."
+    )
+    gpu_mode: GpuModeChoice | None = Field(
+        None,
+        description="How the job runs on its GPUs, decided at submission from "
+        "engine.gpu_mode (docs/SCALING.md); null for jobs queued by an older daemon.",
     )
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "Export",
     "File",
     "FileDeleted",
+    "GpuModeChoice",
     "GpuShare",
     "Job",
     "JobDeleted",
@@ -77,6 +78,14 @@ class ParameterCounts(_Model):
         return self.trainable / self.total if self.total else 0.0
 
 
+class GpuModeChoice(_Model):
+    """How a job runs on its GPUs: one process (pipeline) or data-parallel ranks, and why."""
+
+    mode: str
+    ranks: int = 1
+    reason: str = ""
+
+
 class Job(_Model):
     id: str
     object: str = "job"
@@ -96,6 +105,7 @@ class Job(_Model):
     gpus: list[int] = []
     error: JobError | None = None
     parameters: ParameterCounts | None = None  # null until the worker has built the model
+    gpu_mode: GpuModeChoice | None = None  # null for jobs queued by an older daemon
 
     @property
     def is_terminal(self) -> bool:
@@ -284,6 +294,7 @@ class EngineSection(_Model):
     pin_model: str | None = None
     gpus: int | None = None  # per node when nodes > 1
     nodes: int | None = None  # machines of the daemon's Ray cluster (docs/SCALING.md)
+    gpu_mode: str | None = None  # auto | pipeline | ranks (docs/SCALING.md, "One box")
     async_step: bool | None = None
     step_staleness: int | None = None  # 0 (default) | 1: docs/HOST_MEMORY_MODES.md, "Staleness"
     max_gpu_memory_gib: float | None = None  # GiB a GPU the job may use (docs/API.md)

@@ -28,13 +28,13 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from rp_service.cluster.agent import RankAgent
+from rp_service.cluster.follow import RankLost, Signals, follow_ranks, start_launcher
 from rp_service.cluster.nodes import NAMESPACE, placement_group_name
 from rp_service.durable import write_bytes
 from rp_service.worker.main import EXIT_CANCELLED, EXIT_FAILED, EXIT_PAUSED, EventWriter
@@ -45,24 +45,7 @@ log = logging.getLogger("rp_service.cluster.driver")
 
 _POLL_S = 0.1
 _WAITING_NOTE_S = 5.0  # a placement group not ready after this long: say what it waits for
-_RANK_GRACE_S = 10.0  # how long the others may take to end once one rank has ended
 _INPUTS_DIR = "inputs"
-
-
-class _Signals:
-    """SIGTERM and SIGUSR1 noted for the loop (which passes them on to the ranks)."""
-
-    def __init__(self) -> None:
-        self.cancel = False
-        self.pause = False
-        signal.signal(signal.SIGTERM, self._on)
-        signal.signal(signal.SIGUSR1, self._on)
-
-    def _on(self, signum: int, _frame: Any) -> None:
-        if signum == signal.SIGTERM:
-            self.cancel = True
-        else:
-            self.pause = True
 
 
 def _stage_inputs(job_dir: Path, payload: dict[str, Any], shared: Path) -> bool:
@@ -91,8 +74,41 @@ def _needed_paths(job_dir: Path, resolved: dict[str, Any]) -> dict[str, str]:
     return paths
 
 
+class _RayRank:
+    """A rank's `RankAgent` actor, read as `follow_ranks` reads any rank."""
+
+    def __init__(self, agent: Any, rank: int) -> None:
+        self.agent = agent
+        self.rank = rank
+
+    def take(self) -> tuple[list[str], list[str], int | None]:
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            out, err, code = ray.get(self.agent.take.remote())
+        except RayActorError as exc:
+            raise RankLost(
+                f"the node of rank {self.rank} left the Ray cluster mid-job "
+                f"({type(exc).__name__}); the attempt ends here"
+            ) from exc
+        return out, err, code
+
+    def signal(self, signum: int) -> None:
+        self.agent.signal.remote(int(signum))
+
+    def kill(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.agent.kill.remote(), timeout=5.0)
+        except Exception:  # a dead node's actor: nothing left to kill there
+            pass
+        ray.kill(self.agent)
+
+
 class _Driver:
-    def __init__(self, job_dir: Path, emit: EventWriter, signals: _Signals) -> None:
+    def __init__(self, job_dir: Path, emit: EventWriter, signals: Signals) -> None:
         self.job_dir = job_dir
         self.emit = emit
         self.signals = signals
@@ -181,7 +197,8 @@ class _Driver:
                 for r, a in enumerate(self.agents)
             ]
         )
-        return self._follow()
+        handles = [_RayRank(agent, rank) for rank, agent in enumerate(self.agents)]
+        return follow_ranks(handles, self.emit, self.signals, self.fail)
 
     def _reserve(self) -> int | None:
         """Wait for the placement group; an exit status when cancelled or paused first."""
@@ -217,92 +234,6 @@ class _Driver:
                     level="warning",
                 )
 
-    def _follow(self) -> int:
-        """Pass lines and signals on until rank 0 ends; rank 0's exit status."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        codes: list[int | None] = [None] * self.nodes
-        forwarded_pause = forwarded_cancel = False
-        other_failed_at: float | None = None
-        rank_errors: dict[int, str] = {}
-        while True:
-            if self.signals.cancel and not forwarded_cancel:
-                forwarded_cancel = True
-                self._signal_all(signal.SIGTERM)
-            if self.signals.pause and not forwarded_pause:
-                forwarded_pause = True
-                self._signal_all(signal.SIGUSR1)
-            for rank, agent in enumerate(self.agents):
-                if codes[rank] is not None:
-                    continue
-                try:
-                    out, err, code = ray.get(agent.take.remote())
-                except RayActorError as exc:
-                    self._kill_all()
-                    return self.fail(
-                        "node_lost",
-                        f"the node of rank {rank} left the Ray cluster mid-job "
-                        f"({type(exc).__name__}); the attempt ends here",
-                    )
-                for line in err:
-                    print(f"[rank {rank}] {line}", file=sys.stderr, flush=True)
-                if rank == 0:
-                    for line in out:
-                        self.emit.raw(line)
-                else:
-                    for line in out:  # the last error a rank reported, should it end
-                        if '"level": "error"' in line:
-                            rank_errors[rank] = line
-                codes[rank] = code
-            if codes[0] is not None:
-                break
-            if other_failed_at is None and any(c not in (None, 0, EXIT_PAUSED) for c in codes):
-                other_failed_at = time.monotonic()  # rank 0 may still say why
-            if other_failed_at is not None and time.monotonic() - other_failed_at > _RANK_GRACE_S:
-                self._kill_all()
-                rank, code = next((r, c) for r, c in enumerate(codes) if c not in (None, 0, 75))
-                return self._other_rank_failed(rank, code, rank_errors.get(rank))
-            time.sleep(_POLL_S)
-        deadline = time.monotonic() + _RANK_GRACE_S
-        while any(c is None for c in codes[1:]) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-            for rank, agent in enumerate(self.agents):
-                if codes[rank] is None:
-                    try:
-                        codes[rank] = ray.get(agent.take.remote())[2]
-                    except RayActorError:
-                        codes[rank] = -signal.SIGKILL
-        self._kill_all()
-        assert codes[0] is not None
-        return codes[0]
-
-    def _other_rank_failed(self, rank: int, code: int, error_line: str | None) -> int:
-        if error_line is not None:
-            try:
-                data = json.loads(error_line).get("data") or {}
-            except ValueError:
-                data = {}
-            message = f"rank {rank}: {data.get('message') or error_line}"
-            return self.fail(str(data.get("code") or "rank_failed"), message, data.get("param"))
-        if code < 0:  # killed: the machine's fault (as a local worker killed by a signal)
-            return self.fail("node_lost", f"rank {rank} was killed by signal {-code}")
-        return self.fail("rank_failed", f"rank {rank} exited with status {code}")
-
-    def _signal_all(self, signum: int) -> None:
-        for agent in self.agents:
-            agent.signal.remote(int(signum))
-
-    def _kill_all(self) -> None:
-        import ray
-
-        for agent in self.agents:
-            try:
-                ray.get(agent.kill.remote(), timeout=5.0)
-            except Exception:  # a dead node's actor: nothing left to kill there
-                pass
-            ray.kill(agent)
-
     def close(self) -> None:
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
@@ -315,20 +246,11 @@ class _Driver:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `python -m rp_service.cluster.driver JOB_DIR`."""
-    from rp_service.worker.main import _take_stdout
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m rp_service.cluster.driver JOB_DIR", file=sys.stderr)
+    started = start_launcher(argv, "rp_service.cluster.driver")
+    if started is None:
         return 2
-    signals = _Signals()
-    emit = EventWriter(_take_stdout())
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    driver = _Driver(Path(args[0]), emit, signals)
+    job_dir, emit, signals = started
+    driver = _Driver(job_dir, emit, signals)
     try:
         return driver.run()
     except Exception as exc:

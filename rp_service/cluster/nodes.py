@@ -16,7 +16,13 @@ from rp_service.errors import InvalidRequest, NotReady
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
 
-__all__ = ["NAMESPACE", "ClusterView", "check_nodes_request", "placement_group_name"]
+__all__ = [
+    "NAMESPACE",
+    "ClusterView",
+    "check_nodes_request",
+    "data_parallel_refusal",
+    "placement_group_name",
+]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +32,19 @@ _PG_PREFIX = "rp-"
 
 def placement_group_name(job_id: str) -> str:
     return f"{_PG_PREFIX}{job_id}"
+
+
+def data_parallel_refusal(spec: JobSpec) -> tuple[str, str, str] | None:
+    """(field, its value, the value data-parallel ranks need) for a job they cannot run
+    yet: DPO's reference pass and LoRA's adapter save under sharded masters
+    (docs/SCALING.md); None when they can. Ranks over nodes and over one box's GPUs."""
+    for param, value, allowed in (
+        ("train.objective", spec.train.objective, "sft"),
+        ("train.method", spec.train.method, "full"),
+    ):
+        if value != allowed:
+            return param, value, allowed
+    return None
 
 
 def check_nodes_request(spec: JobSpec, settings: Settings) -> None:
@@ -49,19 +68,15 @@ def check_nodes_request(spec: JobSpec, settings: Settings) -> None:
             code="no_shared_dir",
             param="engine.nodes",
         )
-    # Not across nodes yet: DPO's reference pass and LoRA's adapter save under sharded
-    # masters (docs/SCALING.md).
-    for param, value, allowed in (
-        ("train.objective", spec.train.objective, "sft"),
-        ("train.method", spec.train.method, "full"),
-    ):
-        if value != allowed:
-            raise InvalidRequest(
-                f"{param}: {value!r} jobs run on one box only; use engine.nodes 1 or "
-                f"{param} {allowed!r}",
-                code="not_on_nodes",
-                param=param,
-            )
+    refused = data_parallel_refusal(spec)
+    if refused is not None:
+        param, value, allowed = refused
+        raise InvalidRequest(
+            f"{param}: {value!r} jobs run on one box only; use engine.nodes 1 or "
+            f"{param} {allowed!r}",
+            code="not_on_nodes",
+            param=param,
+        )
     if spec.train.batch_size % nodes:
         raise InvalidRequest(
             f"train.batch_size: {spec.train.batch_size} sequences do not split equally over "

@@ -63,10 +63,16 @@ def _model_config(spec: JobSpec, path_config: dict[str, Any] | None) -> dict[str
 
 
 def plan_for_spec(
-    spec: JobSpec, options: EngineOptions, *, path_config: dict[str, Any] | None, cuda: bool
+    spec: JobSpec,
+    options: EngineOptions,
+    *,
+    path_config: dict[str, Any] | None,
+    cuda: bool,
+    ranks: int = 1,
 ) -> HostMemoryPlan | None:
     """The plan of `spec`, run with `options` (`spec_to_engine`'s; None when the model's
-    config has no transformer shape)."""
+    config has no transformer shape). With `ranks` > 1: one data-parallel rank's, on one
+    device with its share of the batch (each rank holds all of it once)."""
     config = _model_config(spec, path_config)
     if config is None:
         return None
@@ -78,9 +84,9 @@ def plan_for_spec(
         options,
         shape,
         # a DPO step runs two rows (chosen, rejected) per pair of train.batch_size
-        tokens_per_step=spec.train.batch_size * spec.data.seq_len * _rows_per_item(spec),
+        tokens_per_step=spec.train.batch_size * spec.data.seq_len * _rows_per_item(spec) // ranks,
         seq_len=spec.data.seq_len,
-        num_devices=max(spec.engine.gpus, 1),
+        num_devices=1 if ranks > 1 else max(spec.engine.gpus, 1),
         cuda=cuda,
     )
     return plan_host_memory(shape, run)

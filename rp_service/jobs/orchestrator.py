@@ -29,10 +29,12 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import IO, Any
 
+from engine.options import EngineOptions
 from rp_service.cluster.nodes import ClusterView
 from rp_service.errors import Conflict, DiskFull, InvalidRequest, NotFound, TooManyRequests
 from rp_service.jobs.events import EventHub
 from rp_service.jobs.faults import MemoryWatch, classify_death, tree_rss_bytes
+from rp_service.jobs.gpu_mode import GpuMode
 from rp_service.jobs.idempotency import body_sha256
 from rp_service.jobs.journal import recover
 from rp_service.jobs.pipe import WorkerHandle, prepare_job_dir, proc_start_time
@@ -63,6 +65,8 @@ WAITING_FOR_DISK = "waiting_for_disk"
 _DISK_POLL_S = 5.0
 # What runs a job with engine.nodes > 1: the Ray driver, read exactly as a worker is.
 _DRIVER_MODULE = "rp_service.cluster.driver"
+# What runs a job whose gpu_mode is ranks: one data-parallel rank per GPU of this box.
+_LOCAL_RANKS_MODULE = "rp_service.cluster.local"
 
 
 class Orchestrator:
@@ -216,12 +220,7 @@ class Orchestrator:
                 "when some have started",
                 code="queue_full",
             )
-        options = await asyncio.to_thread(
-            self.resolver.check,
-            spec,
-            gpu_count=len(self.gpu_ids),
-            gpu_capabilities=self.gpu_capabilities,
-        )
+        options, gpu_mode = await asyncio.to_thread(self._check, spec)
         record = JobRecord(
             id="job-" + secrets.token_hex(12),
             status="queued",
@@ -232,6 +231,7 @@ class Orchestrator:
             # known before the worker starts when given in steps (epochs need the data)
             progress={"total_steps": spec.train.steps} if spec.train.steps else {},
             options=options.to_json(),  # the one mapping of the spec, for every launch
+            gpu_mode=gpu_mode.to_json(),  # and the one choice of mode: a resume keeps it
         )
         job, created, event = await self.io.write(
             self.store.create_job,
@@ -245,6 +245,14 @@ class Orchestrator:
             self._published(job.id, event, status=job.status)
             self._wake.set()
         return job, created
+
+    def _check(self, spec: JobSpec) -> tuple[EngineOptions, GpuMode]:
+        """Blocking: the resolver's checks, the options and the GPU mode of `spec`."""
+        gpu_count = len(self.gpu_ids)
+        options = self.resolver.check(
+            spec, gpu_count=gpu_count, gpu_capabilities=self.gpu_capabilities
+        )
+        return options, self.resolver.gpu_mode(spec, options, gpu_count=gpu_count)
 
     async def cancel(self, job_id: str) -> JobRecord:
         for _ in range(10):
@@ -513,14 +521,15 @@ class Orchestrator:
         if started is None:  # cancelled or paused while we looked
             self._release(worker)
             return
+        as_ranks = (job.gpu_mode or {}).get("mode") == "ranks"
         if spec.engine.gpus > 0 and not gpus and not worker.on_cluster:
+            devices = "cpu:1 a rank" if as_ranks else f"cpu:{self.settings.cpu_devices}"
             await self._event(
                 job.id,
                 type_="message",
                 level="warning",
-                message=f"this daemon has no GPUs: running on {self.settings.cpu_devices} "
-                "CPU device(s) instead",
-                data={"devices": f"cpu:{self.settings.cpu_devices}"},
+                message=f"this daemon has no GPUs: running on CPU devices ({devices}) instead",
+                data={"devices": devices},
             )
         worker.attempt = attempt
         worker.replay_until = int((job.progress or {}).get("step") or 0)
@@ -543,7 +552,11 @@ class Orchestrator:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                _DRIVER_MODULE if worker.on_cluster else self.settings.worker_module,
+                _DRIVER_MODULE
+                if worker.on_cluster
+                else _LOCAL_RANKS_MODULE
+                if as_ranks
+                else self.settings.worker_module,
                 str(job_dir),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,

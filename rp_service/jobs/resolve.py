@@ -21,7 +21,8 @@ from rp_service.cluster.nodes import ClusterView, check_nodes_request
 from rp_service.data.chat_template import CHOOSE_HINT, folder_has_template
 from rp_service.data.formats import DataFormatError, iter_records
 from rp_service.errors import InvalidRequest, JobFailure
-from rp_service.jobs.hostmem import budget_bytes, check_spec
+from rp_service.jobs.gpu_mode import GpuMode, choose_gpu_mode
+from rp_service.jobs.hostmem import budget_bytes, check_spec, plan_for_spec
 from rp_service.jobs.store import Store
 from rp_service.jobs.weights import check_weights_cover
 from rp_service.schemas import JobSpec, LoraSection
@@ -292,6 +293,24 @@ class SpecResolver:
             budget=self.host_budget_bytes,
         )
         return options
+
+    def gpu_mode(self, spec: JobSpec, options: EngineOptions, *, gpu_count: int) -> GpuMode:
+        """How the job runs on its GPUs (`choose_gpu_mode`; after `check`): InvalidRequest
+        when engine.gpu_mode 'ranks' cannot run it."""
+        path_config = self._path_config(spec)
+        cuda = gpu_count > 0 and spec.engine.gpus > 0
+
+        def rank_plan_bytes(ranks: int) -> int | None:
+            plan = plan_for_spec(spec, options, path_config=path_config, cuda=cuda, ranks=ranks)
+            return None if plan is None else plan.total_bytes
+
+        return choose_gpu_mode(
+            spec,
+            options,
+            on_gpus=cuda,
+            rank_plan_bytes=rank_plan_bytes,
+            budget=self.host_budget_bytes,
+        )
 
     def legacy_options(self, spec: JobSpec) -> dict[str, Any]:
         """The options of a job queued by a daemon from before the store kept them (`check`

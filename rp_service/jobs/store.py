@@ -115,12 +115,26 @@ _MIGRATIONS: list[str] = [
     """
     ALTER TABLE jobs ADD COLUMN options TEXT;
     """,
+    # 5: how the job runs on several GPUs of the box, decided at submission
+    # (rp_service.jobs.gpu_mode: {mode, ranks, reason}); NULL for jobs queued before it.
+    """
+    ALTER TABLE jobs ADD COLUMN gpu_mode TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 # Statuses of a job that will read its data files again (at launch or at a resume).
 _FILE_HOLDING_STATUSES = ("validating", "queued", "running", "pausing", "paused")
-_JSON_COLUMNS = {"spec", "progress", "metrics", "gpus", "error", "parameters", "options"}
+_JSON_COLUMNS = {
+    "spec",
+    "progress",
+    "metrics",
+    "gpus",
+    "error",
+    "parameters",
+    "options",
+    "gpu_mode",
+}
 _JOB_COLUMNS = {
     "name",
     "status",
@@ -166,6 +180,8 @@ class JobRecord:
     deleted_at: int | None = None
     # EngineOptions.to_json() of the spec, mapped once at submission (None: queued before)
     options: dict[str, Any] | None = None
+    # rp_service.jobs.gpu_mode.GpuMode.to_json(), decided at submission (None: queued before)
+    gpu_mode: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -392,7 +408,7 @@ class Store:
             _check_queue_cap(conn, max_queued)
             conn.execute(
                 "INSERT INTO jobs (id, name, status, created_at, priority, spec, progress, "
-                "options) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "options, gpu_mode) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job.id,
                     job.name,
@@ -402,6 +418,7 @@ class Store:
                     json.dumps(job.spec),
                     json.dumps(job.progress),
                     _encode("options", job.options),
+                    _encode("gpu_mode", job.gpu_mode),
                 ),
             )
             if idempotency_key is not None:

@@ -1,0 +1,143 @@
+"""engine.gpu_mode ranks through a real daemon on CPU devices: two data-parallel rank
+processes (rp_service.cluster.local, one cpu:1 device each, gloo) with the real worker.
+
+The oracle is the same job as one process (gpu_mode pipeline, the same global batch):
+the ranks train the same losses and final weights (fp32, the tolerance of the Ray
+cluster's test); a ranks job paused and resumed, and one whose rank 1 was killed with -9
+(retried from its checkpoint), end with exactly the weights of the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.integration.job_runs import (
+    TINY_FP32_CONFIG,
+    events,
+    finish,
+    losses,
+    real_worker_daemon,
+    submit,
+    weights,
+)
+from tests.integration.service_daemon import Daemon, spec
+
+pytestmark = pytest.mark.timeout(300)
+
+_STEPS = 32  # a step takes ~0.1 s: room to pause and to kill mid-job
+_LAUNCHED = "2 data-parallel ranks on this box"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("ranks-daemon")
+    with real_worker_daemon(root, {"RP_MAX_CPU_JOBS": "4"}) as d:
+        yield d
+
+
+def _job(mode: str) -> dict[str, Any]:
+    return spec(
+        model={"preset": "qwen3", "config": TINY_FP32_CONFIG, "dtype": "float32"},
+        train={"steps": _STEPS, "batch_size": 4, "checkpoint_interval": 4, "seed": 3},
+        engine={"gpus": 2, "gpu_mode": mode, "num_microbatch": 2},
+    )
+
+
+def _rank_pid(job_id: str, rank: int) -> int:
+    """The pid of `rank`'s process of the job (`python -m rp_service.cluster.rank JOB_DIR`)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        ours = b"rp_service.cluster.rank" in argv and any(job_id.encode() in a for a in argv)
+        if ours and f"RANK={rank}".encode() in env:
+            return int(proc.name)
+    raise AssertionError(f"no rank {rank} process of {job_id}")
+
+
+@pytest.fixture(scope="module")
+def runs(daemon: Daemon) -> dict[str, Any]:
+    """The ranks job and the pipeline job run through; a ranks job paused after its first
+    step and resumed; a ranks job whose rank 1 is killed with -9 past its first
+    checkpoint. All four side by side: their processes start in the same seconds, which is
+    most of a run's time."""
+    ranks, pipeline, paused, killed = (
+        submit(daemon, _job(m)) for m in ("ranks", "pipeline", "ranks", "ranks")
+    )
+    daemon.wait_for_step(paused, 1, timeout_s=120)
+    with daemon.client() as c:
+        assert c.post(f"/v1/jobs/{paused}/pause").status_code == 200
+    daemon.wait_for_step(killed, 5, timeout_s=120)
+    os.kill(_rank_pid(killed, 1), signal.SIGKILL)
+    stopped = daemon.wait_for(paused, {"paused", "failed", "succeeded"}, timeout_s=120)
+    assert stopped["status"] == "paused" and stopped["progress"]["step"] < _STEPS, stopped
+    with daemon.client() as c:
+        assert c.post(f"/v1/jobs/{paused}/resume").status_code == 200
+    return {
+        "ranks": finish(daemon, ranks),
+        "pipeline": finish(daemon, pipeline),
+        "paused": finish(daemon, paused),
+        "killed": finish(daemon, killed),
+    }
+
+
+def test_two_ranks_train_as_one_process(daemon: Daemon, runs: dict[str, Any]) -> None:
+    ranks, pipeline = runs["ranks"], runs["pipeline"]
+    assert ranks["gpu_mode"] == {
+        "mode": "ranks",
+        "ranks": 2,
+        "reason": "engine.gpu_mode is 'ranks'",
+    }
+    assert pipeline["gpu_mode"]["mode"] == "pipeline"
+    got, expected = losses(daemon, ranks["id"]), losses(daemon, pipeline["id"])
+    assert sorted(got) == list(range(1, _STEPS + 1))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    w2, w1 = weights(ranks), weights(pipeline)
+    assert sorted(w2) == sorted(w1)
+    for name, tensor in w1.items():
+        torch.testing.assert_close(w2[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    seen = events(daemon, ranks["id"])
+    assert sum(e["message"].startswith(_LAUNCHED) for e in seen) == 1
+    # rank 0's metrics carry both ranks' device shares, as the job's devices 0 and 1
+    shares = [e["data"].get("gpu_share") or [] for e in seen if e["type"] == "metrics"]
+    assert any(
+        [d["device"] for d in share] == [f"cpu-virtual:{r}" for r in (0, 1)] for share in shares
+    ), shares
+    assert not any(e["message"].startswith(_LAUNCHED) for e in events(daemon, pipeline["id"]))
+    # every rank's optimizer shard is in the committed checkpoint
+    last = sorted((Path(ranks["output_model_path"]).parent / "checkpoints").glob("step-*"))[-1]
+    assert (last / "rank-00001.shard").is_file() and (last / "optimizer.safetensors").is_file()
+
+
+def test_a_paused_ranks_job_resumes_as_ranks_to_the_same_weights(
+    daemon: Daemon, runs: dict[str, Any]
+) -> None:
+    done = runs["paused"]
+    assert done["attempt"] == 2 and done["gpu_mode"]["mode"] == "ranks"
+    messages = [e["message"] for e in events(daemon, done["id"])]
+    assert sum(m.startswith(_LAUNCHED) for m in messages) == 2, messages
+    expected, got = weights(runs["ranks"]), weights(done)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name  # resumed bit for bit
+
+
+def test_a_rank_killed_mid_job_is_retried_from_the_checkpoint(
+    daemon: Daemon, runs: dict[str, Any]
+) -> None:
+    done = runs["killed"]
+    assert done["restarts"] == 1 and done["attempt"] == 2
+    requeued = [e for e in events(daemon, done["id"]) if "re-queued" in e["message"]]
+    assert len(requeued) == 1 and "rank 1 was killed by signal 9" in requeued[0]["message"]
+    expected, got = weights(runs["ranks"]), weights(done)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
