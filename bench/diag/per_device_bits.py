@@ -25,14 +25,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.models._layer_calls import _compiled_decoder_call  # noqa: E402
-from engine.models.loss import grad_logits_of_chunk, lse_and_loss_of_chunk  # noqa: E402
-from engine.models._compile import compile_for_devices  # noqa: E402
-from tests.tiny_models import WIDE, tiny_model  # noqa: E402
+from engine.models._compile import compile_for_devices
+from engine.models._layer_calls import _compiled_decoder_call
+from engine.models.loss import grad_logits_of_chunk, lse_and_loss_of_chunk
+from tests.tiny_models import WIDE, tiny_model
 
 
-def run_on(device: torch.device, layer0: torch.nn.Module, rotary: torch.nn.Module,
-           inputs: dict[str, torch.Tensor], loss_fns: tuple) -> dict[str, torch.Tensor]:
+def run_on(
+    device: torch.device,
+    layer0: torch.nn.Module,
+    rotary: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    loss_fns: tuple,
+) -> dict[str, torch.Tensor]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     layer = copy.deepcopy(layer0).to(device)
@@ -62,9 +67,17 @@ def main() -> None:
     args = ap.parse_args()
     b = torch.backends.cuda
     b.enable_flash_sdp(False), b.enable_mem_efficient_sdp(False), b.enable_cudnn_sdp(False)
-    shape = dict(WIDE) if not args.wide else {
-        "hidden_size": args.wide, "intermediate_size": 3 * args.wide, "head_dim": 128,
-        "num_attention_heads": args.wide // 128, "num_key_value_heads": max(1, args.wide // 512)}
+    shape = (
+        dict(WIDE)
+        if not args.wide
+        else {
+            "hidden_size": args.wide,
+            "intermediate_size": 3 * args.wide,
+            "head_dim": 128,
+            "num_attention_heads": args.wide // 128,
+            "num_key_value_heads": max(1, args.wide // 512),
+        }
+    )
     model = tiny_model("qwen3", vocab_size=96, num_hidden_layers=2, dtype=torch.float16, **shape)
     layer0 = model.model.layers[1]
     rotary = model.model.rotary_emb
@@ -78,14 +91,19 @@ def main() -> None:
         "logits": torch.randn(rows * seq, 96, generator=g).half() * 3,
         "targets": torch.randint(0, 96, (rows * seq,), generator=g),
     }
-    loss_fns = (compile_for_devices(lse_and_loss_of_chunk), compile_for_devices(grad_logits_of_chunk))
+    loss_fns = (
+        compile_for_devices(lse_and_loss_of_chunk),
+        compile_for_devices(grad_logits_of_chunk),
+    )
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     if not devices:  # a dry run of the script on the CPU (eager: HALF_DTYPES compile on CUDA only)
         devices = [torch.device("cpu")] * 2
     results: dict[int, dict[str, torch.Tensor]] = {}
     if args.threads:
+
         def work(d: torch.device) -> None:
             results[len(results)] = run_on(d, layer0, copy.deepcopy(rotary), inputs, loss_fns)
+
         ts = [threading.Thread(target=work, args=(d,)) for d in devices]
         for t in ts:
             t.start()
@@ -96,8 +114,12 @@ def main() -> None:
             results[len(results)] = run_on(d, layer0, copy.deepcopy(rotary), inputs, loss_fns)
     # twice on device 0: the run-to-run noise
     again = run_on(devices[0], layer0, copy.deepcopy(rotary), inputs, loss_fns)
-    setting = {"deterministic": os.environ.get("TORCHINDUCTOR_DETERMINISTIC", "0"),
-               "threads": args.threads, "tokens": args.tokens, "hidden": h}
+    setting = {
+        "deterministic": os.environ.get("TORCHINDUCTOR_DETERMINISTIC", "0"),
+        "threads": args.threads,
+        "tokens": args.tokens,
+        "hidden": h,
+    }
     for name, ref in results[0].items():
         row = {"tensor": name, **setting, "rerun_equal": bool(torch.equal(ref, again[name]))}
         for i, res in results.items():
