@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import ray.cluster_utils as ray_cluster_utils  # the ray extra (.ci/run installs it)
 import torch
-from safetensors.torch import load_file
 
+from tests.integration import job_runs
+from tests.integration.job_runs import TINY_FP32_CONFIG, finish, losses, submit, weights
 from tests.integration.service_daemon import Daemon, spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,55 +55,15 @@ def cluster_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[A
         cluster.shutdown()
 
 
-_CONFIG = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
 _STEPS = 40  # about 7 s of steps: room to remove a node mid-job
 
 
 def _job(nodes: int, **train: Any) -> dict[str, Any]:
     return spec(
-        model={"preset": "qwen3", "config": _CONFIG, "dtype": "float32"},
+        model={"preset": "qwen3", "config": TINY_FP32_CONFIG, "dtype": "float32"},
         train={"steps": _STEPS, "batch_size": 4, "checkpoint_interval": 4, "seed": 3, **train},
         engine={"gpus": 0, "nodes": nodes, "num_microbatch": 2},
     )
-
-
-def _submit(daemon: Daemon, body: dict[str, Any]) -> str:
-    with daemon.client() as c:
-        r = c.post("/v1/jobs", json=body)
-        assert r.status_code == 201, r.text
-        return r.json()["id"]
-
-
-def _finish(daemon: Daemon, job_id: str, timeout_s: float = 180) -> dict[str, Any]:
-    done = daemon.wait_for(job_id, {"succeeded", "failed", "cancelled"}, timeout_s)
-    with daemon.client() as c:
-        logs = c.get(f"/v1/jobs/{job_id}/logs").text
-    assert done["status"] == "succeeded", (done, logs[-4000:])
-    return done
-
-
-def _events(daemon: Daemon, job_id: str) -> list[dict[str, Any]]:
-    with daemon.client() as c:
-        return c.get(f"/v1/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
-
-
-def _losses(daemon: Daemon, job_id: str) -> dict[int, float]:
-    return {
-        e["data"]["step"]: e["data"]["train_loss"]
-        for e in _events(daemon, job_id)
-        if e["type"] == "metrics"
-    }
-
-
-def _weights(job: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(job["output_model_path"]) / "model.safetensors"))
 
 
 def _gap_free(events: list[dict[str, Any]]) -> bool:
@@ -114,8 +75,8 @@ def _gap_free(events: list[dict[str, Any]]) -> bool:
 def uninterrupted(cluster_daemon: tuple[Any, Daemon]) -> dict[str, Any]:
     """The 2-node job run through, and the same job on one box (run side by side)."""
     _, daemon = cluster_daemon
-    two, one = _submit(daemon, _job(2)), _submit(daemon, _job(1))
-    return {"two": _finish(daemon, two), "one": _finish(daemon, one)}
+    two, one = submit(daemon, _job(2)), submit(daemon, _job(1))
+    return {"two": finish(daemon, two), "one": finish(daemon, one)}
 
 
 def test_two_nodes_train_as_one_box(
@@ -123,15 +84,15 @@ def test_two_nodes_train_as_one_box(
 ) -> None:
     _, daemon = cluster_daemon
     two, one = uninterrupted["two"], uninterrupted["one"]
-    got, expected = _losses(daemon, two["id"]), _losses(daemon, one["id"])
+    got, expected = losses(daemon, two["id"]), losses(daemon, one["id"])
     assert sorted(got) == list(range(1, _STEPS + 1))
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    w2, w1 = _weights(two), _weights(one)
+    w2, w1 = weights(two), weights(one)
     assert sorted(w2) == sorted(w1)
     for name, tensor in w1.items():
         torch.testing.assert_close(w2[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    events = _events(daemon, two["id"])
+    events = job_runs.events(daemon, two["id"])
     assert _gap_free(events)
     assert any(e["message"].startswith("ranks on 2 nodes") for e in events)
     # every rank's optimizer shard is in the committed checkpoint
@@ -144,7 +105,7 @@ def test_a_node_lost_mid_job_resumes_on_another_then_pauses_and_resumes(
     cluster_daemon: tuple[Any, Daemon], uninterrupted: dict[str, Any]
 ) -> None:
     cluster, daemon = cluster_daemon
-    job_id = _submit(daemon, _job(2))
+    job_id = submit(daemon, _job(2))
     daemon.wait_for_step(job_id, 4, timeout_s=120)  # its first checkpoint is committed
     with daemon.client() as c:
         cluster_info = c.get("/v1/system").json()["cluster"]
@@ -155,11 +116,11 @@ def test_a_node_lost_mid_job_resumes_on_another_then_pauses_and_resumes(
         assert c.get(f"/v1/jobs/{job_id}").json()["status"] in ("running", "queued")  # mid-job
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # the retry waits for a second node
-        if any("waiting for 2 nodes" in e["message"] for e in _events(daemon, job_id)):
+        if any("waiting for 2 nodes" in e["message"] for e in job_runs.events(daemon, job_id)):
             break
         time.sleep(0.2)
     else:
-        raise AssertionError(_events(daemon, job_id))
+        raise AssertionError(job_runs.events(daemon, job_id))
     cluster.add_node(**{k: v for k, v in _NODE.items() if k != "include_dashboard"})
     # then a pause and a resume on the new node set: every rank stops after the same step
     with daemon.client() as c:  # the step attempt 1 reached: attempt 2 trains past it
@@ -171,15 +132,15 @@ def test_a_node_lost_mid_job_resumes_on_another_then_pauses_and_resumes(
     assert paused["status"] == "paused" and paused["progress"]["step"] < _STEPS
     with daemon.client() as c:
         assert c.post(f"/v1/jobs/{job_id}/resume").status_code == 200
-    done = _finish(daemon, job_id)
+    done = finish(daemon, job_id)
     assert done["attempt"] == 3 and done["restarts"] == 1
-    events = _events(daemon, job_id)
+    events = job_runs.events(daemon, job_id)
     assert _gap_free(events)
     lost = [e for e in events if e["level"] == "warning" and "left the Ray cluster" in e["message"]]
     assert len(lost) == 1, [e["message"] for e in events]
     assert sum(e["message"].startswith("ranks on 2 nodes") for e in events) == 3
-    expected = _weights(uninterrupted["two"])
-    got = _weights(done)
+    expected = weights(uninterrupted["two"])
+    got = weights(done)
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name  # resumed bit for bit
 
