@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -68,3 +69,16 @@ def losses(daemon: Daemon, job_id: str) -> dict[int, float]:
 def weights(job: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The trained model's tensors."""
     return load_file(str(Path(job["output_model_path"]) / "model.safetensors"))
+
+
+def assert_trained_alike(daemon: Daemon, got: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Two finished jobs trained the same losses at every step and the same final weights
+    (fp32: a tight tolerance, for reductions summed in another order)."""
+    got_losses, expected_losses = losses(daemon, got["id"]), losses(daemon, expected["id"])
+    assert sorted(got_losses) == sorted(expected_losses)
+    for step, loss in expected_losses.items():
+        assert got_losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    got_weights, expected_weights = weights(got), weights(expected)
+    assert sorted(got_weights) == sorted(expected_weights)
+    for name, tensor in expected_weights.items():
+        torch.testing.assert_close(got_weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

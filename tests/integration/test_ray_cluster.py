@@ -19,7 +19,14 @@ import ray.cluster_utils as ray_cluster_utils  # the ray extra (.ci/run installs
 import torch
 
 from tests.integration import job_runs
-from tests.integration.job_runs import TINY_FP32_CONFIG, finish, losses, submit, weights
+from tests.integration.job_runs import (
+    TINY_FP32_CONFIG,
+    assert_trained_alike,
+    finish,
+    losses,
+    submit,
+    weights,
+)
 from tests.integration.service_daemon import Daemon, spec
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,14 +91,8 @@ def test_two_nodes_train_as_one_box(
 ) -> None:
     _, daemon = cluster_daemon
     two, one = uninterrupted["two"], uninterrupted["one"]
-    got, expected = losses(daemon, two["id"]), losses(daemon, one["id"])
-    assert sorted(got) == list(range(1, _STEPS + 1))
-    for step, loss in expected.items():
-        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    w2, w1 = weights(two), weights(one)
-    assert sorted(w2) == sorted(w1)
-    for name, tensor in w1.items():
-        torch.testing.assert_close(w2[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert sorted(losses(daemon, two["id"])) == list(range(1, _STEPS + 1))
+    assert_trained_alike(daemon, two, one)
     events = job_runs.events(daemon, two["id"])
     assert _gap_free(events)
     assert any(e["message"].startswith("ranks on 2 nodes") for e in events)
