@@ -1,6 +1,13 @@
 """GRPO jobs in the real worker on CUDA (RP_DEVICES=cuda): the CPU test's task
 (tests/integration/test_worker_grpo.py) on a bfloat16 base with LoRA and the KL term, and
-on an NF4 base (QLoRA), learns, and a kill -9 resumes bit for bit on the GPU too."""
+on an NF4 base (QLoRA), learns, and a kill -9 resumes bit for bit on the GPU too.
+
+The grader asks for more than the CPU test's "contains a y": 0.4 for a "y" anywhere and 0.6
+for a completion that is all "y" (the twelve the trained model writes). On the GPU the
+untrained NF4 model's greedy answers copied the prompt's "y" into 12 of 16 rows (session
+22: `valid_reward_initial` 0.75), so "contains a y" alone did not start low; no untrained
+row writes twelve "y", so here the start is at most 0.4 whatever the kernels round.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +23,28 @@ import torch
 from safetensors.torch import load_file
 
 from tests.integration import test_worker as worker_tests
-from tests.integration.test_worker_grpo import make_job
+from tests.integration.test_worker_grpo import GRADER, make_job
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
+ALL_Y = {
+    "type": "multi",
+    "name": "y_all_through",
+    "graders": {
+        "has_y": GRADER,
+        "all_y": {
+            "type": "string_check",
+            "name": "all_y",
+            "input": "{{sample.output_text}}",
+            "reference": "y" * 12,  # grpo.max_completion_tokens of the byte tokenizer's y
+            "operation": "eq",
+        },
+    },
+    "calculate_output": "0.4 * has_y + 0.6 * all_y",
+}
 SPEC = {
     "model.dtype": "bfloat16",
     "train.steps": 12,
@@ -31,6 +53,7 @@ SPEC = {
     "train.checkpoint_interval": 4,
     "engine.gpus": 1,
     "grpo": {"group_size": 8, "max_completion_tokens": 12, "kl_coef": 0.02, "sample_interval": 0},
+    "grader": ALL_Y,
 }
 
 
