@@ -63,3 +63,22 @@ def math_attention() -> Iterator[None]:
         backends.enable_flash_sdp(saved[0])
         backends.enable_mem_efficient_sdp(saved[1])
         backends.enable_cudnn_sdp(saved[2])
+
+
+@pytest.fixture
+def deterministic_inductor() -> Iterator[None]:
+    """Inductor picks its Triton configs without timing them (`deterministic`): two compiles
+    of the same graph in one test (a reference and the engine's) then choose the same
+    kernels. Without it each compile benchmarks its candidates and may keep another one,
+    whose reductions round differently in the last bf16 bit (bench/RESULTS.md, session
+    20)."""
+    import torch._inductor.config as inductor_config
+
+    saved = inductor_config.deterministic
+    inductor_config.deterministic = True
+    torch._dynamo.reset()  # nothing compiled before may be reused
+    try:
+        yield
+    finally:
+        inductor_config.deterministic = saved
+        torch._dynamo.reset()
