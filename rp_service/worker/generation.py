@@ -42,7 +42,7 @@ import copy
 import gc
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -104,17 +104,56 @@ def _param_bytes(model: nn.Module) -> int:
     return total
 
 
-def _device_value(t: Tensor, device: torch.device) -> Tensor:
+def _device_value(t: Tensor, device: torch.device, *, non_blocking: bool = False) -> Tensor:
+    """A copy of `t`'s value on `device`: an NF4 weight is copied packed and decoded there,
+    on the current stream."""
     from engine.memory import packed_form
 
     packed = packed_form(t)
     if packed is not None:  # NF4: the parameter's own storage is a stand-in
-        return packed.to_device(device, non_blocking=False)
-    return t.detach().to(device, copy=True)
+        return packed.to_device(device, non_blocking=non_blocking)
+    return t.detach().to(device, copy=True, non_blocking=non_blocking)
 
 
 def _adapter_weights(module: nn.Module) -> tuple[Tensor, Tensor]:
     return module.lora_A.weight, module.lora_B.weight  # type: ignore[union-attr, return-value]
+
+
+def _device_copy(
+    host: nn.Module, device: torch.device, *, left_out: Container[int] = ()
+) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]]]:
+    """A deep copy of `host` in eval mode whose tensors are on `device`, and the (host,
+    copy) pairs of its trainable parameters. The parameters whose ids are `left_out` get a
+    meta tensor of their shape and dtype instead (a streamed layer's weights)."""
+    from engine.adapters.lora import lora_modules
+
+    memo: dict[int, Any] = {}
+    trained: list[tuple[nn.Parameter, nn.Parameter]] = []
+    # LoRA's fp32 A and B of a half-precision model are kept in the model's dtype: its
+    # forward casts them to the activations' dtype at every call (the same values), two
+    # small kernels per adapter per token saved.
+    half = host.get_input_embeddings().weight.dtype
+    lora_ids = {id(w) for _, m in lora_modules(host) for w in _adapter_weights(m)}
+    for p in host.parameters():
+        if id(p) in memo:
+            continue
+        if id(p) in left_out:
+            memo[id(p)] = nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False
+            )
+            continue
+        value = _device_value(p, device)
+        if id(p) in lora_ids and half in (torch.float16, torch.bfloat16):
+            value = value.to(half)
+        q = nn.Parameter(value, requires_grad=False)
+        memo[id(p)] = q
+        if p.requires_grad:
+            trained.append((p, q))
+    for b in host.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = _device_value(b, device)
+    model = copy.deepcopy(host, memo)  # the modules, with the copies as tensors
+    return model.eval(), trained
 
 
 def _cache_keyword(model: nn.Module) -> str:
@@ -141,30 +180,8 @@ class RolloutSampler:
         return _param_bytes(self.host)
 
     def _upload(self) -> nn.Module:
-        from engine.adapters.lora import lora_modules
-
-        memo: dict[int, Any] = {}
-        self._trained = []
-        # LoRA's fp32 A and B of a half-precision model are kept in the model's dtype: its
-        # forward casts them to the activations' dtype at every call (the same values), two
-        # small kernels per adapter per token saved.
-        half = self.host.get_input_embeddings().weight.dtype
-        lora_ids = {id(w) for _, m in lora_modules(self.host) for w in _adapter_weights(m)}
-        for p in self.host.parameters():
-            if id(p) in memo:
-                continue
-            value = _device_value(p, self.device)
-            if id(p) in lora_ids and half in (torch.float16, torch.bfloat16):
-                value = value.to(half)
-            q = nn.Parameter(value, requires_grad=False)
-            memo[id(p)] = q
-            if p.requires_grad:
-                self._trained.append((p, q))
-        for b in self.host.buffers():
-            if id(b) not in memo:
-                memo[id(b)] = _device_value(b, self.device)
-        model = copy.deepcopy(self.host, memo)  # the modules, with the copies as tensors
-        return model.eval()
+        model, self._trained = _device_copy(self.host, self.device)
+        return model
 
     def refresh(self) -> None:
         """Make the copy's weights the host model's (call with the update synchronized)."""
