@@ -55,7 +55,7 @@ __all__ = ["Placement", "RolloutSampler", "kv_cache_bytes", "make_sampler", "pla
 
 log = logging.getLogger(__name__)
 
-Placement = Literal["resident", "per_step", "none"]
+Placement = Literal["resident", "per_step", "streamed", "none"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,13 +84,36 @@ def kv_cache_bytes(config: Any, *, rows: int, tokens: int, dtype: torch.dtype) -
     return per_token * rows * tokens * torch.empty(0, dtype=dtype).element_size()
 
 
-def placement(*, model_bytes: int, kv_bytes: int, usable: int, held: int) -> Placement:
-    """Where the sampler's copy lives (see the module doc): `usable` is the device's memory
-    (its cap), `held` what this process holds there already."""
+def placement(
+    *,
+    model_bytes: int,
+    kv_bytes: int,
+    usable: int,
+    held: int,
+    streamed_bytes: int | None = None,
+    streamed_only: bool = False,
+) -> Placement:
+    """Where the sampler's weights live (see the module doc): `usable` is the device's
+    memory (its cap), `held` what this process holds there already, `streamed_bytes` what a
+    streamed sampler holds (`streamed_generation.streamed_device_bytes`; None: it cannot
+    stream this model). `streamed_only` passes over the full copy."""
+    free = usable - held
     need = model_bytes + kv_bytes
-    if need > usable - held:
-        return "none"
-    return "resident" if need <= usable // 2 else "per_step"
+    if not streamed_only and need <= free:
+        return "resident" if need <= usable // 2 else "per_step"
+    if streamed_bytes is not None and streamed_bytes + kv_bytes <= free:
+        return "streamed"
+    return "none"
+
+
+_WHY: dict[Placement, str] = {
+    "resident": "the copy and the KV cache fit in half the device: kept between steps",
+    "per_step": "the copy and the KV cache fit beside what the process holds: uploaded "
+    "each step, dropped after its rollouts",
+    "streamed": "the decoder layers streamed from host memory each token, two at a time "
+    "beside the other modules and the KV cache",
+    "none": "neither the copy nor the streamed layers and the KV cache fit: through the engine",
+}
 
 
 def _param_bytes(model: nn.Module) -> int:
@@ -315,28 +338,49 @@ class RolloutSampler:
             next_pos = next_pos + 1
 
 
-def make_sampler(model: nn.Module, *, rows: int, tokens: int) -> RolloutSampler | None:
+def make_sampler(
+    model: nn.Module, *, rows: int, tokens: int, streamed_only: bool = False
+) -> RolloutSampler | None:
     """A sampler on the first engine device for batches of `rows` sequences of at most
-    `tokens` tokens, placed by `placement`; None where the copy does not fit."""
+    `tokens` tokens, placed by `placement`: a full copy (`RolloutSampler`), else the layers
+    streamed (`StreamedRolloutSampler`), else None (the engine's path). `streamed_only`:
+    streamed even where the copy fits (`grpo.generation: streamed`)."""
     from engine.device import device_memory_bytes, get_devices
+
+    from .streamed_generation import StreamedRolloutSampler, streamed_device_bytes
 
     device = get_devices()[0].device
     dtype = model.get_input_embeddings().weight.dtype
-    sampler = RolloutSampler(model, device)
-    model_bytes = sampler.model_bytes
+    model_bytes = _param_bytes(model)
+    streamed = streamed_device_bytes(model)
     kv = kv_cache_bytes(model.config, rows=rows, tokens=tokens, dtype=dtype)
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    usable = device_memory_bytes(device)
     where = placement(
-        model_bytes=model_bytes, kv_bytes=kv, usable=device_memory_bytes(device), held=held
+        model_bytes=model_bytes,
+        kv_bytes=kv,
+        usable=usable,
+        held=held,
+        streamed_bytes=streamed,
+        streamed_only=streamed_only,
     )
     log.info(
-        "rollout sampler on %s: %s (model %.2f GiB, KV cache %.2f GiB)",
+        "rollout sampler on %s: %s%s (model %.2f GiB, streamed %s GiB, KV cache %.2f GiB, "
+        "%.2f GiB free of %.2f GiB): %s",
         device,
         where,
+        " (asked for streamed)" if streamed_only else "",
         model_bytes / (1 << 30),
+        "-" if streamed is None else f"{streamed / (1 << 30):.2f}",
         kv / (1 << 30),
+        (usable - held) / (1 << 30),
+        usable / (1 << 30),
+        _WHY[where],
     )
     if where == "none":
         return None
-    sampler.keep = where == "resident"
-    return sampler
+    if where == "streamed":
+        # The resident modules are dropped after each step's rollouts too: the trainer has
+        # the device to itself, and their upload is a small share of one decode step's.
+        return StreamedRolloutSampler(model, device, keep=False)
+    return RolloutSampler(model, device, keep=where == "resident")
