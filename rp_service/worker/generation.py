@@ -29,11 +29,16 @@ logits (tests/unit/rp_service/test_generation.py checks it token for token). A r
 the batch (and the cache) at a stop id, at the token limit or at the model's positions.
 
 Placement (`placement`): the copy and the largest KV cache must fit in the device's memory
-(the GPU memory cap where one is set) beside what the process already holds, else no
-sampler (the job samples through the engine, `sampling`). The copy stays on the device
-between steps when the copy and the KV cache take at most half of that memory; else it
-is dropped after each step's rollouts (and uploaded again at the next), so the trainer
-has the device to itself while it trains.
+(the GPU memory cap where one is set) beside what the process already holds. The copy
+stays on the device between steps when the copy and the KV cache take at most half of that
+memory; else it is dropped after each step's rollouts (and uploaded again at the next), so
+the trainer has the device to itself while it trains. Where the copy does not fit, the
+decoder layers are streamed from host memory at every token (`streamed_generation`: the
+same decode loop, a layer's upload each forward instead of a copy) if the modules outside
+the layers, two layers and the KV cache fit; else no sampler (the job samples through the
+engine, `sampling`). The order is the cost's: a resident copy uploads nothing per token,
+the streamed one the layers' bytes, the engine those plus a forward over the whole
+sequence.
 """
 
 from __future__ import annotations
