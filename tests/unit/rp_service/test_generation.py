@@ -115,18 +115,11 @@ def _engine_logits(rp: object, ids: torch.Tensor) -> torch.Tensor:
         return rp.forward(input_ids=ids).logits[:, -1].float()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_after_a_step_the_sampler_gives_the_trainers_logits(lora: bool) -> None:
-    model = _model(lora)
-    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
-    sampler = RolloutSampler(model, torch.device("cpu"))
-    sampler.refresh()
-    copy_params = dict(sampler.model.named_parameters())  # type: ignore[union-attr]
-    base_name = "model.layers.0.mlp.up_proj" + (".base_layer.weight" if lora else ".weight")
-    base_before = copy_params[base_name]
+def sgd_step_logits(rp: RoundPipe) -> torch.Tensor:
+    """The engine's last-position logits of `PROMPTS[0]` after one SGD step on it (the
+    step checked to move them), the step synchronized."""
     prompt = torch.tensor([PROMPTS[0]] * 4)  # one row per micro-batch
     before = _engine_logits(rp, prompt)
-
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.5)
     ids = torch.tensor([PROMPTS[0] + [3, 4, 5]] * 4)
     rp.forward_backward(
@@ -141,10 +134,22 @@ def test_after_a_step_the_sampler_gives_the_trainers_logits(lora: bool) -> None:
     rp.synchronize()
     after = _engine_logits(rp, prompt)
     assert (after - before).abs().max() > 1e-2  # the step moved the model
+    return after[0]
 
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_after_a_step_the_sampler_gives_the_trainers_logits(lora: bool) -> None:
+    model = _model(lora)
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    sampler = RolloutSampler(model, torch.device("cpu"))
+    sampler.refresh()
+    copy_params = dict(sampler.model.named_parameters())  # type: ignore[union-attr]
+    base_name = "model.layers.0.mlp.up_proj" + (".base_layer.weight" if lora else ".weight")
+    base_before = copy_params[base_name]
+    after = sgd_step_logits(rp)
     sampler.refresh()
     mine = _sampler_logits(sampler, PROMPTS[0])
-    torch.testing.assert_close(mine, after[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine, after, rtol=1e-5, atol=1e-5)
     # LoRA: the adapters were swapped in, the base copy stayed the tensor it was
     copy_now = dict(sampler.model.named_parameters())  # type: ignore[union-attr]
     assert copy_now[base_name] is base_before
