@@ -216,10 +216,16 @@ class StreamedRolloutSampler(RolloutSampler):
 
     def _drop_layers(self) -> None:
         """Unbind and forget every layer on the device (a forward that raised leaves some)."""
+        if not self._held:
+            return
         for j in list(self._held):
             for slot in self._slots[j]:
                 slot.module._parameters[slot.name] = slot.stand_in
         self._held.clear()
+        if self._side is not None:
+            # The raising layer's kernels may still be queued: the next upload, which may
+            # reuse its memory, waits for all the compute stream holds now.
+            self._freed = torch.cuda.current_stream(self.device).record_event()
 
     def _logits(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
         try:
