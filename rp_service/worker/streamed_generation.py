@@ -236,6 +236,7 @@ class StreamedRolloutSampler(RolloutSampler):
     def release(self) -> None:
         """Drop the resident modules from the device (the next `refresh` uploads them)."""
         self._drop_layers()
-        self._slots = []  # they hold the skeleton's modules, whose hooks hold this sampler
-        self._freed = None
+        # The slots hold the skeleton's modules, whose hooks hold this sampler. `_freed`
+        # stays: the next upload may reuse memory the last forward's kernels still read.
+        self._slots = []
         super().release()
