@@ -76,12 +76,13 @@ def pair_batches(args: argparse.Namespace, vocab: int, n: int) -> list[tuple[Any
     return out
 
 
-def _wrap(args: argparse.Namespace) -> tuple[Any, Any]:
+def _wrap(args: argparse.Namespace, *, nf4: bool = False) -> tuple[Any, Any]:
+    """The random model (its decoder linears NF4 if `nf4`) with LoRA, wrapped; its Adam."""
     from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
     from engine.adapters.lora import LoraConfig
     from engine.optim import Adam
 
-    model = build_model(args, nf4=False)
+    model = build_model(args, nf4=nf4)
     rp = wrap_model_to_roundpipe(
         model,
         lora_config=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),

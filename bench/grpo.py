@@ -4,6 +4,9 @@ Prints one JSON line per run, then a summary (issue 48's Performance section):
 
     python bench/grpo.py --model qwen3-8b                  # 32 prompts x 8, 512 tokens
     python bench/grpo.py --model qwen3-8b --runs engine    # the engine alone
+    python bench/grpo.py --model qwen3-8b --runs engine --sampler streamed
+    python bench/grpo.py --model llama-70b --nf4 --runs engine --prompts 4 \
+        --completion-len 32 --steps 1                      # the 70B NF4 recipe, streamed
     RP_DEVICES=cpu:1 python bench/grpo.py --tiny           # CPU self-check, both runs
 
 Weights are random bf16 (no download), LoRA rank 16 (alpha 32) on every projection. The
@@ -17,10 +20,13 @@ as with the string graders; the point is sampling and training.
 
 Each run goes in its own subprocess (`--run`), so the host and GPU peaks are its own:
 
-- `engine`: the job's pieces as the worker calls them: the rollout sampler
-  (`rp_service.worker.generation`: a KV-cached batched generate on a GPU-resident copy,
-  the adapters refreshed each step), the grader, then the GRPO loss through the engine
-  (`forward_backward`, layers streamed from host memory) and the engine's Adam;
+- `engine`: the job's pieces as the worker calls them: the rollout sampler placed as a
+  job places it (`rp_service.worker.generation.make_sampler`: a KV-cached batched
+  generate on a GPU-resident copy, the adapters refreshed each step; where the copy does
+  not fit, or with `--sampler streamed`, the decoder layers streamed from host memory at
+  every token, `streamed_generation`), the grader, then the GRPO loss through the engine
+  (`forward_backward`, layers streamed from host memory) and the engine's Adam. `--nf4`
+  packs the base's decoder linears in NF4 (the 70B recipe: `--model llama-70b --nf4`);
 - `trl`: `trl.GRPOTrainer` with a peft LoRA of the same rank and targets, bf16, gradient
   checkpointing, transformers' `generate` (no vLLM: it cannot be carried to the device),
   `per_device_train_batch_size` `--trl-micro` completions, gradient accumulation to the same
@@ -29,7 +35,9 @@ Each run goes in its own subprocess (`--run`), so the host and GPU peaks are its
 Fields: `step_s` (mean over the measured steps), `sampling_s`, `grading_s`, `training_s`
 (the rest of the step), `rollout_tokens_per_s` (completion tokens / sampling seconds),
 `steps_per_hour`, `gpu_peak_gib` (allocated), `gpu_reserved_gib` and `host_peak_gib`
-(RSS). trl is a dev extra here; on the device machine it may be missing: the run's line
+(RSS); the engine run adds `sampler_placement` and, streamed, `sampler_device_gib` (the
+weights it holds at most), `uploaded_gib` (a step's layer uploads) and `upload_gb_per_s`
+(those over the sampling time: the host link's rate, what a streamed decode step waits on). trl is a dev extra here; on the device machine it may be missing: the run's line
 then says so (carry the wheel: docs/RL.md, "The benchmark").
 """
 
@@ -74,6 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="engine,trl",
         help="which runs, comma-separated (engine, trl): one each per 10-minute device call",
     )
+    p.add_argument(
+        "--sampler",
+        choices=["auto", "streamed"],
+        default="auto",
+        help="the engine run's rollout sampler: placed by size as a job does (auto), or the "
+        "decoder layers streamed from host memory even where a copy fits (streamed)",
+    )
+    p.add_argument("--nf4", action="store_true", help="the engine run's base packed in NF4")
     p.add_argument("--run", choices=["engine", "trl"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
@@ -154,13 +170,18 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         train_on_rollouts,
     )
     from rp_service.worker.sampling import top_p_draw
+    from rp_service.worker.streamed_generation import StreamedRolloutSampler
 
-    rp, opt = _wrap(args)
+    rp, opt = _wrap(args, nf4=args.nf4)
     model = rp.rp_unwrap()[1]  # the HF model: the sampler copies its modules
     rows = args.prompts * args.group
-    sampler = make_sampler(model, rows=rows, tokens=args.seq_len)
+    sampler = make_sampler(
+        model, rows=rows, tokens=args.seq_len, streamed_only=args.sampler == "streamed"
+    )
     if sampler is None:
-        return {"run": "engine", "error": "the model and its KV cache do not fit on the GPU"}
+        return {"run": "engine", "error": "neither the model nor its streamed layers fit"}
+    streamed = isinstance(sampler, StreamedRolloutSampler)
+    uploaded = 0.0
     grader = build_grader(
         StringCheckGrader(
             type="string_check",
@@ -185,6 +206,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
         rp.synchronize()  # the worker's needs_sync_before_step
         t0 = time.perf_counter()
+        before = sampler.uploaded_bytes if streamed else 0
         sampler.refresh()
         draw = top_p_draw(temperature=1.0, top_p=1.0, generator=step_generator(0, step))
         samples = sampler.complete(
@@ -197,6 +219,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         )
         sampler.step_done()
         t1 = time.perf_counter()
+        if streamed and step > args.warmup:
+            uploaded += sampler.uploaded_bytes - before
         graded = grader.grade([Sample(output_text=_text(s.ids)) for s in samples], [{}] * rows)
         t2 = time.perf_counter()
         rewards = torch.tensor(graded.scores, dtype=torch.float64)
@@ -212,7 +236,15 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         phases.append({"step": t3 - t0, "sampling": t1 - t0, "grading": t2 - t1, "tokens": tokens})
     rp.synchronize()
     out = _summary(args, "engine", phases)
-    out["sampler_placement"] = "resident" if sampler.keep else "per_step"
+    out["sampler_placement"] = (
+        "streamed" if streamed else "resident" if sampler.keep else "per_step"
+    )
+    out["nf4"] = args.nf4
+    if streamed:
+        measured = max(args.steps, 1)
+        out["sampler_device_gib"] = round(sampler.device_bytes / 2**30, 4)
+        out["uploaded_gib"] = round(uploaded / measured / 2**30, 4)
+        out["upload_gb_per_s"] = round(uploaded / measured / 1e9 / max(out["sampling_s"], 1e-9), 3)
     grader.close()
     return out
 

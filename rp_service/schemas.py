@@ -492,11 +492,13 @@ class GrpoSection(_Section):
         "above 1 the rollout policy's log-probabilities are the ratio's denominator and the "
         "clip binds; a batch of prompts then lasts that many steps.",
     )
-    generation: Literal["auto", "engine"] = Field(
+    generation: Literal["auto", "streamed", "engine"] = Field(
         "auto",
         description="How rollouts are generated: auto, with a KV cache on a copy of the "
-        "model on the first GPU where it fits (else through the engine); engine, always "
-        "through the engine's forward (no KV cache, no second copy).",
+        "model on the first GPU where it fits, else with a KV cache there and the decoder "
+        "layers streamed from host memory at every token where those fit, else through "
+        "the engine; streamed, the streamed way even where the copy fits (else the "
+        "engine); engine, always through the engine's forward (no KV cache, no copy).",
     )
 
 

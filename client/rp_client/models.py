@@ -330,7 +330,7 @@ class GrpoSection(_Model):
     sample_interval: int | None = None
     eval_prompts: int | None = None
     num_iterations: int | None = None  # optimizer steps on each batch of rollouts
-    generation: str | None = None  # auto | engine
+    generation: str | None = None  # auto | streamed | engine
 
 
 class JobSpec(_Model):

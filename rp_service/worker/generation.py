@@ -29,11 +29,16 @@ logits (tests/unit/rp_service/test_generation.py checks it token for token). A r
 the batch (and the cache) at a stop id, at the token limit or at the model's positions.
 
 Placement (`placement`): the copy and the largest KV cache must fit in the device's memory
-(the GPU memory cap where one is set) beside what the process already holds, else no
-sampler (the job samples through the engine, `sampling`). The copy stays on the device
-between steps when the copy and the KV cache take at most half of that memory; else it
-is dropped after each step's rollouts (and uploaded again at the next), so the trainer
-has the device to itself while it trains.
+(the GPU memory cap where one is set) beside what the process already holds. The copy
+stays on the device between steps when the copy and the KV cache take at most half of that
+memory; else it is dropped after each step's rollouts (and uploaded again at the next), so
+the trainer has the device to itself while it trains. Where the copy does not fit, the
+decoder layers are streamed from host memory at every token (`streamed_generation`: the
+same decode loop, a layer's upload each forward instead of a copy) if the modules outside
+the layers, two layers and the KV cache fit; else no sampler (the job samples through the
+engine, `sampling`). The order is the cost's: a resident copy uploads nothing per token,
+the streamed one the layers' bytes, the engine those plus a forward over the whole
+sequence.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import copy
 import gc
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,7 +60,7 @@ __all__ = ["Placement", "RolloutSampler", "kv_cache_bytes", "make_sampler", "pla
 
 log = logging.getLogger(__name__)
 
-Placement = Literal["resident", "per_step", "none"]
+Placement = Literal["resident", "per_step", "streamed", "none"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,13 +89,36 @@ def kv_cache_bytes(config: Any, *, rows: int, tokens: int, dtype: torch.dtype) -
     return per_token * rows * tokens * torch.empty(0, dtype=dtype).element_size()
 
 
-def placement(*, model_bytes: int, kv_bytes: int, usable: int, held: int) -> Placement:
-    """Where the sampler's copy lives (see the module doc): `usable` is the device's memory
-    (its cap), `held` what this process holds there already."""
+def placement(
+    *,
+    model_bytes: int,
+    kv_bytes: int,
+    usable: int,
+    held: int,
+    streamed_bytes: int | None = None,
+    streamed_only: bool = False,
+) -> Placement:
+    """Where the sampler's weights live (see the module doc): `usable` is the device's
+    memory (its cap), `held` what this process holds there already, `streamed_bytes` what a
+    streamed sampler holds (`streamed_generation.streamed_device_bytes`; None: it cannot
+    stream this model). `streamed_only` passes over the full copy."""
+    free = usable - held
     need = model_bytes + kv_bytes
-    if need > usable - held:
-        return "none"
-    return "resident" if need <= usable // 2 else "per_step"
+    if not streamed_only and need <= free:
+        return "resident" if need <= usable // 2 else "per_step"
+    if streamed_bytes is not None and streamed_bytes + kv_bytes <= free:
+        return "streamed"
+    return "none"
+
+
+_WHY: dict[Placement, str] = {
+    "resident": "the copy and the KV cache fit in half the device: kept between steps",
+    "per_step": "the copy and the KV cache fit beside what the process holds: uploaded "
+    "each step, dropped after its rollouts",
+    "streamed": "the decoder layers streamed from host memory each token, two at a time "
+    "beside the other modules and the KV cache",
+    "none": "neither the copy nor the streamed layers and the KV cache fit: through the engine",
+}
 
 
 def _param_bytes(model: nn.Module) -> int:
@@ -104,17 +132,56 @@ def _param_bytes(model: nn.Module) -> int:
     return total
 
 
-def _device_value(t: Tensor, device: torch.device) -> Tensor:
+def _device_value(t: Tensor, device: torch.device, *, non_blocking: bool = False) -> Tensor:
+    """A copy of `t`'s value on `device`: an NF4 weight is copied packed and decoded there,
+    on the current stream."""
     from engine.memory import packed_form
 
     packed = packed_form(t)
     if packed is not None:  # NF4: the parameter's own storage is a stand-in
-        return packed.to_device(device, non_blocking=False)
-    return t.detach().to(device, copy=True)
+        return packed.to_device(device, non_blocking=non_blocking)
+    return t.detach().to(device, copy=True, non_blocking=non_blocking)
 
 
 def _adapter_weights(module: nn.Module) -> tuple[Tensor, Tensor]:
     return module.lora_A.weight, module.lora_B.weight  # type: ignore[union-attr, return-value]
+
+
+def _device_copy(
+    host: nn.Module, device: torch.device, *, left_out: Container[int] = ()
+) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]]]:
+    """A deep copy of `host` in eval mode whose tensors are on `device`, and the (host,
+    copy) pairs of its trainable parameters. The parameters whose ids are `left_out` get a
+    meta tensor of their shape and dtype instead (a streamed layer's weights)."""
+    from engine.adapters.lora import lora_modules
+
+    memo: dict[int, Any] = {}
+    trained: list[tuple[nn.Parameter, nn.Parameter]] = []
+    # LoRA's fp32 A and B of a half-precision model are kept in the model's dtype: its
+    # forward casts them to the activations' dtype at every call (the same values), two
+    # small kernels per adapter per token saved.
+    half = host.get_input_embeddings().weight.dtype
+    lora_ids = {id(w) for _, m in lora_modules(host) for w in _adapter_weights(m)}
+    for p in host.parameters():
+        if id(p) in memo:
+            continue
+        if id(p) in left_out:
+            memo[id(p)] = nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False
+            )
+            continue
+        value = _device_value(p, device)
+        if id(p) in lora_ids and half in (torch.float16, torch.bfloat16):
+            value = value.to(half)
+        q = nn.Parameter(value, requires_grad=False)
+        memo[id(p)] = q
+        if p.requires_grad:
+            trained.append((p, q))
+    for b in host.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = _device_value(b, device)
+    model = copy.deepcopy(host, memo)  # the modules, with the copies as tensors
+    return model.eval(), trained
 
 
 def _cache_keyword(model: nn.Module) -> str:
@@ -141,30 +208,8 @@ class RolloutSampler:
         return _param_bytes(self.host)
 
     def _upload(self) -> nn.Module:
-        from engine.adapters.lora import lora_modules
-
-        memo: dict[int, Any] = {}
-        self._trained = []
-        # LoRA's fp32 A and B of a half-precision model are kept in the model's dtype: its
-        # forward casts them to the activations' dtype at every call (the same values), two
-        # small kernels per adapter per token saved.
-        half = self.host.get_input_embeddings().weight.dtype
-        lora_ids = {id(w) for _, m in lora_modules(self.host) for w in _adapter_weights(m)}
-        for p in self.host.parameters():
-            if id(p) in memo:
-                continue
-            value = _device_value(p, self.device)
-            if id(p) in lora_ids and half in (torch.float16, torch.bfloat16):
-                value = value.to(half)
-            q = nn.Parameter(value, requires_grad=False)
-            memo[id(p)] = q
-            if p.requires_grad:
-                self._trained.append((p, q))
-        for b in self.host.buffers():
-            if id(b) not in memo:
-                memo[id(b)] = _device_value(b, self.device)
-        model = copy.deepcopy(self.host, memo)  # the modules, with the copies as tensors
-        return model.eval()
+        model, self._trained = _device_copy(self.host, self.device)
+        return model
 
     def refresh(self) -> None:
         """Make the copy's weights the host model's (call with the update synchronized)."""
@@ -298,28 +343,49 @@ class RolloutSampler:
             next_pos = next_pos + 1
 
 
-def make_sampler(model: nn.Module, *, rows: int, tokens: int) -> RolloutSampler | None:
+def make_sampler(
+    model: nn.Module, *, rows: int, tokens: int, streamed_only: bool = False
+) -> RolloutSampler | None:
     """A sampler on the first engine device for batches of `rows` sequences of at most
-    `tokens` tokens, placed by `placement`; None where the copy does not fit."""
+    `tokens` tokens, placed by `placement`: a full copy (`RolloutSampler`), else the layers
+    streamed (`StreamedRolloutSampler`), else None (the engine's path). `streamed_only`:
+    streamed even where the copy fits (`grpo.generation: streamed`)."""
     from engine.device import device_memory_bytes, get_devices
+
+    from .streamed_generation import StreamedRolloutSampler, streamed_device_bytes
 
     device = get_devices()[0].device
     dtype = model.get_input_embeddings().weight.dtype
-    sampler = RolloutSampler(model, device)
-    model_bytes = sampler.model_bytes
+    model_bytes = _param_bytes(model)
+    streamed = streamed_device_bytes(model)
     kv = kv_cache_bytes(model.config, rows=rows, tokens=tokens, dtype=dtype)
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    usable = device_memory_bytes(device)
     where = placement(
-        model_bytes=model_bytes, kv_bytes=kv, usable=device_memory_bytes(device), held=held
+        model_bytes=model_bytes,
+        kv_bytes=kv,
+        usable=usable,
+        held=held,
+        streamed_bytes=streamed,
+        streamed_only=streamed_only,
     )
     log.info(
-        "rollout sampler on %s: %s (model %.2f GiB, KV cache %.2f GiB)",
+        "rollout sampler on %s: %s%s (model %.2f GiB, streamed %s GiB, KV cache %.2f GiB, "
+        "%.2f GiB free of %.2f GiB): %s",
         device,
         where,
+        " (asked for streamed)" if streamed_only else "",
         model_bytes / (1 << 30),
+        "-" if streamed is None else f"{streamed / (1 << 30):.2f}",
         kv / (1 << 30),
+        (usable - held) / (1 << 30),
+        usable / (1 << 30),
+        _WHY[where],
     )
     if where == "none":
         return None
-    sampler.keep = where == "resident"
-    return sampler
+    if where == "streamed":
+        # The resident modules are dropped after each step's rollouts too: the trainer has
+        # the device to itself, and their upload is a small share of one decode step's.
+        return StreamedRolloutSampler(model, device, keep=False)
+    return RolloutSampler(model, device, keep=where == "resident")

@@ -91,6 +91,24 @@ def test_grpo_resumes_bit_for_bit_on_cuda(tmp_path: Path) -> None:
     assert all(ours[k].equal(theirs[k]) for k in theirs)
 
 
+def _engine_rollouts(rp: Any) -> list[Any]:
+    """The engine's rollouts of the sampler tests' groups (seed 4, temperature 1.2, top-p
+    0.9, stop id 7)."""
+    from rp_service.worker.sampling import sampled_completions
+    from tests.unit.rp_service.test_generation import GROUPS, _limits
+
+    return sampled_completions(
+        rp,
+        GROUPS,
+        stop={7},
+        num_microbatch=3,
+        temperature=1.2,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(4),
+        **_limits(),
+    )
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -> None:
     """The sampler's copy on the GPU (fp32: the engine runs it eagerly there too) draws
@@ -98,23 +116,14 @@ def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -
     copy's memory back."""
     from engine import wrap_model_to_roundpipe
     from rp_service.worker.generation import RolloutSampler
-    from rp_service.worker.sampling import sampled_completions, top_p_draw
+    from rp_service.worker.sampling import top_p_draw
     from tests.unit.engine.conftest import use_devices
     from tests.unit.rp_service.test_generation import GROUPS, _limits, _model
 
     for _ in use_devices("cuda", 1):
         model = _model(lora)
         rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
-        want = sampled_completions(
-            rp,
-            GROUPS,
-            stop={7},
-            num_microbatch=3,
-            temperature=1.2,
-            top_p=0.9,
-            generator=torch.Generator().manual_seed(4),
-            **_limits(),
-        )
+        want = _engine_rollouts(rp)
         sampler = RolloutSampler(model, torch.device("cuda"), keep=False)
         draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
         assert sampler.complete(GROUPS, stop={7}, draw=draw, **_limits()) == want
@@ -123,3 +132,78 @@ def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -
         assert sampler.model is None
         # the copy's bytes came back (cuBLAS workspaces of the first calls may stay)
         assert held - torch.cuda.memory_allocated() >= sampler.model_bytes
+
+
+@pytest.mark.parametrize(("lora", "nf4"), [(False, False), (True, False), (True, True)])
+def test_the_streamed_sampler_equals_the_engines_rollouts_on_cuda(lora: bool, nf4: bool) -> None:
+    """Three layers streamed to the GPU at every forward (a side stream, NF4 decoded
+    there) draw the engine's uncached rollouts token for token."""
+    from engine import wrap_model_to_roundpipe
+    from rp_service.worker.sampling import top_p_draw
+    from rp_service.worker.streamed_generation import StreamedRolloutSampler
+    from tests.unit.engine.conftest import use_devices
+    from tests.unit.rp_service.test_generation import GROUPS, _limits
+    from tests.unit.rp_service.test_streamed_generation import _model
+
+    for _ in use_devices("cuda", 1):
+        model = _model(lora=lora, nf4=nf4)
+        rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)  # pinned host weights
+        want = _engine_rollouts(rp)
+        sampler = StreamedRolloutSampler(model, torch.device("cuda"))
+        draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
+        assert sampler.complete(GROUPS, stop={7}, draw=draw, **_limits()) == want
+        sampler.step_done()
+        assert sampler.model is None
+
+
+@pytest.mark.parametrize("nf4", [False, True])
+def test_the_streamed_sampler_holds_two_layers_not_the_model_on_cuda(nf4: bool) -> None:
+    """Twelve 60 MB fp32 layers (or NF4-packed, decoded on the GPU): the peak the sampler
+    adds on the GPU stays under the modules outside the layers, two layers, the KV cache
+    and a margin (cuBLAS workspace, activations), far under the model; its rollouts are
+    the resident copy's (a race between an upload and a layer's compute would not be)."""
+    from engine import wrap_model_to_roundpipe
+    from engine.adapters.nf4 import quantize_base_nf4
+    from rp_service.worker.generation import RolloutSampler, kv_cache_bytes
+    from rp_service.worker.streamed_generation import StreamedRolloutSampler
+    from tests import tiny_models
+    from tests.unit.engine.conftest import use_devices
+    from tests.unit.rp_service.test_generation import _limits
+    from tests.unit.rp_service.test_sampling import POSITIONS
+
+    margin = 64 << 20
+    for _ in use_devices("cuda", 1):
+        model = tiny_models.tiny_model(
+            "qwen3",
+            vocab_size=1024,
+            max_position_embeddings=POSITIONS,
+            num_hidden_layers=12,
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+            initializer_range=0.05,
+        ).eval()
+        if nf4:
+            quantize_base_nf4(model)
+        wrap_model_to_roundpipe(model, optim_dtype=torch.float32)  # pinned host weights
+        rows = [[5 + r, 17, 33 + r, 2, 9][: 1 + r % 5] for r in range(24)]
+        limits = _limits(max_new_tokens=16)
+        cuda = torch.device("cuda")
+        resident = RolloutSampler(model, cuda, keep=False)
+        want = resident.complete(rows, stop=set(), draw=None, **limits)
+        resident.step_done()
+
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        sampler = StreamedRolloutSampler(model, cuda)
+        assert sampler.complete(rows, stop=set(), draw=None, **limits) == want
+        peak = torch.cuda.max_memory_allocated() - base
+        kv = kv_cache_bytes(model.config, rows=len(rows), tokens=5 + 16, dtype=torch.float32)
+        assert peak <= sampler.device_bytes + kv + margin, (peak, sampler.device_bytes, kv)
+        assert peak < sampler.model_bytes / 2
+        sampler.step_done()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - base < margin  # the resident modules went

@@ -101,6 +101,27 @@ def test_grpo_raises_the_held_out_reward_to_0_9(tmp_path: Path) -> None:
     assert (job / "output" / "model.safetensors").is_file()
 
 
+def test_streamed_rollouts_train_as_the_engines_do(tmp_path: Path) -> None:
+    """`grpo.generation: streamed` in the real worker: the layers streamed with a KV cache
+    draw the engine path's rollouts token for token, so both jobs train alike, exactly."""
+    grpo = {"group_size": 4, "max_completion_tokens": 8, "sample_interval": 0}
+    runs = {}
+    for generation in ("streamed", "engine"):
+        job = make_job(
+            tmp_path / generation,
+            {"train.steps": 3, "train.method": "lora", "grpo": {**grpo, "generation": generation}},
+        )
+        code, events = run(job)
+        assert code == 0, (job / "worker.log").read_text()[-3000:]
+        runs[generation] = metrics(events)
+        log = (job / "worker.log").read_text()
+        assert f"rollout sampler on cpu: {generation}" in log or generation == "engine", log
+    keys = ("train_loss", "reward_mean", "completion_tokens_mean", "valid_reward_initial")
+    assert len(runs["streamed"]) == 3 and runs["streamed"][0]["train_loss"] is not None
+    for ours, theirs in zip(runs["streamed"], runs["engine"], strict=True):
+        assert {k: ours.get(k) for k in keys} == {k: theirs.get(k) for k in keys}
+
+
 # Two updates per batch of rollouts (num_iterations 2): the checkpoint at step 3 falls
 # between the two steps of the batch made at step 3, so the resumed attempt must train step
 # 4 on that batch, which it can only read from the checkpoint.

@@ -7,7 +7,9 @@ Each batch of rollouts (`_make_rollouts`), with the weights the previous update 
    together (temperature, top-p) from a generator seeded by (train.seed, step): a resumed
    attempt draws what the uninterrupted one drew. Where the model fits on the first GPU
    they are decoded with a KV cache on a copy of the model there (`generation`, the
-   adapters or weights refreshed each batch); else, or with `grpo.generation: engine`,
+   adapters or weights refreshed each batch); else, or with `grpo.generation: streamed`,
+   with a KV cache there and the decoder layers streamed from host memory at every token
+   (`streamed_generation`); where neither fits, or with `grpo.generation: engine`,
    through the engine's forward, one full forward a token (`sampling`);
 2. rewards: the grader scores every completion against its prompt's row (one `grade`
    call a batch); a grader error scores 0 and is counted (`grader_errors`);
@@ -185,7 +187,7 @@ class GrpoObjective:
         positions = getattr(hf_model.config, "max_position_embeddings", None)
         self.max_positions = positions or self.max_positions
         self.stop = stop_ids(self.tokenizer, getattr(hf_model, "generation_config", None))
-        if self.options.generation == "auto":
+        if self.options.generation != "engine":
             self.sampler = self._make_sampler(hf_model)
         if self.valid is not None and not resuming:
             # The untrained model's held-out reward: what training is to raise, reported
@@ -202,7 +204,9 @@ class GrpoObjective:
         )
         rows = max(self.batch_size * opts.group_size, opts.eval_prompts)
         tokens = min(longest + opts.max_completion_tokens, self.max_positions)
-        return make_sampler(hf_model, rows=rows, tokens=tokens)
+        return make_sampler(
+            hf_model, rows=rows, tokens=tokens, streamed_only=opts.generation == "streamed"
+        )
 
     def close(self) -> None:
         self.grader.close()

@@ -11,20 +11,30 @@ micro-batches while the sampler decodes the whole batch at once).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from engine import wrap_model_to_roundpipe
+from engine import RoundPipe, wrap_model_to_roundpipe
 from engine.adapters.lora import lora_modules
+from rp_service.data.tokenizer import load_tokenizer
+from rp_service.schemas import JobSpec
 from rp_service.worker.generation import (
     RolloutSampler,
     kv_cache_bytes,
     make_sampler,
     placement,
 )
-from rp_service.worker.sampling import greedy_completions, sampled_completions, top_p_draw
+from rp_service.worker.objectives.grpo_job import GrpoObjective, step_generator
+from rp_service.worker.sampling import (
+    Sample,
+    greedy_completions,
+    sampled_completions,
+    top_p_draw,
+)
+from rp_service.worker.training import JobPaths
 from tests import tiny_models
 from tests.unit.engine.conftest import use_devices
 from tests.unit.rp_service.test_sampling import PAD, POSITIONS, PROMPTS, tiny, with_lora
@@ -105,18 +115,11 @@ def _engine_logits(rp: object, ids: torch.Tensor) -> torch.Tensor:
         return rp.forward(input_ids=ids).logits[:, -1].float()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_after_a_step_the_sampler_gives_the_trainers_logits(lora: bool) -> None:
-    model = _model(lora)
-    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
-    sampler = RolloutSampler(model, torch.device("cpu"))
-    sampler.refresh()
-    copy_params = dict(sampler.model.named_parameters())  # type: ignore[union-attr]
-    base_name = "model.layers.0.mlp.up_proj" + (".base_layer.weight" if lora else ".weight")
-    base_before = copy_params[base_name]
+def sgd_step_logits(rp: RoundPipe) -> torch.Tensor:
+    """The engine's last-position logits of `PROMPTS[0]` after one SGD step on it (the
+    step checked to move them), the step synchronized."""
     prompt = torch.tensor([PROMPTS[0]] * 4)  # one row per micro-batch
     before = _engine_logits(rp, prompt)
-
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.5)
     ids = torch.tensor([PROMPTS[0] + [3, 4, 5]] * 4)
     rp.forward_backward(
@@ -131,10 +134,22 @@ def test_after_a_step_the_sampler_gives_the_trainers_logits(lora: bool) -> None:
     rp.synchronize()
     after = _engine_logits(rp, prompt)
     assert (after - before).abs().max() > 1e-2  # the step moved the model
+    return after[0]
 
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_after_a_step_the_sampler_gives_the_trainers_logits(lora: bool) -> None:
+    model = _model(lora)
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    sampler = RolloutSampler(model, torch.device("cpu"))
+    sampler.refresh()
+    copy_params = dict(sampler.model.named_parameters())  # type: ignore[union-attr]
+    base_name = "model.layers.0.mlp.up_proj" + (".base_layer.weight" if lora else ".weight")
+    base_before = copy_params[base_name]
+    after = sgd_step_logits(rp)
     sampler.refresh()
     mine = _sampler_logits(sampler, PROMPTS[0])
-    torch.testing.assert_close(mine, after[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine, after, rtol=1e-5, atol=1e-5)
     # LoRA: the adapters were swapped in, the base copy stayed the tensor it was
     copy_now = dict(sampler.model.named_parameters())  # type: ignore[union-attr]
     assert copy_now[base_name] is base_before
@@ -189,21 +204,17 @@ def test_a_per_step_copy_is_dropped_after_the_rollouts_and_uploaded_again() -> N
     assert sampler.complete(PROMPTS, draw=None, stop=set(), **_limits()) == first
 
 
-def test_a_sampler_out_of_memory_falls_back_to_the_engine(tmp_path: object) -> None:
-    """The job goes on: the rollouts of that step, and every later one, come from the
-    engine's path with the step's own seeded draw."""
-    from pathlib import Path
-
-    from rp_service.data.tokenizer import load_tokenizer
-    from rp_service.schemas import JobSpec
-    from rp_service.worker.objectives.grpo_job import GrpoObjective, step_generator
-    from rp_service.worker.training import JobPaths
-
+def grpo_objective(
+    tmp_path: object, **grpo: object
+) -> tuple[GrpoObjective, nn.Module, RoundPipe, JobSpec]:
+    """A GRPO job's objective on the demo's prompts and a byte-level tokenizer, prepared on
+    a tiny model (returned with its engine wrap and the spec); `grpo` as the spec's."""
     spec = JobSpec.model_validate(
         {
             "model": {"preset": "qwen3"},
             "data": {"train": "synthetic", "seq_len": 64},
             "train": {"objective": "grpo"},
+            "grpo": grpo,
             "grader": {
                 "type": "string_check",
                 "name": "y",
@@ -229,6 +240,31 @@ def test_a_sampler_out_of_memory_falls_back_to_the_engine(tmp_path: object) -> N
     ).eval()
     rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
     objective.prepare(rp, model, lora=False, resuming=False)
+    return objective, model, rp, spec
+
+
+def engine_rollouts(
+    objective: GrpoObjective, rp: RoundPipe, spec: JobSpec, *, step: int, max_new_tokens: int
+) -> list[Sample]:
+    """What the engine's path draws for `objective`'s step `step` on `GROUPS`."""
+    return sampled_completions(
+        rp,
+        GROUPS,
+        stop=objective.stop,
+        max_new_tokens=max_new_tokens,
+        max_positions=POSITIONS,
+        pad_id=objective.tokenizer.pad_id,
+        num_microbatch=rp.num_microbatch,
+        temperature=1.0,
+        top_p=1.0,
+        generator=step_generator(spec.train.seed, step),
+    )
+
+
+def test_a_sampler_out_of_memory_falls_back_to_the_engine(tmp_path: object) -> None:
+    """The job goes on: the rollouts of that step, and every later one, come from the
+    engine's path with the step's own seeded draw."""
+    objective, _, rp, spec = grpo_objective(tmp_path)
     assert objective.sampler is not None
 
     def out_of_memory(*_: object, **__: object) -> None:
@@ -237,19 +273,7 @@ def test_a_sampler_out_of_memory_falls_back_to_the_engine(tmp_path: object) -> N
     objective.sampler.complete = out_of_memory  # type: ignore[method-assign]
     got = objective._complete(rp, GROUPS, step=3, max_new_tokens=5)
     assert objective.sampler is None
-    want = sampled_completions(
-        rp,
-        GROUPS,
-        stop=objective.stop,
-        max_new_tokens=5,
-        max_positions=POSITIONS,
-        pad_id=objective.tokenizer.pad_id,
-        num_microbatch=rp.num_microbatch,
-        temperature=1.0,
-        top_p=1.0,
-        generator=step_generator(spec.train.seed, 3),
-    )
-    assert got == want
+    assert got == engine_rollouts(objective, rp, spec, step=3, max_new_tokens=5)
     objective.close()
 
 

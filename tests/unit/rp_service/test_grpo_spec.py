@@ -70,6 +70,13 @@ def test_a_grpo_spec_fills_its_defaults_and_takes_the_fine_tune_rate() -> None:
     assert spec.grpo is not None and spec.grpo.group_size == 8 and spec.grpo.loss_type == "dapo"
     assert spec.train.lr == DEFAULT_LR["lora"]
     assert spec.grader is not None and spec.grader.type == "string_check"
+    assert spec.grpo.generation == "auto"
+
+
+@pytest.mark.parametrize("generation", ["auto", "streamed", "engine"])
+def test_every_generation_is_taken(generation: str) -> None:
+    spec = JobSpec.model_validate(_spec(grader=GRADER, grpo={"generation": generation}))
+    assert spec.grpo is not None and spec.grpo.generation == generation
 
 
 @pytest.mark.parametrize(
