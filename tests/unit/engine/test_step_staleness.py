@@ -177,11 +177,15 @@ def test_lora_staleness_zero_equals_sync_and_plain_pytorch(cpu3: int) -> None:
     fresh = _train(copy.deepcopy(base), sync=False, staleness=0, rp_kwargs={}, adam_kwargs={})
     sync = _train(copy.deepcopy(base), sync=True, staleness=1, rp_kwargs={}, adam_kwargs={})
     _same(fresh[:2], sync[:2])
-    # Plain PyTorch sums an adapter's gradient in another order (1-ulp differences): the
-    # losses are equal, the weights within what Adam makes of 1-ulp gradient differences
-    # (test_lora.py).
+    # Plain PyTorch computes the adapter unmerged (x W + s (x A) B, where the engine's
+    # replica merges W + s B A) and sums its gradient in another order: 1-ulp differences.
+    # The first loss (the same weights) is equal; later ones, and the weights, within what
+    # Adam makes of 1-ulp gradient differences (test_lora.py). Whether a later loss lands
+    # on the same float depends on the CPU's kernels: equal on earlier sessions' CI VMs,
+    # 9e-8 apart at step 4 on session 23's AMD EPYC VM.
     plain = _plain(base)
-    assert fresh[0] == plain[0]
+    assert fresh[0][0] == plain[0][0]
+    torch.testing.assert_close(fresh[0], plain[0], rtol=1e-5, atol=0)
     for a, b in zip(fresh[1], plain[1], strict=True):
         torch.testing.assert_close(
             a.view(torch.float32), b.view(torch.float32), rtol=1e-5, atol=1e-5
