@@ -380,6 +380,9 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         object.__setattr__(rp, "_publish_as_updated", False)
     if args.no_fold_ahead:
         object.__setattr__(rp, "_fold_ahead", False)
+    if args.copy_grads:
+        for _, pa in rp._all_params():
+            pa.defer_copy = False
     dp = getattr(rp, "_dp", None)
     state_dtype = torch.uint8 if compact else getattr(torch, args.optim_state_dtype)
     optimizer, optimizer_name = _make_optimizer(rp.optim_parameters(), args.lr, state_dtype)
@@ -470,6 +473,7 @@ def run_roundpipe(args: argparse.Namespace) -> dict[str, Any]:
         second_copy_gib=round(getattr(rp, "second_copy_bytes", 0) / 2**30, 2),
         optimizer_thread_s=_phase_medians(getattr(rp, "step_phases", []), args.warmup),
         fold_ahead=not args.no_fold_ahead,
+        deferred_grad_copies=not args.copy_grads,
         fold_ahead_s=_phase_medians(getattr(rp, "fold_phases", []), args.warmup),
         layer_gb=[round(g, 6) for g in rp.layer_size],
         one_device=_one_device(rp),

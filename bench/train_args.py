@@ -88,6 +88,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         "while the backward runs (RoundPipe's private _fold_ahead, engine.fold_ahead; A/B)",
     )
     p.add_argument(
+        "--copy-grads",
+        action="store_true",
+        help="copy every downloaded gradient into the optimizer's fp32 gradient, as before "
+        "deferred copies (engine.optim._deferred: Adam reads the download in place; A/B)",
+    )
+    p.add_argument(
         "--text",
         action="store_true",
         help="train on generated text (the demo's stories as bytes) instead of random ids",

@@ -329,7 +329,7 @@ static int rp_prefetch_pays(void) {
 #endif
 }
 
-/* The ISA dispatch table: the library's only global, constant. */
+/* The ISA dispatch table of the update (rp_sumsq_kernels: of the sums), constant. */
 static const rp_kernel_fn rp_kernels[3] = {
     rp_adam_kernel_scalar,
     rp_adam_kernel_avx2,
@@ -370,27 +370,38 @@ static void *run_chunks_thread(void *arg) {
     return NULL;
 }
 
+typedef double (*rp_sumsq_fn)(const rp_adam_tensor *, int64_t, int64_t);
+
+/* The ISA dispatch table of the sums of squares. */
+static const rp_sumsq_fn rp_sumsq_kernels[3] = {
+    rp_sumsq_kernel_scalar,
+    rp_sumsq_kernel_avx2,
+    rp_sumsq_kernel_avx512,
+};
+
 /* rp_grad_sumsq's shared work: chunks of RP_CHUNK elements as in rp_adam_step, each one's
  * sum written to its own slot. */
 typedef struct {
     const rp_adam_tensor *tensors;
     const int64_t *first_chunk;
     int n_tensors;
+    rp_sumsq_fn kernel;
     double *sums; /* one per chunk */
     int64_t next_chunk;
 } rp_sumsq_work;
 
 /* Four running sums (the additions of one chain wait on each other), combined in a
- * fixed order: the same value on every run and thread count. */
-static double chunk_sumsq(const rp_adam_tensor *t, int64_t lo, int64_t hi) {
+ * fixed order: the same value on every run and thread count. The vector paths keep the
+ * four in the lanes of one vector of doubles and add in the same order. */
+double rp_sumsq_kernel_scalar(const rp_adam_tensor *t, int64_t begin, int64_t end) {
     double a[4] = {0.0, 0.0, 0.0, 0.0};
-    int64_t i = lo;
+    int64_t i = begin;
     if (t->grad_dtype == RP_DTYPE_FP32) {
         const float *g = (const float *)t->grad;
-        for (; i + 4 <= hi; i += 4)
+        for (; i + 4 <= end; i += 4)
             for (int k = 0; k < 4; ++k) a[k] += (double)g[i + k] * (double)g[i + k];
     }
-    for (; i < hi; ++i) {
+    for (; i < end; ++i) {
         double x = (double)load_grad_scalar(t, i);
         a[i & 3] += x * x;
     }
@@ -408,11 +419,13 @@ static void *run_sumsq(void *arg) {
         const rp_adam_tensor *t = &w->tensors[ti];
         int64_t lo = (chunk - w->first_chunk[ti]) * RP_CHUNK;
         int64_t hi = lo + RP_CHUNK < t->numel ? lo + RP_CHUNK : t->numel;
-        w->sums[chunk] = chunk_sumsq(t, lo, hi);
+        w->sums[chunk] = w->kernel(t, lo, hi);
     }
 }
 
-int rp_grad_sumsq(const rp_adam_tensor *tensors, int n_tensors, double *out, int n_threads) {
+int rp_grad_sumsq(const rp_adam_tensor *tensors, int n_tensors, double *out, int n_threads,
+                  int isa) {
+    if (isa < 0 || isa > RP_ISA_AVX512 || !rp_adam_isa_supported(isa)) return -1;
     int64_t *first = malloc(sizeof *first * (size_t)(n_tensors + 1));
     if (!first) return -2;
     first[0] = 0;
@@ -427,7 +440,7 @@ int rp_grad_sumsq(const rp_adam_tensor *tensors, int n_tensors, double *out, int
     int n = n_threads < 1 ? 1 : n_threads;
     if (n > RP_MAX_THREADS) n = RP_MAX_THREADS;
     if (n > chunks) n = chunks > 0 ? (int)chunks : 1;
-    rp_sumsq_work work = {tensors, first, n_tensors, sums, 0};
+    rp_sumsq_work work = {tensors, first, n_tensors, rp_sumsq_kernels[isa], sums, 0};
     pthread_t stack_ids[16];
     pthread_t *ids = n > 16 ? malloc(sizeof *ids * (size_t)n) : stack_ids;
     int started = 0;

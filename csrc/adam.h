@@ -80,16 +80,20 @@ typedef struct {
 #define RP_QMAP_SIGNED_DECADES 1032
 #define RP_QMAP_UNSIGNED_DECADES 1056
 #define RP_QMAP_SIZE 1080
-#define RP_ADAM_ABI_VERSION 7
+#define RP_ADAM_ABI_VERSION 8
 
 /* RP_ADAM_ABI_VERSION of the compiled library (a stale build is rebuilt). */
 int rp_adam_abi_version(void);
 
 /* The sum of squares of each tensor's gradient (grad, grad_dtype, numel; nothing else is
  * read) into out[i], accumulated in double over fixed chunks that are added in order, so
- * the result does not depend on the thread count. With up to n_threads threads; returns 0,
- * or -2 when memory for the chunks' sums cannot be had. */
-int rp_grad_sumsq(const rp_adam_tensor *tensors, int n_tensors, double *out, int n_threads);
+ * the result does not depend on the thread count. Within a chunk, element i's square goes
+ * to running sum i % 4, and the four are added as (s0 + s1) + (s2 + s3): the same sums on
+ * every ISA path, and for a half gradient the same as for its fp32 copy (the widening and
+ * the double square are exact). With up to n_threads threads; returns 0, -1 when the ISA
+ * is not supported, or -2 when memory for the chunks' sums cannot be had. */
+int rp_grad_sumsq(const rp_adam_tensor *tensors, int n_tensors, double *out, int n_threads,
+                  int isa);
 
 /* 1 when this build has the ISA path and the CPU can run it. */
 int rp_adam_isa_supported(int isa);
@@ -124,3 +128,9 @@ void rp_adam_kernel_avx2(const rp_adam_tensor *t, const rp_adam_hyper *h,
                          int64_t begin, int64_t end, int prefetch);
 void rp_adam_kernel_avx512(const rp_adam_tensor *t, const rp_adam_hyper *h,
                            int64_t begin, int64_t end, int prefetch);
+/* The per-ISA sums of squares of grad elements [begin, end) of one tensor (`begin` a
+ * multiple of 4), as rp_grad_sumsq describes them; stubs where the compiler cannot target
+ * the ISA, like the kernels above. */
+double rp_sumsq_kernel_scalar(const rp_adam_tensor *t, int64_t begin, int64_t end);
+double rp_sumsq_kernel_avx2(const rp_adam_tensor *t, int64_t begin, int64_t end);
+double rp_sumsq_kernel_avx512(const rp_adam_tensor *t, int64_t begin, int64_t end);

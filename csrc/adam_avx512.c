@@ -12,6 +12,7 @@
 #if RP_SIMD_X86
 #include "simd_avx512.h"
 #define RP_KERNEL rp_adam_kernel_avx512
+#define RP_SUMSQ_KERNEL rp_sumsq_kernel_avx512
 #include "adam_vector.h"
 
 static double rp_seconds(void) {
@@ -69,5 +70,6 @@ int rp_adam_q8_calibrate_avx512(void) {
 int rp_adam_q8_calibrate_avx512(void) { return -1; }
 
 RP_KERNEL_STUB(rp_adam_kernel_avx512)
+RP_SUMSQ_STUB(rp_sumsq_kernel_avx512)
 
 #endif

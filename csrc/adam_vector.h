@@ -8,10 +8,11 @@
  * The kernel does what the scalar path (adam.c) does, RP_W lanes at a time and with the
  * same roundings: fp16/bf16 gradients, bf16 moments and parameters, 8-bit moments, the
  * fp16/bf16 model copy. Tails run the same vector code on zero-padded copies, so every
- * element gets the same operations as in the main loop.
+ * element gets the same operations as in the main loop. RP_SUMSQ_KERNEL is
+ * rp_sumsq_kernel_scalar's sum of squares, RP_W elements a load.
  */
-#ifndef RP_KERNEL
-#error "include simd.h and a SIMD layer, and define RP_KERNEL (the kernel's name), first"
+#if !defined(RP_KERNEL) || !defined(RP_SUMSQ_KERNEL)
+#error "include simd.h and a SIMD layer, and define RP_KERNEL and RP_SUMSQ_KERNEL first"
 #endif
 
 #include <stdint.h>
@@ -64,9 +65,9 @@ RP_SIMD vh to_bf16_sr(vf f, int64_t idx, uint32_t which, uint32_t seed) {
 
 RP_SIMD vf load_bf16(const void *p) { return vf_from_bits(vi_slli(vi_widen_u16(vh_load(p)), 16)); }
 
-RP_SIMD vf load_grad(const rp_consts *c, const void *p) {
-    if (c->grad_dtype == RP_DTYPE_FP16) return vf_from_f16(vh_load(p));
-    if (c->grad_dtype == RP_DTYPE_BF16) return load_bf16(p);
+RP_SIMD vf load_grad(int grad_dtype, const void *p) {
+    if (grad_dtype == RP_DTYPE_FP16) return vf_from_f16(vh_load(p));
+    if (grad_dtype == RP_DTYPE_BF16) return load_bf16(p);
     return vf_load(p);
 }
 
@@ -107,7 +108,7 @@ RP_SIMD void adam_math(const rp_consts *c, vf *p_io, vf g, vf *m_io, vf *v_io, f
 RP_SIMD vh update(const rp_consts *c, void *param, const void *grad, void *exp_avg,
                   void *exp_avg_sq, float *max_sq, int64_t idx) {
     vf p = load_param(c, param);
-    vf g = load_grad(c, grad);
+    vf g = load_grad(c->grad_dtype, grad);
     vf m = c->bf16_state ? load_bf16(exp_avg) : vf_load(exp_avg);
     vf v = c->bf16_state ? load_bf16(exp_avg_sq) : vf_load(exp_avg_sq);
     adam_math(c, &p, g, &m, &v, max_sq);
@@ -177,7 +178,7 @@ RP_SIMD void q8_update(const rp_consts *c, const float *qmap, void *param, const
                        const uint8_t *codes_m, const uint8_t *codes_v, vf am_old, vf av_old,
                        int64_t i, int permute, vf *m_out, vf *v_out) {
     vf p = load_param(c, param);
-    vf g = load_grad(c, grad);
+    vf g = load_grad(c->grad_dtype, grad);
     vf m = q8_decode(qmap + RP_QMAP_SIGNED, codes_m, am_old, permute);
     vf v = q8_decode(qmap + RP_QMAP_UNSIGNED, codes_v, av_old, permute);
     adam_math(c, &p, g, &m, &v, NULL);
@@ -328,4 +329,26 @@ RP_TARGET void RP_KERNEL(const rp_adam_tensor *t, const rp_adam_hyper *h, int64_
         if (c.amsgrad) memcpy(max_sq + i, tvm, sizeof(float) * n);
         if (c.copy != RP_COPY_NONE) memcpy(copy + i, tc, sizeof(uint16_t) * n);
     }
+}
+
+/* rp_sumsq_kernel_scalar (adam.c): element i's square, in double, added to running sum
+ * i % 4 (`begin` is a multiple of 4, so a vector's lanes j go to vd lane j % 4), then
+ * (s0 + s1) + (s2 + s3). The half gradient is widened in registers: it is read at 2 bytes
+ * an element, with no fp32 copy. The tail runs on a zero-padded copy: adding the padding's
+ * +0.0 squares leaves every running sum as it is (they start at +0.0 and only grow). */
+RP_TARGET double RP_SUMSQ_KERNEL(const rp_adam_tensor *t, int64_t begin, int64_t end) {
+    const char *grad = (const char *)t->grad;
+    const size_t gsz = t->grad_dtype == RP_DTYPE_FP32 ? 4 : 2;
+    vd acc = vd_zero();
+    int64_t i = begin;
+    for (; i + RP_W <= end; i += RP_W)
+        acc = vd_add_squares(acc, load_grad(t->grad_dtype, grad + i * gsz));
+    if (i < end) {
+        float tg[RP_W] = {0};
+        memcpy(tg, grad + i * gsz, gsz * (size_t)(end - i));
+        acc = vd_add_squares(acc, load_grad(t->grad_dtype, tg));
+    }
+    double a[4];
+    vd_store(a, acc);
+    return (a[0] + a[1]) + (a[2] + a[3]);
 }

@@ -10,6 +10,8 @@
  *   vh   RP_W 16-bit lanes  vh_load vh_store vh_stream vh_narrow vi_widen_u16 vh_f16 ...
  *   vm   a lane mask        vm_le vm_lt vm_ge vm_gt vm_ord vm_nan vm_first vm_all, and the
  *                           masked forms vi_blend vi_inc_where vi_zero_unless ...
+ *   vd   4 doubles          vd_zero vd_store vd_add_squares: the sum of squares' four
+ *                           running sums (rp_grad_sumsq), the same width on every ISA
  * Each operation is one instruction (or the fixed sequence the ISA needs for it), so the
  * floating-point operations of adam_vector.h are the same, in the same order, on every
  * ISA: that, with -ffp-contract=off, is what keeps the paths bit-identical.
@@ -37,6 +39,15 @@
         (void)begin;                                                                        \
         (void)end;                                                                          \
         (void)prefetch;                                                                     \
+    }
+
+/* The same for an ISA file's sum-of-squares kernel. */
+#define RP_SUMSQ_STUB(name)                                                                   \
+    double name(const rp_adam_tensor *t, int64_t begin, int64_t end) {                      \
+        (void)t;                                                                            \
+        (void)begin;                                                                        \
+        (void)end;                                                                          \
+        return 0.0;                                                                         \
     }
 
 #endif

@@ -19,6 +19,7 @@ typedef __m256 vf;
 typedef __m256i vi;
 typedef __m128i vh; /* 8 x 16 bits */
 typedef __m256i vm;
+typedef __m256d vd; /* 4 doubles */
 
 #define RP_SIMD static inline RP_TARGET
 
@@ -116,6 +117,17 @@ RP_SIMD vh vh_narrow(vi a) {
 RP_SIMD vf vf_from_f16(vh a) { return _mm256_cvtph_ps(a); }
 /* fp32 -> IEEE fp16, round to nearest even. */
 RP_SIMD vh vh_f16(vf a) { return _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+RP_SIMD vd vd_zero(void) { return _mm256_setzero_pd(); }
+RP_SIMD void vd_store(double *p, vd a) { _mm256_storeu_pd(p, a); }
+/* acc + the squares of x's lanes, widened to double, four lanes at a time in lane order:
+ * lane j's square is added to acc's lane j % 4 (one rounding per addition). */
+RP_SIMD vd vd_add_squares(vd acc, vf x) {
+    vd lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    vd hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    acc = _mm256_add_pd(acc, _mm256_mul_pd(lo, lo));
+    return _mm256_add_pd(acc, _mm256_mul_pd(hi, hi));
+}
 
 RP_SIMD vm vm_le(vf a, vf b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LE_OQ)); }
 RP_SIMD vm vm_lt(vf a, vf b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }

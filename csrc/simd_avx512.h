@@ -20,6 +20,7 @@ typedef __m512 vf;
 typedef __m512i vi;
 typedef __m256i vh; /* 16 x 16 bits */
 typedef __mmask16 vm;
+typedef __m256d vd; /* 4 doubles (AVX-512F includes AVX's 256-bit double operations) */
 
 #define RP_SIMD static inline RP_TARGET
 
@@ -120,6 +121,22 @@ RP_SIMD vh vh_narrow(vi a) { return _mm512_cvtepi32_epi16(a); }
 RP_SIMD vf vf_from_f16(vh a) { return _mm512_cvtph_ps(a); }
 /* fp32 -> IEEE fp16, round to nearest even. */
 RP_SIMD vh vh_f16(vf a) { return _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+RP_SIMD vd vd_zero(void) { return _mm256_setzero_pd(); }
+RP_SIMD void vd_store(double *p, vd a) { _mm256_storeu_pd(p, a); }
+/* acc + the squares of x's lanes, widened to double, four lanes at a time in lane order:
+ * lane j's square is added to acc's lane j % 4, as on AVX2 (the additions of one lane wait
+ * on each other, so wider vectors would not be faster and would change the sums). */
+RP_SIMD vd vd_add_squares(vd acc, vf x) {
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    /* the upper 8 floats by a 64-bit extract: extractf32x8 is AVX512DQ */
+    __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+    __m512d hi = _mm512_cvtps_pd(upper);
+    vd q[4] = {_mm512_castpd512_pd256(lo), _mm512_extractf64x4_pd(lo, 1),
+               _mm512_castpd512_pd256(hi), _mm512_extractf64x4_pd(hi, 1)};
+    for (int k = 0; k < 4; ++k) acc = _mm256_add_pd(acc, _mm256_mul_pd(q[k], q[k]));
+    return acc;
+}
 
 RP_SIMD vm vm_le(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
 RP_SIMD vm vm_lt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }

@@ -18,7 +18,12 @@ iteration k+1 computes with w[k+1], its forward following the optimizer layer by
 
 The fold usually finds its work done: during iteration k's backward a kernel on the
 optimizer thread (engine.fold_ahead) copies each gradient as it lands (`fold_ahead`), and
-the step's `fold_grad` takes the copy if neither buffer was written since.
+the step's `fold_grad` takes the copy if neither buffer was written since. Where the copy
+would be plain (no gradient kept from before to add to), the step hands the optimizer the
+download itself as a deferred copy instead (engine.optim._deferred): engine.optim.Adam
+reads it in place, and the copy is made only if step_fn reads `.grad` otherwise. Such a
+layer's download buffer is then the optimizer's until step_fn returns (grad_copied waits
+for it, as with `grad_in_place`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .optim import _deferred
 from .threads import AnnotatedEvent
 
 __all__ = ["OPTIM_MEMORY_MODES", "LayerAttribute", "ParamAttribute", "resolve_optim_memory"]
@@ -109,6 +115,9 @@ class ParamAttribute:
         grad_in_place: The optimizer reads `grad_host` itself as its gradient (the model
             dtype: no separate buffer; `optim_grad_dtype` equal to the model dtype). The
             next gradient download then waits for the whole step, not just the fold.
+        defer_copy: The step may hand the optimizer `grad_host` as a deferred copy of its
+            gradient (engine.optim._deferred) instead of copying it; turned off for good
+            once a step_fn read the copy (it is then made while the backward runs again).
     """
 
     def __init__(
@@ -127,10 +136,10 @@ class ParamAttribute:
         self.master_shared = share_master and param.requires_grad
         if param.requires_grad:
             if share_master:
-                master = param.detach()
+                self.optim = nn.Parameter(param.detach(), requires_grad=True)
             else:
                 master = param.detach().to(optim_dtype, copy=True)
-            self.optim = nn.Parameter(master, requires_grad=True)
+                self.optim = _deferred.DeferredGradParameter(master, requires_grad=True)
             grad_dtype = optim_grad_dtype or optim_dtype
             if grad_dtype not in (optim_dtype, param.dtype):
                 raise ConfigError(
@@ -145,6 +154,7 @@ class ParamAttribute:
                         "(Tensor.grad_dtype); use the default"
                     )
                 self.optim.grad_dtype = grad_dtype
+        self.defer_copy = self.optim is not None and not self.grad_in_place
         self.grad_host: torch.Tensor | None = None
         self.grad_pending = False
         self.grad_event: torch.cuda.Event | None = None  # completes the last grad download
@@ -184,59 +194,100 @@ class ParamAttribute:
         if self.grad_pending:
             return True
         # In place, grad_host *is* the optimizer's gradient until the optimizer drops it.
-        return self.grad_in_place and self.optim is not None and self.optim.grad is self.grad_host
+        return (
+            self.grad_in_place
+            and self.optim is not None
+            and _deferred.stored(self.optim) is self.grad_host
+        )
 
-    def fold_grad(self) -> bool:
+    def may_defer(self) -> bool:
+        """Whether the step may hand the optimizer the download buffer as a deferred copy of
+        its gradient instead of copying it (see the module doc)."""
+        return self.defer_copy and isinstance(self.optim, _deferred.DeferredGradParameter)
+
+    def fold_grad(self, *, defer: bool = False) -> bool:
         """Add the pending host gradient into the optimizer-side gradient; True when the
-        copy `fold_ahead` made of it was still current and is taken as it is."""
+        copy `fold_ahead` made of it was still current and is taken as it is.
+
+        `defer` (the step, which calls `settle_grad` once step_fn has returned): a plain
+        copy is handed over deferred where `may_defer`; the download buffer is then the
+        optimizer's until step_fn returns.
+        """
         ahead, self.folded_ahead = self.folded_ahead, None
         if not self.grad_pending or self.optim is None or self.grad_host is None:
             self.grad_pending = False
             return False
         g = self.grad_host
+        held = _deferred.stored(self.optim)  # a deferred copy lives within one step: none here
         taken = False
-        if self.grad_in_place and (self.optim.grad is None or self.optim.grad is g):
+        if self.grad_in_place and (held is None or held is g):
             # The downloads already accumulated into g (accumulates()): hand it over as is.
             self.optim.grad = g
-        elif self.optim.grad is None:
+        elif held is None:
             taken = ahead is not None and _still_current(ahead, g, self.optim_grad_buffer)
-            if not taken:
-                self._copy_into_buffer(g)
-            self.optim.grad = self.optim_grad_buffer
+            if taken:
+                self.optim.grad = self.optim_grad_buffer
+            elif defer and self.may_defer():
+                _deferred.defer(
+                    self.optim, g, buffer=lambda: self._buffer_for(g), on_read=self._copy_read
+                )
+            else:
+                self.optim.grad = self._copy_into_buffer(g)
         else:
             self.optim.grad.add_(g)
         self.grad_pending = False
         return taken
+
+    def settle_grad(self) -> None:
+        """Make the copy of a gradient the step handed over deferred and step_fn kept (once
+        step_fn has returned: the next download overwrites the buffer it is a copy of)."""
+        if self.optim is not None:
+            _deferred.settle(self.optim)
 
     def fold_ahead(self) -> torch.Tensor | None:
         """Make now, while other layers' backward runs, the copy fold_grad would make of
         the pending gradient (into the reused buffer); call it once the gradient is down.
         fold_grad takes the copy if neither it nor the download buffer changed since
         (another call's download adds to the buffer first: call this again after it).
-        Returns the gradient the optimizer will read (the copy, or the download buffer
-        read in place), for its sum of squares; None when fold_grad is left to do it all
-        (nothing pending, or an optimizer-side gradient kept from before to add to)."""
+        Where the step will hand the download over as a deferred copy (`may_defer`) there is
+        nothing to copy. Returns the gradient the optimizer will read (the copy, or the
+        download buffer read in place), for its sum of squares; None when fold_grad is left
+        to do it all (nothing pending, or an optimizer-side gradient kept from before to add
+        to)."""
         with self.lock:
             self.folded_ahead = None
             if not self.grad_pending or self.optim is None or self.grad_host is None:
                 return None
             g = self.grad_host
-            if self.grad_in_place and (self.optim.grad is None or self.optim.grad is g):
+            held = _deferred.stored(self.optim)
+            if self.grad_in_place and (held is None or held is g):
                 return g  # fold_grad hands the download buffer over as it is
-            if self.optim.grad is not None:
+            if held is not None:
                 return None
+            if self.may_defer():
+                return g  # the step hands it over deferred: engine.optim.Adam reads g
             copy = self._copy_into_buffer(g)
             self.folded_ahead = (g, g._version, copy, copy._version)
             return copy
 
-    def _copy_into_buffer(self, g: torch.Tensor) -> torch.Tensor:
+    def _copy_read(self) -> None:
+        """A step_fn read a deferred copy (a torch optimizer, say): from now on the copy is
+        made while the backward runs, as without deferring."""
+        self.defer_copy = False
+
+    def _buffer_for(self, g: torch.Tensor) -> torch.Tensor:
+        """The optimizer-side gradient buffer for `g`'s shape, reused from step to step:
+        allocating (and page-faulting) a fresh fp32 gradient for every parameter each step
+        costs more than the copy itself."""
         assert self.optim is not None
-        # Reuse last step's buffer: allocating (and page-faulting) a fresh fp32 gradient
-        # for every parameter each step costs more than the copy itself.
         buf = self.optim_grad_buffer
         if buf is None or buf.shape != g.shape:
             buf = torch.empty(g.shape, dtype=self.optim.dtype)
             self.optim_grad_buffer = buf
+        return buf
+
+    def _copy_into_buffer(self, g: torch.Tensor) -> torch.Tensor:
+        buf = self._buffer_for(g)
         buf.copy_(g)
         return buf
 

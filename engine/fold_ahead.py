@@ -6,20 +6,28 @@ With `step_staleness=0` both stood between the end of the backward and the next 
 first layer (which waits for layer 0's update). Here a kernel queued on the optimizer thread
 by each `forward_backward` takes the layers from the last down, the order the backward
 downloads their gradients: once a parameter's gradient of this call is down
-(`RunState.wait_grads`) it makes the copy the fold would make (`ParamAttribute.fold_ahead`)
-and keeps its sum of squares with it (engine.optim._sumsq), one C call per layer. The step's
-fold then takes each copy as it is (`fold_grad`), and `Adam.grad_norm` adds the kept sums:
-what is left before layer 0 can be published is the sum of the kept sums, the clip
-coefficient and layer 0's update.
+(`RunState.wait_grads`) it makes ready the gradient the optimizer will read
+(`ParamAttribute.fold_ahead`) and keeps its sum of squares with it (engine.optim._sumsq), one
+C call per layer. Where the optimizer-side gradient would be a plain copy of the download,
+the step hands the download itself over as a deferred copy (engine.optim._deferred):
+engine.optim.Adam reads the half-precision buffer in place, so there is no copy to make and
+the sum is taken over the download (2 bytes an element, widened in registers: the same sums
+as over the fp32 copy). Only where a step_fn read a deferred copy before (a torch optimizer,
+say) does the kernel make the copy, which the step's fold then takes as it is
+(`fold_grad`). `Adam.grad_norm` adds the kept sums: what is left before layer 0 can be
+published is the sum of the kept sums, the clip coefficient and layer 0's update, which
+reads 2 bytes of gradient an element instead of 4. The call's end still waits for the last
+gradient to land and be summed: the tied embedding's, downloaded last, now one read of it.
 
-Nothing changes a bit of the results. The copy is taken only if neither the download buffer
-nor the copy was written since (version counters): a second call before the step (gradient
-accumulation) adds its download to the buffer, so the step refolds unless that call's own
-kernel copied again, which it does once its download is down. A gradient the optimizer kept
-from the step before (a step_fn that does not zero it) is left to the step's fold, which adds
-to it. The kept sums are the C library's per-tensor sums, which do not depend on how the
-tensors are batched, and the norm adds them with math.fsum, whose result does not depend on
-their order.
+Nothing changes a bit of the results. A kept sum or a copy is taken only if the download
+buffer (and the copy) were not written since (version counters): a second call before the
+step (gradient accumulation) adds its download to the buffer, so the step sums or refolds
+unless that call's own kernel did again, which it does once its download is down. A
+gradient the optimizer kept from the step before (a step_fn that does not zero it) is left
+to the step's fold, which adds to it. The kept sums are the C library's per-tensor sums,
+which do not depend on how the tensors are batched, on the ISA path or on the gradient's
+dtype (half or its fp32 copy), and the norm adds them with math.fsum, whose result does not
+depend on their order.
 
 The kernel runs on the optimizer thread, after the step before (so a step_fn's zero_grad has
 dropped the gradients it read, or the kernel leaves them to the step), and `forward_backward` waits for it as it waits for that step
@@ -54,7 +62,8 @@ def fold_ahead_of_step(model: RoundPipe, run: RunState) -> dict[str, float] | No
     nothing with data parallel or when the model's `_fold_ahead` switch is off.
 
     Returns the call's entry in `model.fold_phases`, which the kernel fills: "fold_s", the
-    seconds spent copying and summing; "params", the gradients made ready; the caller adds
+    seconds spent copying (where a copy is made) and summing; "params", the gradients made
+    ready; the caller adds
     "end_wait_s", how long the call's end waited for the optimizer thread (this kernel and,
     with staleness one, the step before).
     """
@@ -72,7 +81,8 @@ def fold_ahead_of_step(model: RoundPipe, run: RunState) -> dict[str, float] | No
 
 def _fold_kernel(model: RoundPipe, run: RunState, stats: dict[str, float]) -> None:
     """On the optimizer thread: per layer, last first, wait for each trainable parameter's
-    gradient of this call, copy it as the fold would, and keep the layer's sums of squares."""
+    gradient of this call, make ready what the optimizer will read (the download itself
+    where the step defers the copy, else the copy), and keep the layer's sums of squares."""
     keep_sums = _sumsq.can_keep()
     try:
         for params in reversed(model._params_by_owner()):

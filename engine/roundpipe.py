@@ -47,7 +47,12 @@ from .planning.gpu_memory import check_gpu_memory_cap, resolve_max_gpu_memory
 from .planning.memory_plan import check_engine_allocation
 from .planning.search import group_param_cap
 from .planning.simulate import publish_wait_ms_per_gb
-from .roundpipe_base import RoundPipeBase, check_step_staleness, publish_weights_take_grads
+from .roundpipe_base import (
+    RoundPipeBase,
+    check_step_staleness,
+    publish_weights_take_grads,
+    settle_grads,
+)
 from .run import backward_job, forward_job, fused_job
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from .run_state import HostData, RunState
@@ -792,9 +797,11 @@ class AutoRoundPipe(RoundPipeBase):
         self, step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], sync: bool
     ) -> None:
         owners: list[RoundPipeBase] = [*self._subs, self]
+        taken: list[list[tuple[nn.Parameter, ParamAttribute]]] = []
         try:
             for owner in owners:
                 groups = owner._params_by_owner() if owner is not self else [self._loose_params()]
+                taken.extend(groups)
                 publish_weights_take_grads(owner, groups)
             try:
                 with OptimizerCtx():
@@ -807,9 +814,12 @@ class AutoRoundPipe(RoundPipeBase):
                 for owner in owners:
                     owner.sync_optim_param()
         finally:
-            for e in [*self.module_param_uploaded_events, *self.module_gradient_ready_events]:
-                e.set()
-            self.optim_updated.set()
+            try:
+                settle_grads(taken)  # before the events let the next downloads in
+            finally:
+                for e in [*self.module_param_uploaded_events, *self.module_gradient_ready_events]:
+                    e.set()
+                self.optim_updated.set()
 
     def synchronize(self) -> None:
         """Wait for every step; loose parameters and RoundPipe submodules are brought up to date."""

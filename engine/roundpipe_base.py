@@ -3,11 +3,13 @@
 Optimizer-side copies of the parameters (what a torch optimizer updates inside a step_fn),
 the attribute shim that reaches the original model, and the step: on the optimizer thread,
 publish the previous step's weights into the model and fold the new gradients into the
-optimizer-side ones, layer by layer (`publish_weights_take_grads`), then run step_fn; with
-weights the optimizer writes in place (optim_memory='compact'), publish each layer as soon
-as the optimizer reports its weights updated (`_LayerProgress`). With `step_staleness=0` the
-same goes for every mode: the step publishes each layer's new weights as the optimizer
-reports them, so the next call computes with them and waits for them layer by layer.
+optimizer-side ones, layer by layer (`publish_weights_take_grads`: a plain copy is handed
+over deferred, engine.optim._deferred, and made after step_fn only if step_fn kept the
+gradient, `settle_grads`), then run step_fn; with weights the optimizer writes in place
+(optim_memory='compact'), publish each layer as soon as the optimizer reports its weights
+updated (`_LayerProgress`). With `step_staleness=0` the same goes for every mode: the step
+publishes each layer's new weights as the optimizer reports them, so the next call computes
+with them and waits for them layer by layer.
 `engine.roundpipe` re-exports the class (the seed's place for it).
 """
 
@@ -31,13 +33,20 @@ from .attribute import ParamAttribute
 from .call_site import get_call_location
 from .context import OptimizerCtx, doing_optimizer
 from .errors import ConfigError
+from .optim import _deferred
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
 from .threads import AnnotatedEvent, track_open
 
 if TYPE_CHECKING:
     from .run_state import RunState
 
-__all__ = ["STEP_STALENESS", "RoundPipeBase", "check_step_staleness", "publish_weights_take_grads"]
+__all__ = [
+    "STEP_STALENESS",
+    "RoundPipeBase",
+    "check_step_staleness",
+    "publish_weights_take_grads",
+    "settle_grads",
+]
 
 STEP_STALENESS = (0, 1)
 
@@ -268,7 +277,8 @@ class RoundPipeBase(nn.Module):
         # "early_layers": layers published while step_fn ran, "first_layer_s" after how
         # long the first (weights the optimizer writes in place, _LayerProgress);
         # "folded_ahead": gradients whose fold was done while the backward ran
-        # (engine.fold_ahead), leaving "fold_s" next to nothing.
+        # (engine.fold_ahead), leaving "fold_s" next to nothing; "deferred": gradients
+        # handed over as deferred copies (engine.optim._deferred), nothing to copy.
         phases = {
             "publish_s": 0.0,
             "fold_s": 0.0,
@@ -278,6 +288,7 @@ class RoundPipeBase(nn.Module):
             "early_layers": 0.0,
             "first_layer_s": 0.0,
             "folded_ahead": 0.0,
+            "deferred": 0.0,
         }
         start = time.perf_counter()
         progress: _LayerProgress | None = None
@@ -321,12 +332,15 @@ class RoundPipeBase(nn.Module):
             elif fresh:
                 self._publish_rest(groups, events, progress, pending, phases)
         finally:
-            for param_copied, grad_copied in events:
-                param_copied.set()
-                grad_copied.set()
-            self.optim_updated.set()
-            phases["total_s"] = time.perf_counter() - start
-            self.step_phases.append(phases)
+            try:
+                settle_grads(groups)  # before grad_copied lets the next downloads in
+            finally:
+                for param_copied, grad_copied in events:
+                    param_copied.set()
+                    grad_copied.set()
+                self.optim_updated.set()
+                phases["total_s"] = time.perf_counter() - start
+                self.step_phases.append(phases)
 
     def _publish_rest(
         self,
@@ -631,15 +645,31 @@ def publish_weights_take_grads(
     if pending is not None:
         order.reverse()
     for (_, grad_copied), params in order:
+        in_place = False
         for p, pa in params:
             if pending is not None and pa.optim is not None:
                 with clock("wait_s"):
                     pending.wait_grads(p)
             with clock("fold_s"):
-                taken = pa.fold_grad()
-            if taken and phases is not None:  # copied while the backward ran (fold_ahead)
-                phases["folded_ahead"] = phases.get("folded_ahead", 0.0) + 1
-        # A gradient read in place stays the optimizer's until step_fn returns (the
-        # caller sets every event then).
-        if not any(pa.grad_in_place for _, pa in params):
+                taken = pa.fold_grad(defer=True)
+            deferred = pa.optim is not None and _deferred.deferred(pa.optim) is not None
+            in_place = in_place or pa.grad_in_place or deferred
+            if phases is not None:
+                # "folded_ahead": copied while the backward ran (fold_ahead); "deferred":
+                # handed over uncopied, engine.optim.Adam reads the download itself
+                for key, counts in (("folded_ahead", taken), ("deferred", deferred)):
+                    if counts:
+                        phases[key] = phases.get(key, 0.0) + 1
+        # A download buffer the optimizer reads (in place, or deferred) stays the
+        # optimizer's until step_fn returns: the caller settles the deferred copies then,
+        # and sets every event.
+        if not in_place:
             grad_copied.set()
+
+
+def settle_grads(groups: list[list[tuple[nn.Parameter, ParamAttribute]]]) -> None:
+    """Once step_fn has returned: copy what it kept of the gradients the step handed over
+    deferred (ParamAttribute.settle_grad), before the next downloads may overwrite them."""
+    for params in groups:
+        for _, pa in params:
+            pa.settle_grad()

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..context import StepProgress, step_progress
 from ..errors import ConfigError
-from . import _native, _q8, _sumsq
+from . import _deferred, _native, _q8, _sumsq
 from ._native import (
     NativeBuildError,
     available_isas,
@@ -267,10 +267,11 @@ class Adam(torch.optim.Optimizer):
         all cores: one read of the gradients, in a fraction of torch's time on the CPU).
         A gradient's sum kept since it became final (RoundPipe folds each layer's while the
         backward runs) is used as it is: the same norm, to the last bit (`_sumsq`)."""
-        grads = self._grads()
+        native = get_isa() != _native.TORCH_FALLBACK
+        grads = self._grads(native=native)
         if not grads:
             return torch.zeros((), dtype=torch.float32)
-        if get_isa() == _native.TORCH_FALLBACK:
+        if not native:
             return torch.nn.utils.get_total_norm(grads).to(torch.float32)
         return torch.tensor(math.sqrt(_sumsq.total(grads)), dtype=torch.float32)
 
@@ -294,20 +295,27 @@ class Adam(torch.optim.Optimizer):
             norm = torch.as_tensor(total_norm, dtype=torch.float32)
         coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
         if get_isa() == _native.TORCH_FALLBACK:
-            torch._foreach_mul_(self._grads(), coef)
+            torch._foreach_mul_(self._grads(native=False), coef)
         else:
             self._grad_scale = float(coef)
         return norm
 
-    def _grads(self) -> list[Tensor]:
-        """Every gradient this optimizer would step with (parameters without one left out)."""
-        return [
-            p.grad for group in self.param_groups for p in group["params"] if p.grad is not None
-        ]
+    def _grads(self, *, native: bool) -> list[Tensor]:
+        """Every gradient this optimizer would step with (parameters without one left out);
+        `native`: a deferred one as the tensor the C library reads (`_grad`)."""
+        grads = (_grad(p, native) for group in self.param_groups for p in group["params"])
+        return [g for g in grads if g is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's zero_grad, also dropping a clip that no step applied."""
+        """torch's zero_grad, also dropping a clip that no step applied (and a deferred
+        gradient, uncopied: engine.optim._deferred)."""
         self._grad_scale = 1.0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    _deferred.drop(p)
+                else:  # torch zeroes the gradient tensor in place: give it the one it had
+                    _deferred.settle(p)
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
@@ -317,14 +325,14 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = self._collect()
+        isa = get_isa()
+        entries = self._collect(native=isa != _native.TORCH_FALLBACK)
         grad_scale, self._grad_scale = self._grad_scale, 1.0
         if not entries:
             return loss
         steps = [state["step"] for _, _, state, _ in entries]
         torch._foreach_add_(steps, 1)  # one call for every param's step counter
         step_values = [float(s) for s in steps]
-        isa = get_isa()
         progress = step_progress()  # RoundPipe's when it publishes layer by layer (compact)
         for batch, batch_steps in _batches(entries, step_values, progress):
             if isa == _native.TORCH_FALLBACK:
@@ -343,14 +351,17 @@ class Adam(torch.optim.Optimizer):
                     progress.updated(p)
         return loss
 
-    def _collect(self) -> list[tuple[Tensor, Tensor, dict[str, Any], dict[str, Any]]]:
-        """(param, grad, state, group) for every param with a grad; state made ready."""
+    def _collect(
+        self, *, native: bool
+    ) -> list[tuple[Tensor, Tensor, dict[str, Any], dict[str, Any]]]:
+        """(param, grad, state, group) for every param with a grad; state made ready.
+        `native`: a deferred gradient as the tensor the C library reads (`_grad`)."""
         entries = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = _grad(p, native)
+                if grad is None:
                     continue
-                grad = p.grad
                 where = f"param_groups[{gi}].params[{i}]"
                 if grad.is_sparse:
                     raise ConfigError(f"{where}: sparse gradients are not supported")
@@ -385,6 +396,14 @@ class Adam(torch.optim.Optimizer):
                         state[key] = value.to(want).contiguous()
                 entries.append((p, grad.contiguous(), state, group))
         return entries
+
+
+def _grad(p: Tensor, native: bool) -> Tensor | None:
+    """p's gradient; for the C library (`native`) a deferred one as the tensor it is a copy
+    of (RoundPipe's half-precision download: the kernels widen it exactly as they read it),
+    else as `p.grad` makes it, in p's dtype."""
+    source = _deferred.deferred(p) if native else None
+    return source if source is not None else p.grad
 
 
 def _batches(

@@ -63,7 +63,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 """The RP_ADAM_ABI_VERSION (csrc/adam.h) this Python side speaks."""
 
 ISAS: dict[str, int] = {"scalar": 0, "avx2": 1, "avx512": 2}

@@ -42,8 +42,13 @@ def per_tensor(grads: Sequence[Tensor]) -> list[float]:
         tensors[k].grad_dtype = _GRAD_DTYPES[g.dtype]
         tensors[k].numel = g.numel()
     out = ffi.new("double[]", len(dense))
+    isa = _native.get_isa()
+    isa_id = _native.ISAS.get(isa, _native.ISAS["scalar"])  # every path: the same sums
     # cffi releases the GIL for the call; `dense` keeps every tensor alive until it returns.
-    if lib.rp_grad_sumsq(tensors, len(dense), out, _native.get_num_threads()) != 0:
+    rc = lib.rp_grad_sumsq(tensors, len(dense), out, _native.get_num_threads(), isa_id)
+    if rc == -1:
+        raise ConfigError(f"the C library refused isa {isa!r} for the sums of squares")
+    if rc != 0:
         raise MemoryError("the C library could not allocate its per-chunk sums")
     return [out[k] for k in range(len(dense))]
 

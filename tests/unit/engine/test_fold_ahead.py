@@ -1,13 +1,16 @@
-"""The fold during the backward (engine.fold_ahead, issue 44): each call's gradients are
-copied into the optimizer's and their sums of squares kept as they land, so the step's fold
-and the clip's norm find them done.
+"""The fold during the backward (engine.fold_ahead, issue 44): each call's gradients have
+their sums of squares kept as they land, so the clip's norm finds them done; where the
+optimizer-side gradient would be a plain copy of the download, the step hands the download
+over as a deferred copy (engine.optim._deferred) and engine.optim.Adam reads it in place,
+else (the copy was read by a step_fn before, or deferring is off) the copy is made then too.
 
-The oracle is the same training with the model's `_fold_ahead` switch off (the fold and the
-norm in the step, as before): every loss, clip norm, weight and gradient bit for bit, in
-every host memory mode, with LoRA, several virtual devices, a tied weight, gradient
-accumulation and a step_fn that changes the gradients before the norm. The counts say the
-fast path was taken: each trainable gradient copied once per call and taken by the step,
-every sum kept; a spy says no gradient was copied before its download had landed.
+The oracle is the same training with the model's `_fold_ahead` switch off and nothing
+deferred (the fold's copy and the norm in the step, as before): every loss, clip norm,
+weight and gradient bit for bit, in every host memory mode, with LoRA, several virtual
+devices, a tied weight, gradient accumulation and a step_fn that changes the gradients
+before the norm. The counts say the fast path was taken: each trainable gradient summed
+once per call and handed over deferred (or copied ahead) by the step, every sum kept; a
+spy says no gradient was summed or copied before its download had landed.
 """
 
 from __future__ import annotations
@@ -25,23 +28,31 @@ import engine.optim as eo
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from engine.attribute import ParamAttribute
 from engine.fold_ahead import fold_ahead_of_step
-from engine.optim import _native, _sumsq
+from engine.optim import _deferred, _native, _sumsq
 
 from ._models import make_batch, make_model, tied_qwen3_roundpipe
 from .test_step_staleness import MODES, PLAN, _bits, _loss, _model
 
 CLIP = 1e-3  # below every norm here: the clip coefficient (from the norm) changes each update
-COPIED = ("fp32", "fp32-masters")  # modes whose fold copies; the others read in place
+COPIED = ("fp32", "fp32-masters")  # modes with an optimizer-side gradient; the others read in place
 
 
 def _trainable(rp: RoundPipe) -> int:
     return sum(1 for _ in rp.optim_parameters())
 
 
+def copy_every_gradient(rp: Any) -> None:
+    """Defer no copy (the path before engine.optim._deferred): what a step_fn that reads
+    `.grad` leaves behind after its first step."""
+    for _, pa in rp._all_params():
+        pa.defer_copy = False
+
+
 def _train(
     model: nn.Module,
     *,
     fold_ahead: bool | str,
+    defer: bool = True,
     calls_per_step: int = 1,
     steps: int = 3,
     scale_grads: bool = False,
@@ -49,7 +60,8 @@ def _train(
 ) -> dict[str, Any]:
     """`steps` steps of `calls_per_step` calls each, then one more call whose gradients
     synchronize() hands back: losses, clip norms, weights, gradients and the counters.
-    `fold_ahead="first"`: the kernel only in each step's first call."""
+    `fold_ahead="first"`: the kernel only in each step's first call; `defer=False`: every
+    gradient copied (`copy_every_gradient`)."""
     adam_kwargs = rp_kwargs.pop("adam_kwargs", {})
     rp = RoundPipe(
         model,
@@ -57,17 +69,19 @@ def _train(
         pin_model="off",
         **rp_kwargs,
     )
+    if not defer:
+        copy_every_gradient(rp)
     params = list(rp.optim_parameters())
     opt = eo.Adam(params, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, **adam_kwargs)
     norms: list[float] = []
     kept: list[int] = []
 
     def step_fn() -> None:
-        grads = [p.grad for p in params if p.grad is not None]
-        assert len(grads) == len(params)
+        # as held: reading p.grad would make a deferred gradient's copy
+        assert all(_deferred.stored(p) is not None for p in params)
         if scale_grads:  # a step_fn that changes the gradients: the kept sums no longer hold
-            torch._foreach_mul_(grads, 0.5)
-        kept.append(sum(_sumsq.kept(g) is not None for g in grads))
+            torch._foreach_mul_([p.grad for p in params], 0.5)
+        kept.append(sum(_sumsq.kept(_deferred.stored(p)) is not None for p in params))
         norms.append(float(opt.clip_grad_norm_(CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -81,6 +95,8 @@ def _train(
         losses.append(float(rp.forward_backward((x.to(dtype),), label=y, loss_fn=_loss)))
         if (k + 1) % calls_per_step == 0 and k < steps * calls_per_step:
             rp.step(step_fn)
+    # The steps are done (the last call waited for them); synchronize() copies what is pending.
+    buffers = sum(pa.optim_grad_buffer is not None for _, pa in rp._all_params())
     rp.synchronize()
     out = {
         "losses": losses,
@@ -89,6 +105,8 @@ def _train(
         "grads": [_bits(p.grad) for p in rp.model.parameters() if p.grad is not None],
         "kept": kept,
         "folded_ahead": [p["folded_ahead"] for p in rp.step_phases],
+        "deferred": [p["deferred"] for p in rp.step_phases],
+        "buffers": buffers,
         "fold_calls": [p["params"] for p in rp.__dict__.get("fold_phases", ())],
         "trainable": _trainable(rp),
     }
@@ -105,13 +123,20 @@ def _assert_same(got: dict[str, Any], expected: dict[str, Any]) -> None:
             assert torch.equal(a, b), f"{key}[{i}]"
 
 
-def _assert_fast_path(got: dict[str, Any], expected: dict[str, Any], mode: str) -> None:
+def _assert_fast_path(
+    got: dict[str, Any], expected: dict[str, Any], mode: str, *, defer: bool = True
+) -> None:
     n, steps = got["trainable"], len(got["norms"])
     assert got["kept"] == [n] * steps  # every norm from the kept sums
     assert expected["kept"] == [0] * steps and expected["fold_calls"] == []  # the old path
-    copied = n if mode in COPIED else 0
-    assert got["folded_ahead"] == [copied] * steps  # each copy taken by its step
+    assert expected["deferred"] == [0] * steps
+    separate = n if mode in COPIED else 0
+    # each gradient handed over deferred, or its copy taken by the step
+    assert got["deferred"] == [separate if defer else 0] * steps
+    assert got["folded_ahead"] == [0 if defer else separate] * steps
     assert got["fold_calls"] == [n] * len(got["losses"])  # once per call, none missed
+    # deferred: no optimizer-side gradient buffer is ever allocated
+    assert (got["buffers"], expected["buffers"]) == (0 if defer else separate, separate)
 
 
 @pytest.fixture(autouse=True)
@@ -121,30 +146,43 @@ def _c_library() -> None:
     assert eo.get_isa() != _native.TORCH_FALLBACK
 
 
-def _with_and_without(mode: str, on: bool | str = True, **train_kwargs: Any) -> list[Any]:
-    """`_train` of the same `MODES[mode]` model with the kernel (`on`) and without it."""
+def _with_and_without(
+    mode: str, on: bool | str = True, *, defer: bool = True, **train_kwargs: Any
+) -> list[Any]:
+    """`_train` of the same `MODES[mode]` model with the kernel (`on`) and deferred copies
+    (`defer`), and with neither."""
     dtype, rp_kwargs, adam_kwargs = MODES[mode]
     base = _model(dtype)
     return [
         _train(
-            copy.deepcopy(base), fold_ahead=f, adam_kwargs=adam_kwargs, **rp_kwargs, **train_kwargs
+            copy.deepcopy(base),
+            fold_ahead=f,
+            defer=d,
+            adam_kwargs=adam_kwargs,
+            **rp_kwargs,
+            **train_kwargs,
         )
-        for f in (on, False)
+        for f, d in ((on, defer), (False, False))
     ]
 
 
-def check_equal_to_the_fold_in_the_step(mode: str, **train_kwargs: Any) -> None:
+def check_equal_to_the_fold_in_the_step(
+    mode: str, *, defer: bool = True, **train_kwargs: Any
+) -> None:
     """Train `MODES[mode]` with the kernel and without; the same bits, the fast path taken
     (also run by tests/gpu/test_fold_ahead_gpu.py)."""
     _native.load()
-    runs = _with_and_without(mode, **train_kwargs)
+    runs = _with_and_without(mode, defer=defer, **train_kwargs)
     _assert_same(*runs)
-    _assert_fast_path(*runs, mode)
+    _assert_fast_path(*runs, mode, defer=defer)
 
 
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "copied"])
 @pytest.mark.parametrize("mode", ["fp32", "fp32-masters", "12-byte", "compact"])
-def test_staleness_zero_with_clip_equals_the_fold_in_the_step(cpu3: int, mode: str) -> None:
-    check_equal_to_the_fold_in_the_step(mode, step_staleness=0)
+def test_staleness_zero_with_clip_equals_the_fold_in_the_step(
+    cpu3: int, mode: str, defer: bool
+) -> None:
+    check_equal_to_the_fold_in_the_step(mode, defer=defer, step_staleness=0)
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
@@ -160,23 +198,31 @@ def test_a_later_call_without_the_kernel_makes_the_copy_stale(cpu3: int) -> None
     got, expected = _with_and_without("fp32-masters", "first", calls_per_step=2)
     _assert_same(got, expected)
     assert got["folded_ahead"] == [0] * 3 and got["kept"] == [0] * 3
+    assert got["deferred"] == [got["trainable"]] * 3  # the download is the gradient still
     assert got["fold_calls"] == [got["trainable"]] * 4  # steps' first calls and the last
 
 
 def test_lora_and_a_step_fn_that_scales_the_gradients(cpu3: int) -> None:
     """LoRA (only the adapters trainable); the step_fn halves every gradient before the
-    norm: no kept sum holds then, and the norm is summed again in the step."""
+    norm: no kept sum holds then, and the norm is summed again in the step. Reading `.grad`
+    makes the deferred copies in the first step; from the second on every copy is made while
+    the backward runs again (ParamAttribute.defer_copy), as without deferring."""
     base = _model(torch.float32, lora=True)
     for scale in (False, True):
         got, expected = (
-            _train(copy.deepcopy(base), fold_ahead=on, scale_grads=scale, step_staleness=0)
+            _train(
+                copy.deepcopy(base), fold_ahead=on, defer=on, scale_grads=scale, step_staleness=0
+            )
             for on in (True, False)
         )
         _assert_same(got, expected)
         n = got["trainable"]
         assert 0 < n < sum(1 for _ in base.parameters())
         assert got["kept"] == [0 if scale else n] * 3
-        assert got["folded_ahead"] == [n] * 3
+        if scale:
+            assert (got["deferred"], got["folded_ahead"]) == ([n, 0, 0], [0, n, n])
+        else:
+            assert (got["deferred"], got["folded_ahead"]) == ([n] * 3, [0] * 3)
 
 
 def test_tied_weight_on_three_devices(cpu3: int) -> None:
@@ -186,13 +232,16 @@ def test_tied_weight_on_three_devices(cpu3: int) -> None:
 
 
 def check_tied_weight() -> None:
-    """The tied tiny Qwen3 with the kernel and without: the same losses, clip norms and
-    weights; every copy taken (also run by tests/gpu/test_fold_ahead_gpu.py)."""
+    """The tied tiny Qwen3 with the kernel and deferred copies, and with neither: the same
+    losses, clip norms and weights; every gradient handed over deferred (also run by
+    tests/gpu/test_fold_ahead_gpu.py)."""
     _native.load()
     results = []
     for on in (True, False):
         model, rp = tied_qwen3_roundpipe(torch.bfloat16, step_staleness=0)
         object.__setattr__(rp, "_fold_ahead", on)
+        if not on:
+            copy_every_gradient(rp)
         params = list(rp.optim_parameters())
         opt = eo.Adam(params, lr=1e-2)
         norms: list[float] = []
@@ -209,14 +258,14 @@ def check_tied_weight() -> None:
             losses.append(float(_lm_call(rp, ids)))
             rp.step(step_fn)
         rp.synchronize()
-        phases = [p["folded_ahead"] for p in rp.step_phases]
+        phases = [(p["deferred"], p["folded_ahead"]) for p in rp.step_phases]
         weights = [_bits(p) for p in model.parameters()]
         results.append((losses, norms, weights, phases, len(params)))
         rp.close()
     (losses, norms, weights, phases, n), (losses0, norms0, weights0, _, _) = results
     assert losses == losses0 and norms == norms0
     assert all(torch.equal(a, b) for a, b in zip(weights, weights0, strict=True))
-    assert phases == [n] * 3
+    assert phases == [(n, 0)] * 3
 
 
 def _lm_call(rp: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -235,13 +284,14 @@ GATED_PLAN = ModelExecutePlan.from_ranges(
 )
 
 
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "copied"])
 def test_no_gradient_is_copied_before_its_download_lands(
-    cpu3: int, monkeypatch: pytest.MonkeyPatch
+    cpu3: int, monkeypatch: pytest.MonkeyPatch, defer: bool
 ) -> None:
     """The second call of a step (accumulating) holds its last backward job (layers 0-2)
-    until the fold kernel has copied every later layer's gradient and stopped: each copy
-    it made must have seen its buffer's final version (the download had landed), and each
-    trainable gradient is copied once a call."""
+    until the fold kernel has summed (and, not deferring, copied) every later layer's
+    gradient and stopped: each it took must have seen its buffer's final version (the
+    download had landed), and each trainable gradient is taken once a call."""
     import engine.roundpipe
 
     gate = threading.Event()
@@ -276,6 +326,8 @@ def test_no_gradient_is_copied_before_its_download_lands(
         pin_model="off",
         step_staleness=0,
     )
+    if not defer:
+        copy_every_gradient(rp)
     owned = rp._params_by_owner()
     later[0] = sum(pa.optim is not None for params in owned[3:] for _, pa in params)
     n = _trainable(rp)
@@ -289,10 +341,13 @@ def test_no_gradient_is_copied_before_its_download_lands(
     assert len(seen) == n and len({id(pa) for pa, _ in seen}) == n
     for pa, version in seen:
         assert pa.grad_host is not None and version == pa.grad_host._version
+        # deferring, the sum is kept with the download (the copy's, else)
+        summed = pa.grad_host if defer else pa.optim_grad_buffer
+        assert summed is not None and _sumsq.kept(summed) is not None
     opt = eo.Adam(list(rp.optim_parameters()), lr=1e-2)
     rp.step(lambda: (opt.step(), opt.zero_grad()))
     rp.synchronize()
-    assert rp.step_phases[-1]["folded_ahead"] == n
+    assert rp.step_phases[-1]["deferred" if defer else "folded_ahead"] == n
     rp.close()
 
 

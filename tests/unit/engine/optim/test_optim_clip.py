@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import engine.optim as eo
+from engine.optim import _sumsq
 
 ISAS = eo.available_isas()
 
@@ -107,6 +109,34 @@ def test_norm_of_half_gradients_equals_the_norm_of_their_fp32_values(grad_dtype)
     params = _params(grad_dtype)
     widened = _twins(params)
     assert torch.equal(eo.Adam(params).grad_norm(), eo.Adam(widened).grad_norm())
+
+
+def _chained_sumsq(g: torch.Tensor) -> float:
+    """The documented sum (csrc/adam.h, rp_grad_sumsq) in numpy: per chunk of 2**18
+    elements, element i's square in double added in order to running sum i % 4, the four
+    added as (s0 + s1) + (s2 + s3); the chunks' sums added in order."""
+    x = g.detach().float().reshape(-1).double().numpy()
+    total = 0.0
+    for lo in range(0, x.size, 1 << 18):
+        chunk = x[lo : lo + (1 << 18)]
+        s = [float(np.add.accumulate(chunk[k::4] ** 2)[-1]) if chunk[k::4].size else 0.0
+             for k in range(4)]  # fmt: skip
+        total += (s[0] + s[1]) + (s[2] + s[3])
+    return total
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sums_of_squares_are_the_documented_chains_on_every_isa(grad_dtype):
+    """Each ISA path's per-tensor sums (the vector ones widen a half gradient in registers)
+    equal the documented order's to the bit, and a half gradient's sum is its fp32 copy's."""
+    torch.manual_seed(1)
+    grads = [(torch.randn(n) * 3).to(grad_dtype) for n in (1, 3, 17, 1000003, 3 * (1 << 18) + 5)]
+    grads.append(torch.tensor([0.0, -0.0, 65504.0, 1e-7], dtype=grad_dtype))  # fp16 edges
+    expected = [_chained_sumsq(g) for g in grads]
+    for isa in ISAS:
+        eo.set_isa(isa)
+        assert _sumsq.per_tensor(grads) == expected, isa
+        assert _sumsq.per_tensor([g.float() for g in grads]) == expected, isa
 
 
 def test_without_gradients_the_norm_is_zero_and_the_step_does_nothing():
