@@ -34,6 +34,7 @@ from rp_service.worker.streamed_generation import (
     streamed_device_bytes,
 )
 from tests import tiny_models
+from tests.unit.engine.adapters.test_nf4 import LLAMA_70B
 from tests.unit.engine.conftest import use_devices
 from tests.unit.rp_service.test_generation import (
     GROUPS,
@@ -213,16 +214,8 @@ def _llama_70b_on_meta() -> nn.Module:
     """Llama-3-70B's shape in bf16, on the meta device (sizes only, no memory)."""
     import transformers
 
-    config = transformers.LlamaConfig(
-        hidden_size=8192,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=28672,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    )
+    sizes = {k: v for k, v in LLAMA_70B.items() if k != "model_type"}
+    config = transformers.LlamaConfig(**sizes, tie_word_embeddings=False)
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
