@@ -128,6 +128,16 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """One line on stderr with the seconds since the run began."""
+    print(
+        f"[grpo bench {time.perf_counter() - _START:7.1f} s] {message}", file=sys.stderr, flush=True
+    )
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -172,12 +182,14 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     from rp_service.worker.sampling import top_p_draw
     from rp_service.worker.streamed_generation import StreamedRolloutSampler
 
+    progress(f"engine: building {args.model} (random weights) and wrapping it")
     rp, opt = _wrap(args, nf4=args.nf4)
     model = rp.rp_unwrap()[1]  # the HF model: the sampler copies its modules
     rows = args.prompts * args.group
     sampler = make_sampler(
         model, rows=rows, tokens=args.seq_len, streamed_only=args.sampler == "streamed"
     )
+    progress(f"engine: wrapped; sampler {type(sampler).__name__}")
     if sampler is None:
         return {"run": "engine", "error": "neither the model nor its streamed layers fit"}
     streamed = isinstance(sampler, StreamedRolloutSampler)
@@ -234,6 +246,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         t3 = time.perf_counter()
         tokens = sum(len(s.ids) for s in samples)
         phases.append({"step": t3 - t0, "sampling": t1 - t0, "grading": t2 - t1, "tokens": tokens})
+        progress(
+            f"engine: step {step}: {t3 - t0:.1f} s (sampling {t1 - t0:.1f} s, "
+            f"grading {t2 - t1:.2f} s, {tokens} completion tokens)"
+        )
     rp.synchronize()
     out = _summary(args, "engine", phases)
     out["sampler_placement"] = (
@@ -258,6 +274,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         return {"run": "trl", "error": f"not installed here: {exc}"}
     from transformers import TrainerCallback
 
+    progress(f"trl: building {args.model} (random weights) on the GPU")
     model = build_model(args, nf4=False).to(_device())
     tokenizer = word_tokenizer(model.config.vocab_size)
     model.config.pad_token_id = model.config.eos_token_id = 0
@@ -290,6 +307,10 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             _sync()
             phases[-1]["step"] = time.perf_counter() - phases[-1]["start"]
+            progress(
+                f"trl: step {len(phases)}: {phases[-1]['step']:.1f} s "
+                f"(sampling {phases[-1]['sampling']:.1f} s)"
+            )
 
     config = trl.GRPOConfig(
         output_dir="/tmp/bench-grpo-trl",
@@ -329,10 +350,13 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
 
 def _child(args: argparse.Namespace, run: str, argv: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--run", run]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    # The child's stderr (its progress lines, a traceback) goes straight to ours: a run cut
+    # short by a device call's time limit still shows how far it got (session 24: an 8B
+    # engine run printed nothing in 280 s).
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"run": run, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+        return {"run": run, "error": f"exit {proc.returncode} (its stderr is above)"}
     return json.loads(lines[-1])
 
 

@@ -153,6 +153,18 @@ def _collective(what: str, rank: int, world: int, timeout_s: float) -> Iterator[
         ) from exc
 
 
+def _bulk_backend(backend: str) -> str:
+    """The one backend of the gradient and weight group, from the caller's group's.
+
+    `init_process_group()` without a backend (rp_service.cluster.rank, as torchrun users
+    write it) gives torch's per-device pair, "cpu:gloo,cuda:nccl": the bulk group then
+    takes NCCL where this rank computes on GPUs and gloo where it does not (a group built
+    from the pair kept no CPU backend for the start-up broadcast on torch 2.11)."""
+    if backend == "nccl" or "nccl" not in backend:
+        return backend
+    return "nccl" if any(d.is_cuda for d in get_devices()) else "gloo"
+
+
 def _group_timeout(group: Any) -> datetime.timedelta:
     """The user's group timeout, where torch lets us read it (else DEFAULT_TIMEOUT_S)."""
     for device in ("cpu", "cuda"):
@@ -310,7 +322,7 @@ class DataParallel:
         ranks = dist.get_process_group_ranks(group)
         timeout = _group_timeout(group)
         self.timeout_s = timeout.total_seconds()
-        backend = str(dist.get_backend(group))
+        backend = _bulk_backend(str(dist.get_backend(group)))
         # Every process of the default group must come here: new_group is collective.
         self.control = dist.new_group(ranks, backend="gloo", timeout=timeout)
         self.bulk = dist.new_group(ranks, backend=backend, timeout=timeout)

@@ -71,7 +71,11 @@ class Daemon:
             "RP_GPUS": "none",
             "RP_WORKER_MODULE": "fake_worker",
             "RP_LOG_LEVEL": "info",
-            "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)]),
+            # the caller's path after ours: packages installed outside site-packages (the GPU
+            # machine's carried wheels) must reach the daemon too
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(HERE), str(REPO), os.environ.get("PYTHONPATH")) if p
+            ),
             **self.env,
         }
         log = self.log_path.open("ab")

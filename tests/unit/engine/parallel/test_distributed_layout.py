@@ -10,6 +10,7 @@ from torch import nn
 from engine.errors import ConfigError
 from engine.parallel.data_parallel import (
     AUTO_GROUP,
+    _bulk_backend,
     _LayerLayout,
     _piece_shape,
     resolve_process_group,
@@ -66,3 +67,26 @@ def test_single_process_without_a_group() -> None:
     assert resolve_process_group(None) is None
     with pytest.raises(ConfigError, match="init_process_group"):
         resolve_process_group(object())
+
+
+@pytest.mark.parametrize(
+    ("group", "gpus", "bulk"),
+    [
+        ("nccl", True, "nccl"),
+        ("gloo", True, "gloo"),
+        ("gloo", False, "gloo"),
+        # init_process_group() without a backend on a CUDA build (the multi-node rank)
+        ("cpu:gloo,cuda:nccl", True, "nccl"),
+        ("cpu:gloo,cuda:nccl", False, "gloo"),
+    ],
+)
+def test_the_bulk_group_takes_one_backend(
+    monkeypatch: pytest.MonkeyPatch, group: str, gpus: bool, bulk: str
+) -> None:
+    from types import SimpleNamespace
+
+    from engine.parallel import data_parallel
+
+    devices = [SimpleNamespace(is_cuda=gpus)]
+    monkeypatch.setattr(data_parallel, "get_devices", lambda: devices)
+    assert _bulk_backend(group) == bulk
