@@ -6,7 +6,8 @@
 #   layer          bench/fp8_layer.py: one compiled 1.7B decoder layer, forward and backward
 #                  (recompute + gradients) per precision, and a per-kernel torch.profiler
 #                  table of its backward: GEMMs, fused casts, attention, the rest  (~1.5 min)
-#   1.7b           Qwen3-1.7B full fine-tune: bf16, fp8 rowwise, fp8 tensorwise   (~3 min)
+#   1.7b           Qwen3-1.7B full fine-tune: bf16, fp8 rowwise, fp8 tensorwise,
+#                  fp8 rowwise_with_gw_hp (the weight gradient in bf16)          (~4 min)
 #   8b             Qwen3-8B full fine-tune, 12-byte mode: bf16, fp8 rowwise       (~1.5 min)
 #   8b-lora        Qwen3-8B LoRA: bf16, fp8 rowwise                               (~1.5 min)
 # The 8B runs keep the first LAYERS8B (12) of the 36 decoder layers to fit the call: the
@@ -35,6 +36,7 @@ T=(python3 bench/train.py --dtype bfloat16 --warmup 2 --steps 3)
 BF16=(--matmul-precision bf16)
 ROW=(--matmul-precision fp8 --fp8-recipe rowwise)
 TENSOR=(--matmul-precision fp8 --fp8-recipe tensorwise)
+GWHP=(--matmul-precision fp8 --fp8-recipe rowwise_with_gw_hp)
 LEAN=(--optim-state-dtype bfloat16 --optim-grad-dtype model --pin-model arena --recompute-attention)
 
 if has micro; then
@@ -48,6 +50,7 @@ if has 1.7b; then
     run 1.7b-bf16 150 "${T[@]}" "${A[@]}" "${BF16[@]}"
     run 1.7b-rowwise 150 "${T[@]}" "${A[@]}" "${ROW[@]}"
     run 1.7b-tensorwise 150 "${T[@]}" "${A[@]}" "${TENSOR[@]}"
+    run 1.7b-gwhp 150 "${T[@]}" "${A[@]}" "${GWHP[@]}"
 fi
 if has 8b; then
     A=(--model qwen3-8b --layers "$LAYERS8B" --seqs-per-step 32 "${LEAN[@]}")

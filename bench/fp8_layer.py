@@ -3,8 +3,8 @@ with a per-kernel profile of its backward (issue 49: where FP8's backward time g
 
 The layer runs as the engine runs it: through `_layer_calls._compiled_decoder_call`, the
 forward without grad, then the backward as the recompute (the forward again, under grad)
-and autograd's backward of it. For each precision (bf16, FP8 rowwise, FP8 tensorwise) one
-JSON line:
+and autograd's backward of it. For each precision (bf16, FP8 rowwise, tensorwise and
+rowwise_with_gw_hp) one JSON line:
 
     fp8_layer           forward_ms, backward_ms (recompute + gradients): CUDA-event
                         medians over --iters calls
@@ -42,7 +42,7 @@ from bench.shapes import SHAPES, build_model
 from engine.accel.fp8 import convert_linears
 from engine.models._layer_calls import _compiled_decoder_call, _decoder_call
 
-PRECISIONS = ("bf16", "rowwise", "tensorwise")
+PRECISIONS = ("bf16", "rowwise", "tensorwise", "rowwise_with_gw_hp")
 # Kernel-name fragments, tried in this order: the first that matches names the category.
 CATEGORIES = (
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa", "mha")),

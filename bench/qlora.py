@@ -108,7 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="RoundPipe's matmul_precision: fp8 multiplies the decoded base in float8 "
         "(engine.accel.fp8; the adapters stay bf16)",
     )
-    p.add_argument("--fp8-recipe", choices=["rowwise", "tensorwise"], default="rowwise")
+    p.add_argument(
+        "--fp8-recipe",
+        choices=["rowwise", "tensorwise", "rowwise_with_gw_hp"],
+        default="rowwise",
+    )
     args = p.parse_args(argv)
     if args.tiny and args.matmul_precision == "fp8":
         p.error("--tiny runs an fp32 model; --matmul-precision fp8 needs the bf16 shapes")

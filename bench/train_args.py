@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     )
     p.add_argument(
         "--fp8-recipe",
-        choices=["rowwise", "tensorwise"],
+        choices=["rowwise", "tensorwise", "rowwise_with_gw_hp"],
         default="rowwise",
         help="RoundPipe's fp8_recipe (with --matmul-precision fp8)",
     )

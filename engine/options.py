@@ -49,9 +49,10 @@ Quantization = Literal["none", "nf4"]
 # "fp8": the decoder's linear layers multiply in float8 (engine.accel.fp8); "bf16": in the
 # model's own dtype.
 MatmulPrecision = Literal["bf16", "fp8"]
-# How FP8 operands are scaled: a scale per row (every operand e4m3) or per tensor (the
-# output gradient e5m2); torchao's recipes of those names.
-Fp8Recipe = Literal["rowwise", "tensorwise"]
+# How FP8 operands are scaled: a scale per row (every operand e4m3), per tensor (the
+# output gradient e5m2), or per row with the weight gradient left in bf16 (its two casts
+# along the tokens, the backward's costliest, skipped); torchao's recipes of those names.
+Fp8Recipe = Literal["rowwise", "tensorwise", "rowwise_with_gw_hp"]
 # CUDA compute capability from which GPUs multiply float8 in hardware (Ada, Hopper, newer).
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -131,7 +132,8 @@ class EngineOptions:
         matmul_precision: RoundPipe's matmul_precision: 'bf16', or 'fp8' (the decoder's
             linear layers in float8; needs model_dtype bfloat16 and, to be fast, GPUs of
             compute capability >= 8.9, which the caller checks: it knows the devices).
-        fp8_recipe: RoundPipe's fp8_recipe: 'rowwise' or 'tensorwise' (with 'fp8' only).
+        fp8_recipe: RoundPipe's fp8_recipe: 'rowwise', 'tensorwise' or
+            'rowwise_with_gw_hp' (with 'fp8' only).
         names: How a caller calls each option in messages and in `ConfigError.field`
             (e.g. {'num_microbatch': 'engine.num_microbatch'}); unnamed options keep
             their own name. Not compared.

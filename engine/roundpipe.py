@@ -177,8 +177,9 @@ class RoundPipe(RoundPipeBase):
             multiplies bf16 inputs in float8, forward and backward, with scales from each
             operand's amax (engine.accel.fp8); needs a bf16 model, and GPUs of compute
             capability >= 8.9 to be faster (CPU devices emulate it, for tests).
-        fp8_recipe: With 'fp8': 'rowwise' (default; a scale per row, all e4m3) or
-            'tensorwise' (a scale per tensor, gradients e5m2). docs/PERFORMANCE.md ("FP8").
+        fp8_recipe: With 'fp8': 'rowwise' (default; a scale per row, all e4m3),
+            'tensorwise' (a scale per tensor, gradients e5m2) or 'rowwise_with_gw_hp'
+            (rowwise, the weight gradient's matmul in bf16). docs/PERFORMANCE.md ("FP8").
     """
 
     def __init__(

@@ -388,8 +388,9 @@ class EngineSection(_Section):
     )
     fp8_recipe: Fp8Recipe = Field(
         "rowwise",
-        description="With matmul_precision fp8: rowwise (a scale per row, all e4m3) or "
-        "tensorwise (a scale per tensor, gradients e5m2).",
+        description="With matmul_precision fp8: rowwise (a scale per row, all e4m3), "
+        "tensorwise (a scale per tensor, gradients e5m2) or rowwise_with_gw_hp (rowwise, "
+        "the weight gradient's matmul in bf16).",
     )
 
 

@@ -299,7 +299,7 @@ class EngineSection(_Model):
     step_staleness: int | None = None  # 0 (default) | 1: docs/HOST_MEMORY_MODES.md, "Staleness"
     max_gpu_memory_gib: float | None = None  # GiB a GPU the job may use (docs/API.md)
     matmul_precision: str | None = None  # bf16 | fp8 (docs/PERFORMANCE.md, "FP8")
-    fp8_recipe: str | None = None  # rowwise | tensorwise
+    fp8_recipe: str | None = None  # rowwise | tensorwise | rowwise_with_gw_hp
 
 
 class LoraSection(_Model):

@@ -58,6 +58,7 @@ pytestmark = [
     pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU of compute capability >= 8.9"),
 ]
 
+RECIPES = ["rowwise", "tensorwise", "rowwise_with_gw_hp"]
 SIZES: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 256,
@@ -120,7 +121,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_layers_equal_the_fp8_reference(
     cuda_devices: int, math_attention: None, deterministic_inductor: None, recipe: str
 ) -> None:
@@ -162,7 +163,7 @@ def test_fp8_layers_equal_the_fp8_reference(
             assert off < 0.5 * _rel(bf16[name], ref[name]), name
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_the_compiled_fp8_linear_equals_eager_bit_for_bit(cuda_devices: int, recipe: str) -> None:
     """Inductor's Triton casts against eager PyTorch's (equal on the CPU: docs/FP8.md): the
     engine's compiled layers and bench/fp8_matmul.py's eager casts compute the same FP8."""
@@ -183,7 +184,7 @@ def test_the_compiled_fp8_linear_equals_eager_bit_for_bit(cuda_devices: int, rec
         assert torch.equal(eager, inductor), name
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_a_preset_trains_in_fp8_within_3_percent_of_bf16(cuda_devices: int, recipe: str) -> None:
     runs = {}
     for precision in ("bf16", "fp8"):

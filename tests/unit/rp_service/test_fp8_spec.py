@@ -53,6 +53,10 @@ def test_the_field_reaches_roundpipe(monkeypatch: pytest.MonkeyPatch) -> None:
     for spec, want in (
         (JobSpec.model_validate(_spec()), ("bf16", "rowwise")),
         (_fp8_spec(engine={"fp8_recipe": "tensorwise"}), ("fp8", "tensorwise")),
+        (
+            _fp8_spec(engine={"fp8_recipe": "rowwise_with_gw_hp"}),
+            ("fp8", "rowwise_with_gw_hp"),
+        ),
     ):
         options = spec_to_engine(spec)
         assert (options.matmul_precision, options.fp8_recipe) == want
