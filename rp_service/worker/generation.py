@@ -17,15 +17,15 @@ trainer's own log-probabilities, never the sampler's.
 
 Why a decode loop here and not transformers' `generate` (which chat serving uses,
 `serving/process.py`): `generate` draws on the device from torch's global generator and
-keeps finished rows in the batch; rollouts must draw on the host from the job's seeded
+keeps finished rows in the batch; rollouts must draw with the job's seeded host
 generator over the active rows only, or a resumed job and the engine path would draw
 other tokens. The cache itself is transformers'. Decoding is eager: serving's static
 cache and compiled step are a possible speed-up, not used yet.
 
 Tokens are chosen exactly as `sampling._complete` chooses them: greedy on the device, or
-`draw` over the active rows' fp32 logits on the host from the caller's seeded generator,
-so a resumed job draws the same tokens, and the two paths give the same rows for the same
-logits (tests/unit/rp_service/test_generation.py checks it token for token). A row leaves
+`draw` over the active rows' fp32 logits (on the device; one number a row from the
+caller's seeded host generator, `sampling.top_p_draw`), so a resumed job draws the same
+tokens, and the two paths give the same rows for the same logits (tests/unit/rp_service/test_generation.py checks it token for token). A row leaves
 the batch (and the cache) at a stop id, at the token limit or at the model's positions.
 
 Placement (`placement`): the copy and the largest KV cache must fit in the device's memory
@@ -316,7 +316,7 @@ class RolloutSampler:
         logits = self._logits(ids, mask, positions, cache)
         next_pos = positions[:, -1:] + 1
         while True:
-            chosen = logits.argmax(dim=-1) if draw is None else draw(logits.float().cpu())
+            chosen = logits.argmax(dim=-1) if draw is None else draw(logits.float())
             keep: list[int] = []
             for r, (i, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
                 if token in stop:

@@ -17,9 +17,9 @@ instead of its logits. Rows leave the batch at an end-of-text token, at the toke
 or when the sequence reaches the model's positions.
 
 Sampling (`sampled_completions`) brings back each row's last-position logits instead and
-draws on the host from a `torch.Generator` the caller seeds: the draw depends on the seed
-and the logits alone, not on the device, so a resumed job that seeds the same generator
-draws the same tokens. The whole batch (every prompt's group) goes through each forward.
+draws from them with one random number a row taken from a `torch.Generator` on the host
+that the caller seeds (`top_p_draw`): a resumed job that seeds the same generator draws the
+same tokens. The whole batch (every prompt's group) goes through each forward.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def stop_ids(tokenizer: JobTokenizer, generation_config: Any = None) -> set[int]
 
 
 Draw = Callable[[Tensor], Tensor]
-"""Next ids (rows,) from the last-position logits (rows, vocab), fp32 on the host."""
+"""Next ids (rows,) from the last-position logits (rows, vocab), fp32, on their device."""
 
 
 def _next_ids(
@@ -131,16 +131,34 @@ def greedy_completions(rp: Any, prompts: Sequence[Sequence[int]], **limits: Any)
 
 def top_p_draw(*, temperature: float, top_p: float, generator: torch.Generator) -> Draw:
     """A `Draw` sampling softmax(logits / temperature) cut to its top-p nucleus (the
-    smallest set of most likely tokens whose mass reaches `top_p`; at least one)."""
+    smallest set of most likely tokens whose mass reaches `top_p`; at least one).
+
+    Inverse-CDF sampling: one uniform number a row from `generator` (a host generator, so
+    the numbers depend on the seed alone), the rest where the logits are, in float64: the
+    token whose share of the nucleus's cumulative mass first exceeds that number. A GPU
+    sampler so draws in a few kernels a token; bringing (rows, vocab) logits to the host
+    and drawing there (as `torch.multinomial` on the host did) took most of a decode step
+    at GRPO's batch (256 rows x 152k tokens: 39M doubles a token). Devices round float64
+    alike to within an ulp or two, so the same logits on a CPU and a GPU draw the same
+    token unless the number falls within ~1e-15 of a boundary between two tokens' shares.
+    """
 
     def draw(logits: Tensor) -> Tensor:
+        u = torch.rand(logits.shape[0], 1, generator=generator, dtype=torch.float64)
         probs = torch.softmax(logits.double() / temperature, dim=-1)
         if top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ahead of each
             sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+            # back in vocabulary order: the cumulative mass below must not depend on how
+            # two near-equal probabilities sorted (logits a rounding apart would swap them)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        cdf = probs.cumsum(dim=-1)
+        # the first token whose cumulative mass exceeds u x (the kept mass): a zero-mass
+        # token never does (its cumulative mass equals the one before it)
+        target = u.to(cdf.device) * cdf[:, -1:]
+        picked = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+        return picked.squeeze(-1)
 
     return draw
 
