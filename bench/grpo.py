@@ -35,7 +35,8 @@ Each run goes in its own subprocess (`--run`), so the host and GPU peaks are its
 Fields: `step_s` (mean over the measured steps), `sampling_s`, `grading_s`, `training_s`
 (the rest of the step), `rollout_tokens_per_s` (completion tokens / sampling seconds),
 `steps_per_hour`, `gpu_peak_gib` (allocated), `gpu_reserved_gib` and `host_peak_gib`
-(RSS); the engine run adds `sampler_placement` and, streamed, `sampler_device_gib` (the
+(RSS); the engine run adds `sampler_placement` (resident, per_step, packed or streamed) and,
+streamed or packed, `sampler_device_gib` (the
 weights it holds at most), `uploaded_gib` (a step's layer uploads) and `upload_gb_per_s`
 (those over the sampling time: the host link's rate, what a streamed decode step waits on). trl is a dev extra here; on the device machine it may be missing: the run's line
 then says so (carry the wheel: docs/RL.md, "The benchmark").
@@ -252,9 +253,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         )
     rp.synchronize()
     out = _summary(args, "engine", phases)
-    out["sampler_placement"] = (
-        "streamed" if streamed else "resident" if sampler.keep else "per_step"
-    )
+    if streamed:
+        out["sampler_placement"] = "packed" if sampler.packed_resident else "streamed"
+    else:
+        out["sampler_placement"] = "resident" if sampler.keep else "per_step"
     out["nf4"] = args.nf4
     if streamed:
         measured = max(args.steps, 1)

@@ -497,9 +497,10 @@ class GrpoSection(_Section):
         "auto",
         description="How rollouts are generated: auto, with a KV cache on a copy of the "
         "model on the first GPU where it fits, else with a KV cache there and the decoder "
-        "layers streamed from host memory at every token where those fit, else through "
-        "the engine; streamed, the streamed way even where the copy fits (else the "
-        "engine); engine, always through the engine's forward (no KV cache, no copy).",
+        "layers kept packed on it (a frozen NF4 base) or streamed from host memory at "
+        "every token where those fit, else through the engine; streamed, the streamed "
+        "way even where the copy fits (else the engine); engine, always through the "
+        "engine's forward (no KV cache, no copy).",
     )
 
 

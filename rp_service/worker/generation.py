@@ -32,13 +32,15 @@ Placement (`placement`): the copy and the largest KV cache must fit in the devic
 (the GPU memory cap where one is set) beside what the process already holds. The copy
 stays on the device between steps when the copy and the KV cache take at most half of that
 memory; else it is dropped after each step's rollouts (and uploaded again at the next), so
-the trainer has the device to itself while it trains. Where the copy does not fit, the
-decoder layers are streamed from host memory at every token (`streamed_generation`: the
-same decode loop, a layer's upload each forward instead of a copy) if the modules outside
-the layers, two layers and the KV cache fit; else no sampler (the job samples through the
-engine, `sampling`). The order is the cost's: a resident copy uploads nothing per token,
-the streamed one the layers' bytes, the engine those plus a forward over the whole
-sequence.
+the trainer has the device to itself while it trains. Where the copy does not fit but the
+layers' weights are frozen NF4 whose packed bytes fit, they are kept packed on the device
+and decoded at every forward ("packed", `streamed_generation`). Else the decoder layers are
+streamed from host memory at every token (`streamed_generation`: the same decode loop, a
+layer's upload each forward instead of a copy) if the modules outside the layers, two
+layers and the KV cache fit; else no sampler (the job samples through the engine,
+`sampling`). The order is the cost's: a resident copy uploads nothing per token, the
+packed one decodes the layers, the streamed one uploads the layers' bytes, the engine those
+plus a forward over the whole sequence.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ __all__ = ["Placement", "RolloutSampler", "kv_cache_bytes", "make_sampler", "pla
 
 log = logging.getLogger(__name__)
 
-Placement = Literal["resident", "per_step", "streamed", "none"]
+Placement = Literal["resident", "per_step", "packed", "streamed", "none"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,16 +98,21 @@ def placement(
     usable: int,
     held: int,
     streamed_bytes: int | None = None,
+    packed_bytes: int | None = None,
     streamed_only: bool = False,
 ) -> Placement:
     """Where the sampler's weights live (see the module doc): `usable` is the device's
     memory (its cap), `held` what this process holds there already, `streamed_bytes` what a
     streamed sampler holds (`streamed_generation.streamed_device_bytes`; None: it cannot
-    stream this model). `streamed_only` passes over the full copy."""
+    stream this model), `packed_bytes` what one that keeps the layers packed on the device
+    holds (`packed_device_bytes`; None: not offered). `streamed_only` passes over the full
+    copy and the packed layers: every layer comes over the host link at every forward."""
     free = usable - held
     need = model_bytes + kv_bytes
     if not streamed_only and need <= free:
         return "resident" if need <= usable // 2 else "per_step"
+    if not streamed_only and packed_bytes is not None and packed_bytes + kv_bytes <= free:
+        return "packed"
     if streamed_bytes is not None and streamed_bytes + kv_bytes <= free:
         return "streamed"
     return "none"
@@ -115,6 +122,9 @@ _WHY: dict[Placement, str] = {
     "resident": "the copy and the KV cache fit in half the device: kept between steps",
     "per_step": "the copy and the KV cache fit beside what the process holds: uploaded "
     "each step, dropped after its rollouts",
+    "packed": "the decoder layers' NF4 weights kept packed on the device (uploaded once a "
+    "step) and decoded two layers at a time at each token, beside the other modules and the "
+    "KV cache",
     "streamed": "the decoder layers streamed from host memory each token, two at a time "
     "beside the other modules and the KV cache",
     "none": "neither the copy nor the streamed layers and the KV cache fit: through the engine",
@@ -352,12 +362,17 @@ def make_sampler(
     streamed even where the copy fits (`grpo.generation: streamed`)."""
     from engine.device import device_memory_bytes, get_devices
 
-    from .streamed_generation import StreamedRolloutSampler, streamed_device_bytes
+    from .streamed_generation import (
+        StreamedRolloutSampler,
+        packed_device_bytes,
+        streamed_device_bytes,
+    )
 
     device = get_devices()[0].device
     dtype = model.get_input_embeddings().weight.dtype
     model_bytes = _param_bytes(model)
     streamed = streamed_device_bytes(model)
+    packed = packed_device_bytes(model)
     kv = kv_cache_bytes(model.config, rows=rows, tokens=tokens, dtype=dtype)
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     usable = device_memory_bytes(device)
@@ -367,16 +382,18 @@ def make_sampler(
         usable=usable,
         held=held,
         streamed_bytes=streamed,
+        packed_bytes=packed,
         streamed_only=streamed_only,
     )
     log.info(
-        "rollout sampler on %s: %s%s (model %.2f GiB, streamed %s GiB, KV cache %.2f GiB, "
-        "%.2f GiB free of %.2f GiB): %s",
+        "rollout sampler on %s: %s%s (model %.2f GiB, streamed %s GiB, packed %s GiB, "
+        "KV cache %.2f GiB, %.2f GiB free of %.2f GiB): %s",
         device,
         where,
         " (asked for streamed)" if streamed_only else "",
         model_bytes / (1 << 30),
         "-" if streamed is None else f"{streamed / (1 << 30):.2f}",
+        "-" if packed is None else f"{packed / (1 << 30):.2f}",
         kv / (1 << 30),
         (usable - held) / (1 << 30),
         usable / (1 << 30),
@@ -384,8 +401,9 @@ def make_sampler(
     )
     if where == "none":
         return None
-    if where == "streamed":
-        # The resident modules are dropped after each step's rollouts too: the trainer has
-        # the device to itself, and their upload is a small share of one decode step's.
-        return StreamedRolloutSampler(model, device, keep=False)
+    if where in ("streamed", "packed"):
+        # The resident modules (and the packed layers) are dropped after each step's
+        # rollouts too: the trainer has the device to itself, and their upload is a small
+        # share of a step's decoding.
+        return StreamedRolloutSampler(model, device, keep=False, packed_resident=where == "packed")
     return RolloutSampler(model, device, keep=where == "resident")

@@ -134,10 +134,16 @@ def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -
         assert held - torch.cuda.memory_allocated() >= sampler.model_bytes
 
 
-@pytest.mark.parametrize(("lora", "nf4"), [(False, False), (True, False), (True, True)])
-def test_the_streamed_sampler_equals_the_engines_rollouts_on_cuda(lora: bool, nf4: bool) -> None:
+@pytest.mark.parametrize(
+    ("lora", "nf4", "packed"),
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+)
+def test_the_streamed_sampler_equals_the_engines_rollouts_on_cuda(
+    lora: bool, nf4: bool, packed: bool
+) -> None:
     """Three layers streamed to the GPU at every forward (a side stream, NF4 decoded
-    there) draw the engine's uncached rollouts token for token."""
+    there), or kept packed there and decoded at every forward (`packed`), draw the engine's
+    uncached rollouts token for token."""
     from engine import wrap_model_to_roundpipe
     from rp_service.worker.sampling import top_p_draw
     from rp_service.worker.streamed_generation import StreamedRolloutSampler
@@ -149,7 +155,7 @@ def test_the_streamed_sampler_equals_the_engines_rollouts_on_cuda(lora: bool, nf
         model = _model(lora=lora, nf4=nf4)
         rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)  # pinned host weights
         want = _engine_rollouts(rp)
-        sampler = StreamedRolloutSampler(model, torch.device("cuda"))
+        sampler = StreamedRolloutSampler(model, torch.device("cuda"), packed_resident=packed)
         draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
         assert sampler.complete(GROUPS, stop={7}, draw=draw, **_limits()) == want
         sampler.step_done()

@@ -31,6 +31,7 @@ from rp_service.worker.sampling import (
 from rp_service.worker.streamed_generation import (
     StreamedRolloutSampler,
     decoder_layers,
+    packed_device_bytes,
     streamed_device_bytes,
 )
 from tests import tiny_models
@@ -125,6 +126,71 @@ def test_an_nf4_base_is_uploaded_packed_and_samples_as_the_engine_does() -> None
     )
     decoded = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
     assert streamed.uploaded_bytes == packed < decoded / 4
+
+
+def test_packed_layers_upload_once_and_sample_as_the_engine_does() -> None:
+    """Kept packed on the device (placement "packed"): the same rollouts as streaming and
+    the engine, the layers' packed bytes moved once for all a step's forwards, and nothing
+    kept after the step."""
+    model = _model(lora=True, nf4=True)
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    want = sampled_completions(
+        rp, GROUPS, stop={7}, num_microbatch=3, temperature=1.3, top_p=0.9, generator=gen,
+        **_limits(),
+    )  # fmt: skip
+    packed = StreamedRolloutSampler(model, CPU, packed_resident=True)
+    assert packed.complete(GROUPS, stop={7}, draw=_draw(), **_limits()) == want
+    layers = decoder_layers(model)
+    moved = sum(
+        t.numel() * t.element_size()
+        for layer in layers
+        for name, p in layer.named_parameters()
+        if "lora_" not in name
+        for t in host_tensors(p)
+    )
+    assert max(len(s.ids) for s in want) > 2  # several forwards, one upload
+    assert packed.uploaded_bytes == moved
+    assert packed.device_bytes == packed_device_bytes(model)
+    packed.step_done()
+    assert packed.model is None and not packed._resident
+    packed.complete(PROMPTS, stop=set(), draw=None, **_limits(max_new_tokens=3))
+    assert packed.uploaded_bytes == 2 * moved  # the next step uploads them again
+
+
+def test_packed_layers_are_offered_only_for_a_frozen_nf4_base() -> None:
+    nf4_lora = _model(lora=True, nf4=True)
+    got = packed_device_bytes(nf4_lora)
+    streamed = streamed_device_bytes(nf4_lora)
+    assert got is not None and streamed is not None
+    layers = decoder_layers(nf4_lora)
+    decoded = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    assert streamed < got < sum(p.numel() * p.element_size() for p in nf4_lora.parameters())
+    assert got - streamed < decoded / 3  # the packed layers: about a quarter of decoded
+    assert packed_device_bytes(_model(lora=True)) is None  # nothing packed: a copy is as small
+    full = _model(lora=False, nf4=True)
+    for p in full.parameters():
+        p.requires_grad_(True)  # full fine-tuning: the optimizer changes the layers
+    assert packed_device_bytes(full) is None
+
+
+def test_make_sampler_keeps_the_layers_packed_where_placement_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rp_service.worker import generation
+
+    asked: list[dict[str, object]] = []
+
+    def packed_placement(**kwargs: object) -> str:
+        asked.append(kwargs)
+        return "packed"
+
+    monkeypatch.setattr(generation, "placement", packed_placement)
+    model = _model(lora=True, nf4=True)
+    sampler = make_sampler(model, rows=8, tokens=POSITIONS)
+    assert isinstance(sampler, StreamedRolloutSampler)
+    assert sampler.packed_resident and not sampler.keep
+    assert asked[0]["packed_bytes"] == packed_device_bytes(model) is not None
 
 
 def test_at_most_two_layers_are_on_the_device_and_none_after_a_forward() -> None:
@@ -239,6 +305,12 @@ def test_placement_streams_what_does_not_fit_and_make_sampler_follows() -> None:
     assert placement(model_bytes=full, **{**args, "held": 115 * gib}) == "none"
     assert placement(model_bytes=16 * gib, **args) == "resident"
     assert placement(model_bytes=16 * gib, streamed_only=True, **args) == "streamed"
+    # a frozen NF4 base: its packed layers (~35 GB for 70B) kept on the device if they fit
+    packed = {**args, "packed_bytes": streamed + 33 * gib}
+    assert placement(model_bytes=full, **packed) == "packed"
+    assert placement(model_bytes=full, streamed_only=True, **packed) == "streamed"
+    assert placement(model_bytes=full, **{**packed, "held": 90 * gib}) == "streamed"
+    assert placement(model_bytes=16 * gib, **packed) == "resident"
 
     tiny = _model(lora=False)
     assert type(make_sampler(tiny, rows=64, tokens=POSITIONS)) is RolloutSampler
