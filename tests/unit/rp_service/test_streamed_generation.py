@@ -100,7 +100,9 @@ def test_streamed_rollouts_equal_the_engines_and_the_copys(lora: bool, sampled: 
     assert any(s.finish_reason == "length" for s in want)
 
 
-def test_an_nf4_base_is_uploaded_packed_and_samples_as_the_engine_does() -> None:
+def _nf4_lora_and_its_engine_rollouts() -> tuple[nn.Module, list[Sample]]:
+    """A LoRA model over an NF4 base, and the engine's sampled rollouts of GROUPS (stop 7,
+    `_draw`'s settings)."""
     model = _model(lora=True, nf4=True)
     rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
     gen = torch.Generator().manual_seed(11)
@@ -108,6 +110,23 @@ def test_an_nf4_base_is_uploaded_packed_and_samples_as_the_engine_does() -> None
         rp, GROUPS, stop={7}, num_microbatch=3, temperature=1.3, top_p=0.9, generator=gen,
         **_limits(),
     )  # fmt: skip
+    return model, want
+
+
+def _layers_host_bytes(model: nn.Module) -> int:
+    """Bytes the decoder layers' weights take as the host holds them (NF4: packed), the
+    adapters aside."""
+    return sum(
+        t.numel() * t.element_size()
+        for layer in decoder_layers(model)
+        for name, p in layer.named_parameters()
+        if "lora_" not in name
+        for t in host_tensors(p)
+    )
+
+
+def test_an_nf4_base_is_uploaded_packed_and_samples_as_the_engine_does() -> None:
+    model, want = _nf4_lora_and_its_engine_rollouts()
     streamed = StreamedRolloutSampler(model, CPU)
     assert streamed.complete(GROUPS, stop={7}, draw=_draw(), **_limits()) == want
     assert RolloutSampler(model, CPU).complete(GROUPS, stop={7}, draw=_draw(), **_limits()) == want
@@ -116,14 +135,8 @@ def test_an_nf4_base_is_uploaded_packed_and_samples_as_the_engine_does() -> None
     # them: the packed codes and absmax, not the decoded values; the adapters stay.
     streamed.uploaded_bytes = 0
     streamed.complete(PROMPTS, stop=set(), draw=None, **_limits(max_new_tokens=1))
+    packed = _layers_host_bytes(model)
     layers = decoder_layers(model)
-    packed = sum(
-        t.numel() * t.element_size()
-        for layer in layers
-        for name, p in layer.named_parameters()
-        if "lora_" not in name
-        for t in host_tensors(p)
-    )
     decoded = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
     assert streamed.uploaded_bytes == packed < decoded / 4
 
@@ -132,23 +145,10 @@ def test_packed_layers_upload_once_and_sample_as_the_engine_does() -> None:
     """Kept packed on the device (placement "packed"): the same rollouts as streaming and
     the engine, the layers' packed bytes moved once for all a step's forwards, and nothing
     kept after the step."""
-    model = _model(lora=True, nf4=True)
-    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
-    gen = torch.Generator().manual_seed(11)
-    want = sampled_completions(
-        rp, GROUPS, stop={7}, num_microbatch=3, temperature=1.3, top_p=0.9, generator=gen,
-        **_limits(),
-    )  # fmt: skip
+    model, want = _nf4_lora_and_its_engine_rollouts()
     packed = StreamedRolloutSampler(model, CPU, packed_resident=True)
     assert packed.complete(GROUPS, stop={7}, draw=_draw(), **_limits()) == want
-    layers = decoder_layers(model)
-    moved = sum(
-        t.numel() * t.element_size()
-        for layer in layers
-        for name, p in layer.named_parameters()
-        if "lora_" not in name
-        for t in host_tensors(p)
-    )
+    moved = _layers_host_bytes(model)
     assert max(len(s.ids) for s in want) > 2  # several forwards, one upload
     assert packed.uploaded_bytes == moved
     assert packed.device_bytes == packed_device_bytes(model)
