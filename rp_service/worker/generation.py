@@ -25,8 +25,8 @@ cache and compiled step are a possible speed-up, not used yet.
 Tokens are chosen exactly as `sampling._complete` chooses them: greedy on the device, or
 `draw` over the active rows' fp32 logits (on the device; one number a row from the
 caller's seeded host generator, `sampling.top_p_draw`), so a resumed job draws the same
-tokens, and the two paths give the same rows for the same logits (tests/unit/rp_service/test_generation.py checks it token for token). A row leaves
-the batch (and the cache) at a stop id, at the token limit or at the model's positions.
+tokens, and the two paths give the same rows for the same logits
+(tests/unit/rp_service/test_generation.py checks it token for token). A row leaves the batch (and the cache) at a stop id, at the token limit or at the model's positions.
 
 Placement (`placement`): the copy and the largest KV cache must fit in the device's memory
 (the GPU memory cap where one is set) beside what the process already holds. The copy

@@ -48,6 +48,7 @@ fine-tuning) are never kept: the optimizer changes them between steps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -128,34 +129,32 @@ def packed_device_bytes(model: nn.Module) -> int | None:
     them (a full copy is as small), or a trainable one (the optimizer changes it)."""
     from engine.memory import packed_form
 
-    layers = decoder_layers(model)
-    if not layers:
+    streamed_bytes = streamed_device_bytes(model)
+    if streamed_bytes is None:
         return None
+    layers = decoder_layers(model)
     streamed = _streamed_ids(model, layers)
     weights = {id(p): p for layer in layers for p in layer.parameters() if id(p) in streamed}
     if not any(packed_form(p) is not None for p in weights.values()) or any(
         p.requires_grad for p in weights.values()
     ):
         return None
-    sizes = _streamed_layer_bytes(layers, streamed)
-    held = sum(_host_bytes(p) for p in weights.values())
-    return _param_bytes(model) - sum(sizes) + held + 2 * max(sizes)
+    # what streaming holds, plus every streamed weight kept as the host holds it
+    return streamed_bytes + sum(_host_bytes(p) for p in weights.values())
 
 
 def _resident_form(host: Tensor, device: torch.device, *, non_blocking: bool) -> Any:
     """`host`'s value kept on `device` as the host holds it: an NF4 weight's packed codes
     and absmax (an `NF4Weight` on the device, decoded at each use), else the tensor."""
-    from engine.adapters.nf4 import NF4Weight
     from engine.memory import packed_form
 
     packed = packed_form(host)
     if packed is None:
-        return host.detach().to(device, copy=True, non_blocking=non_blocking)
-    return NF4Weight(
+        return _device_value(host, device, non_blocking=non_blocking)
+    return dataclasses.replace(
+        packed,
         packed=packed.packed.to(device, non_blocking=non_blocking),
         absmax=packed.absmax.to(device, non_blocking=non_blocking),
-        shape=packed.shape,
-        dtype=packed.dtype,
     )
 
 
