@@ -239,9 +239,15 @@ class RolloutSampler:
             torch.cuda.empty_cache()
 
     def step_done(self) -> None:
-        """After a step's rollouts: drop the copy unless it stays resident."""
+        """After a step's rollouts: drop the copy unless it stays resident. A resident copy
+        stays, and the KV cache's freed blocks go back to the device: the caching allocator
+        keeps a block for the stream that freed it, and training allocates on the engine's
+        own streams, so otherwise the rollouts' cache stays reserved beside training's
+        memory (session 25, Qwen3-8B: 38.7 GiB allocated at most, 67.0 GiB reserved)."""
         if not self.keep:
             self.release()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _logits(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
         assert self.model is not None

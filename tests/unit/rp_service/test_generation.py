@@ -323,3 +323,17 @@ def test_a_half_precision_models_adapters_are_copied_in_its_dtype() -> None:
         model.get_parameter(a_name).add_(1.0)
     sampler.refresh()
     assert torch.equal(copied[a_name], model.get_parameter(a_name).to(torch.bfloat16))
+
+
+def test_a_resident_copy_stays_and_hands_back_the_kv_caches_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No GPU here: the sampler is never uploaded, only its device says "cuda".
+    emptied: list[int] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    sampler = RolloutSampler(tiny("qwen3"), torch.device("cuda", 0), keep=True)
+    copy = nn.Linear(1, 1)
+    sampler.model = copy
+    sampler.step_done()
+    assert sampler.model is copy  # kept between steps
+    assert emptied == [1]  # the rollouts' cache is not left reserved for training
