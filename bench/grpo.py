@@ -298,6 +298,12 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
             _sync()
             phases[-1]["sampling"] += time.perf_counter() - start
             phases[-1]["tokens"] += float(out["completion_mask"].sum())
+            # session 25: TRL's first 8B step did not end in 530 s and said nothing of
+            # where it was; this line tells the rollouts from the training
+            progress(
+                f"trl: rollouts of step {len(phases)}: {time.perf_counter() - start:.1f} s, "
+                f"{int(out['completion_mask'].sum())} completion tokens"
+            )
             return out
 
     class Steps(TrainerCallback):  # type: ignore[misc]
