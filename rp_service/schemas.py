@@ -453,8 +453,9 @@ class GrpoSection(_Section):
         0.0,
         ge=0,
         le=100,
-        description="beta: weight of the KL term to the reference (the base with the LoRA "
-        "adapters off); 0 (TRL's default) leaves it out. Needs train.method lora.",
+        description="beta: weight of the KL term to the reference (LoRA: the base with the "
+        "adapters off; full: the starting weights, a second copy in host memory); 0 (TRL's "
+        "default) leaves it out.",
     )
     clip_epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip range (epsilon).")
     clip_epsilon_high: float | None = Field(
@@ -581,12 +582,6 @@ class JobSpec(_Section):
             raise ValueError(
                 f"a grpo section is given but train.objective is {train.objective!r}; set "
                 "train.objective to 'grpo' or remove the grpo section"
-            )
-        if grpo.kl_coef > 0 and train.method != "lora":
-            raise ValueError(
-                "grpo.kl_coef > 0 needs train.method lora: the reference is the base with "
-                "the adapters off, and a full fine-tune would need a second copy of the "
-                "model; set grpo.kl_coef to 0 or train LoRA adapters"
             )
         return grpo
 

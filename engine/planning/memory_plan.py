@@ -369,6 +369,9 @@ class RunShape:
     layers_per_group: int | None = None
     # The devices of one process: from 3 on, the automatic plan may keep an input per layer.
     num_devices: int = 1
+    # Whole frozen copies of the model wrapped beside it for forwards only (the service's
+    # GRPO full fine-tune keeps its starting weights as the KL reference): pinned as it is.
+    frozen_copies: int = 0
 
 
 def run_shape(
@@ -543,6 +546,7 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
         tensors = _without(tensors, projections)
     model = sum(_pinned_bytes(n * mbytes, pin, cuda) for n in tensors)
     model += sum(_pinned_bytes(b, pin, cuda) for b in packed)
+    frozen = run.frozen_copies * model
     if run.trainable_params is None:
         grads = sum(
             _pinned_bytes(n * mbytes, pin, cuda)
@@ -554,6 +558,8 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
         model += trainable * mbytes
         grads = trainable * mbytes
     parts["model"] = model
+    if frozen:
+        parts["frozen_copies"] = frozen
     parts["host_gradients"] = grads
     if run.optim_memory == "compact":  # the weights are the masters, the gradient in place
         parts["optim_master"] = parts["optim_gradients"] = parts["model_second_copy"] = 0

@@ -9,6 +9,7 @@ submission (app.py), the job's error in the worker.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from engine.catalog import FAMILIES, plannable
@@ -89,6 +90,9 @@ def plan_for_spec(
         num_devices=1 if ranks > 1 else max(spec.engine.gpus, 1),
         cuda=cuda,
     )
+    if spec.grpo is not None and spec.grpo.kl_coef > 0 and spec.train.method != "lora":
+        # the KL reference of a full fine-tune: the starting weights, a second wrapped copy
+        run = replace(run, frozen_copies=1)
     return plan_host_memory(shape, run)
 
 

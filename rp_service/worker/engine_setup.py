@@ -23,7 +23,7 @@ from .modeling import DTYPES
 if TYPE_CHECKING:
     from engine.optim import Adam
 
-__all__ = ["apply_lora", "check_host_memory", "make_optimizer", "wrap"]
+__all__ = ["apply_lora", "check_host_memory", "make_optimizer", "wrap", "wrap_frozen"]
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,9 @@ def apply_lora(hf_model: torch.nn.Module, lora: LoraOptions, *, seed: int | None
     return adapter_keys
 
 
-def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
-    """The job's RoundPipe over `hf_model`, with the options' run config and wrap options.
+def wrap(hf_model: torch.nn.Module, options: EngineOptions, *, frozen: bool = False) -> Any:
+    """The job's RoundPipe over `hf_model`, with the options' run config and wrap options
+    (`frozen`: without the optimizer's, see `wrap_frozen`).
 
     Raises:
         JobFailure: code ``gpu_memory_too_small``: the GPU memory cap (the job's
@@ -103,7 +104,7 @@ def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
     from engine.errors import ConfigError
 
     try:
-        rp = _wrap(hf_model, options)
+        rp = _wrap(hf_model, options, frozen=frozen)
     except ConfigError as exc:
         if exc.field != "max_gpu_memory":
             raise
@@ -112,7 +113,16 @@ def wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
     return rp
 
 
-def _wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
+def wrap_frozen(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
+    """A RoundPipe over `hf_model` for forwards only (a GRPO job's reference): its weights
+    frozen, in eval mode, with the job's run config and no optimizer's options; raises as
+    `wrap`."""
+    hf_model.requires_grad_(False)
+    hf_model.eval()
+    return wrap(hf_model, options, frozen=True)
+
+
+def _wrap(hf_model: torch.nn.Module, options: EngineOptions, *, frozen: bool = False) -> Any:
     from engine import RoundPipeRunConfig, wrap_model_to_roundpipe
     from engine.device import get_num_devices
 
@@ -129,6 +139,8 @@ def _wrap(hf_model: torch.nn.Module, options: EngineOptions) -> Any:
         "matmul_precision": options.matmul_precision,
         "fp8_recipe": options.fp8_recipe,
     }
+    if frozen:  # nothing trains: no masters, no optimizer memory mode
+        return wrap_model_to_roundpipe(hf_model, **kwargs)
     if options.optim_memory == "compact":  # the bf16 weights are the masters
         return wrap_model_to_roundpipe(hf_model, optim_memory="compact", **kwargs)
     grad_dtype = options.optim_grad_dtype

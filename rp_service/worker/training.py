@@ -48,7 +48,7 @@ from ..demo import SYNTHETIC
 from ..errors import JobFailure
 from ..schemas import JobSpec
 from . import checkpoint as ckpt
-from .engine_setup import apply_lora, check_host_memory, make_optimizer, wrap
+from .engine_setup import apply_lora, check_host_memory, make_optimizer, wrap, wrap_frozen
 from .evaluation import evaluating
 from .meter import Emit, Meter
 from .modeling import build_model
@@ -181,7 +181,9 @@ class _Run:
 
         self.tokenizer = _load_tokenizer(spec, paths)
         valid_source = paths.valid_path or (SYNTHETIC if spec.data.valid == SYNTHETIC else None)
-        self.objective = _make_objective(spec, paths, self.tokenizer, valid_source, emit)
+        self.objective = _make_objective(
+            spec, paths, self.tokenizer, valid_source, emit, build_reference=self._build_reference
+        )
         self.blocks = self.objective.train
         self.valid = self.objective.valid
         self.order = BatchOrder(
@@ -249,9 +251,11 @@ class _Run:
             schedule=train.schedule,
         )
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_base(self) -> torch.nn.Module:
+        """The model as the spec builds it, before adapters and checkpoints: the same
+        weights at every call (a preset's from the job's seed, a folder's as stored)."""
         model = self.spec.model
-        hf_model = build_model(  # ModelError: a JobFailure naming the model field
+        return build_model(  # ModelError: a JobFailure naming the model field
             preset=model.preset,
             config_overrides=dict(model.config),
             path=self.paths.model_path,
@@ -260,6 +264,15 @@ class _Run:
             seed=self.spec.train.seed,
             quantization=self.options.quantization,
         )
+
+    def _build_reference(self) -> Any:
+        """A GRPO full fine-tune's KL reference: the starting weights, built again (a
+        resumed attempt's model holds the checkpoint's), frozen, wrapped for forwards."""
+        log.info("GRPO: building the KL reference (the starting weights, frozen)")
+        return wrap_frozen(self._build_base(), self.options)
+
+    def _build_model(self) -> torch.nn.Module:
+        hf_model = self._build_base()
         # The base as stored, before the adapters and the wrap (which may re-home storage).
         self.base_host_bytes = host_base_bytes(hf_model)
         if self.options.lora is not None:
@@ -517,8 +530,11 @@ def _make_objective(
     tokenizer: JobTokenizer,
     valid_source: str | None,
     emit: Emit,
+    *,
+    build_reference: Callable[[], Any],
 ) -> Objective:
-    """The objective `train.objective` names, its data read."""
+    """The objective `train.objective` names, its data read (`build_reference`: a GRPO
+    full fine-tune's KL reference, built when the objective asks)."""
     objective = spec.train.objective
     if objective == "dpo":
         from .objectives.dpo_job import DpoObjective
@@ -527,7 +543,14 @@ def _make_objective(
     if objective == "grpo":
         from .objectives.grpo_job import GrpoObjective
 
-        return GrpoObjective(spec, paths, tokenizer, valid_source=valid_source, emit=emit)
+        return GrpoObjective(
+            spec,
+            paths,
+            tokenizer,
+            valid_source=valid_source,
+            emit=emit,
+            build_reference=build_reference,
+        )
     from .objectives.sft import SftObjective
 
     return SftObjective(spec, paths, tokenizer, valid_source=valid_source)

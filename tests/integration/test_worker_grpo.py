@@ -181,3 +181,40 @@ def test_kill_9_mid_job_resumes_bit_for_bit(uninterrupted_lora, tmp_path: Path) 
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert ours[name].equal(theirs[name]), name
+
+
+# A full fine-tune's KL reference is its starting weights, built again by each attempt (a
+# resumed one holds the checkpoint's weights): a kill -9 must not move it.
+FULL_KL = {
+    "train.steps": 4,
+    "train.checkpoint_interval": 2,
+    "train.lr": 0.01,
+    "grpo": {"group_size": 4, "max_completion_tokens": 6, "kl_coef": 0.05, "sample_interval": 0},
+}
+
+
+def test_a_full_fine_tunes_kl_reference_is_its_start_and_survives_kill_9(tmp_path: Path) -> None:
+    straight = make_job(tmp_path / "straight", FULL_KL)
+    code, events = run(straight)
+    assert code == 0, (straight / "worker.log").read_text()[-3000:]
+    want = metrics(events)
+    assert "building the KL reference" in (straight / "worker.log").read_text()
+    # step 1: the policy is the reference (the same weights, two wraps): the KL is ~0
+    assert abs(want[0]["kl"]) < 1e-6
+    assert all(m["kl"] > 1e-4 for m in want[1:])  # the weights moved, the reference did not
+    job = make_job(tmp_path / "killed", FULL_KL)
+
+    def kill_after_checkpoint(proc: subprocess.Popen[str], event: dict[str, Any]) -> None:
+        if event["type"] == "metrics" and event["data"]["step"] == 3:
+            proc.send_signal(signal.SIGKILL)
+
+    code, first = run(job, kill_after_checkpoint)
+    assert code == -signal.SIGKILL
+    code, second = run(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    assert second[0]["data"]["step"] == 2
+    got = metrics(first)[:2] + metrics(second)
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    for a, b in zip(got, want, strict=True):
+        for key in ("train_loss", "reward_mean", "kl", "clip_fraction"):
+            assert a[key] == b[key], (a["step"], key)

@@ -18,8 +18,10 @@ Each batch of rollouts (`_make_rollouts`), with the weights the previous update 
 
 Each step then takes the loss (`grpo.grpo_loss_fn`) on the completion tokens (the
 end-of-text token that closed a completion included, so stopping is learned), with the k3
-KL to the base with the adapters off when `grpo.kl_coef` > 0 (LoRA only: the spec refuses
-it otherwise). A batch of rollouts serves `num_iterations` consecutive steps (the loop's
+KL to a reference when `grpo.kl_coef` > 0: a LoRA job's base with the adapters off; a
+full fine-tune's starting weights, built again from the spec, frozen and wrapped for
+forwards only (a second copy of the model in host memory, which the memory plan counts).
+A batch of rollouts serves `num_iterations` consecutive steps (the loop's
 `BatchOrder` repeats its prompts as many times). Where a step's time goes is in its
 metrics: `rollout_seconds`, `grading_seconds` (0 on the steps that reuse a batch), the rest
 being the training forward and backward.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,7 +149,10 @@ class GrpoObjective:
         *,
         valid_source: str | None,
         emit: Emit,
+        build_reference: Callable[[], Any] | None = None,
     ) -> None:
+        """`build_reference`: a full fine-tune's KL reference, a frozen RoundPipe over the
+        starting weights (called in `prepare` when `grpo.kl_coef` > 0 without LoRA)."""
         assert spec.grpo is not None and spec.grader is not None  # JobSpec's rules
         self.options = spec.grpo
         self.seed = spec.train.seed
@@ -174,6 +180,8 @@ class GrpoObjective:
         self._metrics: dict[str, Any] = {}
         self._initial: float | None = None
         self.sampler: RolloutSampler | None = None
+        self.build_reference = build_reference
+        self.reference: Any = None  # a full fine-tune's frozen RoundPipe (kl_coef > 0)
         self._batch: _Rollouts | None = None
         self._step = 0  # the last step trained
 
@@ -187,6 +195,10 @@ class GrpoObjective:
         positions = getattr(hf_model.config, "max_position_embeddings", None)
         self.max_positions = positions or self.max_positions
         self.stop = stop_ids(self.tokenizer, getattr(hf_model, "generation_config", None))
+        if self.options.kl_coef > 0 and not lora:
+            if self.build_reference is None:
+                raise ValueError("a full fine-tune's KL term needs build_reference")
+            self.reference = self.build_reference()
         if self.options.generation != "engine":
             self.sampler = self._make_sampler(hf_model)
         if self.valid is not None and not resuming:
@@ -212,6 +224,9 @@ class GrpoObjective:
         self.grader.close()
         if self.sampler is not None:
             self.sampler.release()
+        if self.reference is not None:
+            self.reference.close()
+            self.reference = None
 
     # -- a step
 
@@ -344,9 +359,12 @@ class GrpoObjective:
         )
 
     def _reference(self, rp: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probabilities of the base (the adapters off), no gradients."""
+        """Per-token log-probabilities of the reference, no gradients: the starting weights
+        of a full fine-tune, the base with the adapters off of a LoRA one."""
         from engine.adapters.lora import adapters_disabled
 
+        if self.reference is not None:
+            return self._logps(self.reference, ids, targets)
         with adapters_disabled(rp):
             return self._logps(rp, ids, targets)
 

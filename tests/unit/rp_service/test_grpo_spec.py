@@ -83,7 +83,6 @@ def test_every_generation_is_taken(generation: str) -> None:
     ("body", "field", "needle"),
     [
         (_spec(), "grader", "needs a grader"),
-        (_spec(grader=GRADER, grpo={"kl_coef": 0.1}), "grpo", "train.method lora"),
         ({**_spec(grader=GRADER), "train": {"objective": "sft"}}, "grader", "objective"),
         ({**_spec(grpo={}), "train": {"objective": "dpo"}}, "grpo", "objective"),
         (_spec(grader={**GRADER, "operation": "startswith"}), "grader", "operation"),
@@ -148,3 +147,11 @@ def test_the_training_batch_is_padded_to_a_width_multiple_within_the_positions()
     assert targets[1, 0] == 3
     assert _sequences(prompts, completions, pad_id=0, max_positions=40)[0].shape == (2, 40)
     assert _sequences(prompts, completions, pad_id=0, max_positions=4)[0].shape == (2, 6)
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_kl_term_is_taken_for_lora_and_for_a_full_fine_tune(method: str) -> None:
+    spec = JobSpec.model_validate(
+        _spec(grader=GRADER, train={"method": method}, grpo={"kl_coef": 0.1})
+    )
+    assert spec.grpo is not None and spec.grpo.kl_coef == 0.1

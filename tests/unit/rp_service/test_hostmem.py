@@ -129,6 +129,30 @@ def test_spec_plan_counts_the_model_the_worker_builds() -> None:
     assert plan.parts["model"] == 2 * plan.shape.num_params
 
 
+def test_a_grpo_full_fine_tunes_kl_reference_is_a_second_model_in_the_plan() -> None:
+    grader = {
+        "type": "string_check",
+        "name": "g",
+        "input": "a",
+        "reference": "a",
+        "operation": "eq",
+    }
+    plans = {}
+    for method, kl in (("full", 0.0), ("full", 0.1), ("lora", 0.1)):
+        body = _spec()
+        body["train"] = {**body["train"], "objective": "grpo", "method": method}
+        body["grpo"] = {"kl_coef": kl}
+        spec = JobSpec.model_validate({**body, "grader": grader})
+        plan = plan_for_spec(spec, spec_to_engine(spec), path_config=None, cuda=False)
+        assert plan is not None
+        plans[method, kl] = plan
+    without, with_kl = plans["full", 0.0], plans["full", 0.1]
+    assert "frozen_copies" not in without.parts
+    assert with_kl.parts["frozen_copies"] == without.parts["model"] == 2 * with_kl.shape.num_params
+    assert with_kl.total_bytes == without.total_bytes + with_kl.parts["frozen_copies"]
+    assert "frozen_copies" not in plans["lora", 0.1].parts  # its reference: the adapters off
+
+
 def test_request_path_does_not_import_torch(tmp_path: Path) -> None:
     code = f"""
 import sys
