@@ -148,6 +148,23 @@ def uninterrupted_lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     return job, events
 
 
+def killed_and_resumed(job: Path, *, checkpoint: int) -> list[dict[str, Any]]:
+    """The metrics of `job` run with a `kill -9` right after step `checkpoint` + 1 (the
+    step after its last checkpoint) and run again to the end: the killed attempt's steps up
+    to the checkpoint, then the resumed attempt's."""
+
+    def kill_after_checkpoint(proc: subprocess.Popen[str], event: dict[str, Any]) -> None:
+        if event["type"] == "metrics" and event["data"]["step"] == checkpoint + 1:
+            proc.send_signal(signal.SIGKILL)
+
+    code, first = run(job, kill_after_checkpoint)
+    assert code == -signal.SIGKILL
+    code, second = run(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    assert second[0]["data"]["step"] == checkpoint
+    return metrics(first)[:checkpoint] + metrics(second)
+
+
 def test_kill_9_mid_job_resumes_bit_for_bit(uninterrupted_lora, tmp_path: Path) -> None:
     straight, straight_events = uninterrupted_lora
     want = metrics(straight_events)
@@ -161,17 +178,7 @@ def test_kill_9_mid_job_resumes_bit_for_bit(uninterrupted_lora, tmp_path: Path) 
     assert all(m["clip_fraction"] == 0.0 for m in want[::2])
     assert any(m["clip_fraction"] > 0.0 for m in want[1::2])
     job = make_job(tmp_path / "killed", LORA_KL)
-
-    def kill_after_checkpoint(proc: subprocess.Popen[str], event: dict[str, Any]) -> None:
-        if event["type"] == "metrics" and event["data"]["step"] == 4:
-            proc.send_signal(signal.SIGKILL)
-
-    code, first = run(job, kill_after_checkpoint)
-    assert code == -signal.SIGKILL
-    code, second = run(job)
-    assert code == 0, (job / "worker.log").read_text()[-3000:]
-    assert second[0]["data"]["step"] == 3
-    got = metrics(first)[:3] + metrics(second)
+    got = killed_and_resumed(job, checkpoint=3)
     assert [m["step"] for m in got] == list(range(1, 7))
     for a, b in zip(got, want, strict=True):
         for key in ("train_loss", "reward_mean", "kl", "clip_fraction", "completion_tokens_mean"):
@@ -202,18 +209,7 @@ def test_a_full_fine_tunes_kl_reference_is_its_start_and_survives_kill_9(tmp_pat
     # step 1: the policy is the reference (the same weights, two wraps): the KL is ~0
     assert abs(want[0]["kl"]) < 1e-6
     assert all(m["kl"] > 1e-4 for m in want[1:])  # the weights moved, the reference did not
-    job = make_job(tmp_path / "killed", FULL_KL)
-
-    def kill_after_checkpoint(proc: subprocess.Popen[str], event: dict[str, Any]) -> None:
-        if event["type"] == "metrics" and event["data"]["step"] == 3:
-            proc.send_signal(signal.SIGKILL)
-
-    code, first = run(job, kill_after_checkpoint)
-    assert code == -signal.SIGKILL
-    code, second = run(job)
-    assert code == 0, (job / "worker.log").read_text()[-3000:]
-    assert second[0]["data"]["step"] == 2
-    got = metrics(first)[:2] + metrics(second)
+    got = killed_and_resumed(make_job(tmp_path / "killed", FULL_KL), checkpoint=2)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for a, b in zip(got, want, strict=True):
         for key in ("train_loss", "reward_mean", "kl", "clip_fraction"):
