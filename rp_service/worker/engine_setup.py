@@ -139,8 +139,10 @@ def _wrap(hf_model: torch.nn.Module, options: EngineOptions, *, frozen: bool = F
         "matmul_precision": options.matmul_precision,
         "fp8_recipe": options.fp8_recipe,
     }
-    if frozen:  # nothing trains: no masters, no optimizer memory mode
-        return wrap_model_to_roundpipe(hf_model, **kwargs)
+    if frozen:
+        # Nothing trains: no masters, no optimizer memory mode; and no data parallel (each
+        # rank scores its own rows, so the reference needs no collective of its own).
+        return wrap_model_to_roundpipe(hf_model, process_group=None, **kwargs)
     if options.optim_memory == "compact":  # the bf16 weights are the masters
         return wrap_model_to_roundpipe(hf_model, optim_memory="compact", **kwargs)
     grad_dtype = options.optim_grad_dtype
