@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU device calls for what session 25 left unmeasured (each ~9 minutes; logs to $OUT):
-#   PART=grpo  issue 48: the 8B engine step again (the reserved peak since the sampler hands
+#   PART=grpo  issue 48: the full fine-tune's KL reference on CUDA (its GPU test), the 8B
+#              engine step again (the reserved peak since the sampler hands
 #              its KV cache back after the rollouts), then TRL and the engine on a smaller
 #              batch that TRL finishes (8 prompts x 8 x 256 tokens): a whole ratio beside
 #              the bound of the full batch, where TRL's step did not end in 530 s. Needs
@@ -16,6 +17,10 @@ OUT=${OUT:-/tmp/callopen}
 mkdir -p "$OUT"
 case ${PART:-grpo} in
 grpo)
+    timeout 120 python3 -m pytest -p no:cacheprovider -m gpu -v --tb=short --timeout=110 \
+        "tests/gpu/test_grpo_gpu.py::test_a_full_fine_tunes_kl_reference_runs_on_cuda" \
+        >"$OUT/grpo-full-kl.log" 2>&1
+    tail -1 "$OUT/grpo-full-kl.log"
     timeout 250 python3 bench/grpo.py --model qwen3-8b --runs engine --steps 1 --warmup 1 \
         >"$OUT/grpo-8b.jsonl" 2>"$OUT/grpo-8b.err"
     timeout 300 python3 bench/grpo.py --model qwen3-8b --runs trl,engine --prompts 8 \

@@ -1,6 +1,7 @@
 """GRPO jobs in the real worker on CUDA (RP_DEVICES=cuda): the CPU test's task
 (tests/integration/test_worker_grpo.py) on a bfloat16 base with LoRA and the KL term, and
-on an NF4 base (QLoRA), learns, and a kill -9 resumes bit for bit on the GPU too.
+on an NF4 base (QLoRA), learns, a kill -9 resumes bit for bit on the GPU too, and a full
+fine-tune's KL reference runs beside it.
 
 The grader asks for more than the CPU test's "contains a y": 0.4 for a "y" anywhere and 0.6
 for a completion that is all "y" (the twelve the trained model writes). On the GPU the
@@ -89,6 +90,26 @@ def test_grpo_resumes_bit_for_bit_on_cuda(tmp_path: Path) -> None:
     ours = load_file(str(job / "output" / "adapter_model.safetensors"))
     theirs = load_file(str(straight / "output" / "adapter_model.safetensors"))
     assert all(ours[k].equal(theirs[k]) for k in theirs)
+
+
+def test_a_full_fine_tunes_kl_reference_runs_on_cuda(tmp_path: Path) -> None:
+    """The full fine-tune's reference (a second, frozen RoundPipe over the starting weights,
+    session 25) beside the trained one on the GPU: KL ~0 at step 1, above 0 once the weights
+    move (the CPU test's checks, tests/integration/test_worker_grpo.py)."""
+    spec = {
+        **SPEC,
+        "train.method": "full",
+        "train.steps": 4,
+        "train.lr": 0.001,
+        "train.checkpoint_interval": 0,
+        "grpo": {**SPEC["grpo"], "kl_coef": 0.05},
+    }
+    job = make_job(tmp_path / "full", spec)
+    code, events = _run_on_cuda(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    steps = worker_tests.metrics(events)
+    assert abs(steps[0]["kl"]) < 1e-3  # bf16 kernels of two wraps: equal, or nearly
+    assert all(m["kl"] > steps[0]["kl"] for m in steps[1:])
 
 
 def _engine_rollouts(rp: Any) -> list[Any]:
