@@ -112,8 +112,8 @@ def measure(model: str, tokens: int, iters: int) -> list[dict[str, object]]:
                 rowwise = recipe == "rowwise"
                 a_dtype = E4M3 if name == "forward" else grad_dtype(recipe)
                 fast = name == "forward"
-                qa, sa = cast_to_fp8(a, a_dtype, rowwise=rowwise, pow2=rowwise)
-                qb, sb = cast_to_fp8(b, E4M3, rowwise=rowwise, pow2=rowwise)
+                qa, sa = cast_to_fp8(a, a_dtype, rowwise=rowwise, pow2=True)
+                qb, sb = cast_to_fp8(b, E4M3, rowwise=rowwise, pow2=True)
                 sb = sb.reshape(1, -1) if rowwise else sb
                 gemm = time_ms(
                     lambda qa=qa, sa=sa, qb=qb, sb=sb, fast=fast: torch._scaled_mm(

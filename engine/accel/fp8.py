@@ -31,7 +31,9 @@ decoder layers' torch.compile graphs and captures into CUDA graphs (no host
 synchronisation: scales stay on the device). It matched torchao 0.18's Float8Linear bit for
 bit on the CPU (both recipes: output, input and weight gradients), checked once (since
 then rowwise scales are rounded down to a power of two by clearing their mantissa bits:
-the same values but where torchao's log2 rounds up); torchao is not a dependency. `torch._scaled_mm` runs on the CPU in torch 2.13 (fp32 accumulation),
+the same values but where torchao's log2 rounds up; and since session 25 tensorwise scales
+too, as torchao's `round_scales_to_power_of_2` does, see `fp8_matmul_nt`); torchao is not a
+dependency. `torch._scaled_mm` runs on the CPU in torch 2.13 (fp32 accumulation),
 so CI checks the arithmetic; only CUDA GPUs of compute capability >= 8.9 make it fast
 (`engine.options.FP8_MIN_CAPABILITY`).
 
@@ -151,8 +153,12 @@ def fp8_matmul_nt(
     rowwise = recipe != "tensorwise"
     # The casts keep their input's layout; _scaled_mm wants a row-major and b^T
     # column-major, i.e. both contiguous (a no-op for the usual contiguous activations).
-    qa, sa = cast_to_fp8(a.contiguous(), a_dtype, rowwise=rowwise, pow2=rowwise)
-    qb, sb = cast_to_fp8(b.contiguous(), E4M3, rowwise=rowwise, pow2=rowwise)
+    # Every recipe's scales are powers of two: a scale that follows the amax's last bits
+    # re-rounds a whole tensor when any kernel upstream rounds its largest element one
+    # bf16 step apart (session 25, on the CPU: one such step moved tensorwise's output by
+    # 2.5% and its gradients by 3.4%, relative L2; power-of-two scales by nothing).
+    qa, sa = cast_to_fp8(a.contiguous(), a_dtype, rowwise=rowwise, pow2=True)
+    qb, sb = cast_to_fp8(b.contiguous(), E4M3, rowwise=rowwise, pow2=True)
     if rowwise:
         sb = sb.reshape(1, -1)  # (n, 1) -> (1, n): b's per-row scales are output columns
     return _scaled_mm(qa, sa, qb.t(), sb, fast=fast)
