@@ -14,7 +14,10 @@ Tolerances, and why:
   that both run SDPA's math kernel: by default it calls cuDNN's attention directly and
   keeps its output for the recompute, which the `math_attention` switches do not reach
   (sessions 22 and 24: 0.04-0.20 from the reference, the same figures with deterministic
-  inductor; the fix not yet run on a GPU).
+  inductor). With it (session 25, one H200) rowwise and rowwise_with_gw_hp pass; tensorwise
+  failed until its scales too were rounded to powers of two (engine.accel.fp8.fp8_matmul_nt:
+  a scale following the amax's last bits re-rounds the whole tensor when an upstream kernel
+  moves the largest element one bf16 step); not yet run on a GPU since.
 - Against the eager FP8 model (plain HF layers, HF's loss) only the loss is held to 1%: the
   gradients are another draw of FP8's rounding noise. Inductor fuses the layer's
   elementwise work (SwiGLU, norms, rotary) with one bf16 rounding where eager rounds twice;
