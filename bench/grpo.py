@@ -280,6 +280,12 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(args, nf4=False).to(_device())
     tokenizer = word_tokenizer(model.config.vocab_size)
     model.config.pad_token_id = model.config.eos_token_id = 0
+    # build_model's config turns the KV cache off (the engine's training needs none), and
+    # transformers' generate takes that setting: TRL's rollouts then ran a full forward over
+    # every row's whole sequence at each token (session 25: its 8B step did not end in
+    # 530 s). A checkpoint's own config keeps the cache on: so does this baseline.
+    model.config.use_cache = True
+    model.generation_config.use_cache = True
     rows = args.prompts * args.group
     texts = [_text(p) for p in prompt_ids(args, model.config.vocab_size)]
     data = datasets.Dataset.from_list([{"prompt": t} for t in texts] * (args.warmup + args.steps))
