@@ -5,6 +5,7 @@ Prints one JSON line per run, then a summary (issue 48's Performance section):
     python bench/grpo.py --model qwen3-8b                  # 32 prompts x 8, 512 tokens
     python bench/grpo.py --model qwen3-8b --runs engine    # the engine alone
     python bench/grpo.py --model qwen3-8b --runs engine --sampler streamed
+    python bench/grpo.py --model qwen3-8b --runs engine --sampler compiled
     python bench/grpo.py --model llama-70b --nf4 --runs engine --prompts 4 \
         --completion-len 32 --steps 1                      # the 70B NF4 recipe, streamed
     RP_DEVICES=cpu:1 python bench/grpo.py --tiny           # CPU self-check, both runs
@@ -85,10 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--sampler",
-        choices=["auto", "streamed"],
+        choices=["auto", "streamed", "compiled"],
         default="auto",
-        help="the engine run's rollout sampler: placed by size as a job does (auto), or the "
-        "decoder layers streamed from host memory even where a copy fits (streamed)",
+        help="the engine run's rollout sampler: placed by size as a job does (auto), the "
+        "decoder layers streamed from host memory even where a copy fits (streamed), or "
+        "auto with a resident copy decoding through generate's compiled static-cache step "
+        "(compiled: RP_COMPILED_ROLLOUTS=1)",
     )
     p.add_argument("--nf4", action="store_true", help="the engine run's base packed in NF4")
     p.add_argument("--run", choices=["engine", "trl"], help=argparse.SUPPRESS)
@@ -187,10 +190,15 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     rp, opt = _wrap(args, nf4=args.nf4)
     model = rp.rp_unwrap()[1]  # the HF model: the sampler copies its modules
     rows = args.prompts * args.group
+    if args.sampler == "compiled":
+        os.environ["RP_COMPILED_ROLLOUTS"] = "1"
     sampler = make_sampler(
         model, rows=rows, tokens=args.seq_len, streamed_only=args.sampler == "streamed"
     )
-    progress(f"engine: wrapped; sampler {type(sampler).__name__}")
+    progress(
+        f"engine: wrapped; sampler {type(sampler).__name__}"
+        + (" (compiled decoding)" if getattr(sampler, "compiled", False) else "")
+    )
     if sampler is None:
         return {"run": "engine", "error": "neither the model nor its streamed layers fit"}
     streamed = isinstance(sampler, StreamedRolloutSampler)
@@ -257,6 +265,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         out["sampler_placement"] = "packed" if sampler.packed_resident else "streamed"
     else:
         out["sampler_placement"] = "resident" if sampler.keep else "per_step"
+        out["compiled_decoding"] = sampler.compiled  # False also after a fallback
     out["nf4"] = args.nf4
     if streamed:
         measured = max(args.steps, 1)

@@ -19,8 +19,10 @@ Why a decode loop here and not transformers' `generate` (which chat serving uses
 `serving/process.py`): `generate` draws on the device from torch's global generator and
 keeps finished rows in the batch; rollouts must draw with the job's seeded host
 generator over the active rows only, or a resumed job and the engine path would draw
-other tokens. The cache itself is transformers'. Decoding is eager: serving's static
-cache and compiled step are a possible speed-up, not used yet.
+other tokens. The cache itself is transformers'. This loop decodes eagerly. With
+RP_COMPILED_ROLLOUTS=1 a resident copy on a GPU decodes through `generate` instead, its
+static-cache step compiled, a logits processor choosing the tokens as this loop does
+(`compiled_decode`); opt-in until measured on a GPU, and back to this loop if it raises.
 
 Tokens are chosen exactly as `sampling._complete` chooses them: greedy on the device, or
 `draw` over the active rows' fp32 logits (on the device; one number a row from the
@@ -204,10 +206,15 @@ class RolloutSampler:
     """One full copy of a HF causal LM on `device`, kept at the host model's current
     weights (`refresh`), that completes batches of prompts with a KV cache (`complete`)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, *, keep: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, *, keep: bool = True, compiled: bool = False
+    ) -> None:
         self.host = model
         self.device = device
         self.keep = keep  # False: `release` after each step's rollouts (Placement per_step)
+        # True: decode through transformers' generate with a static cache, which compiles
+        # its step on a GPU (`compiled_decode`); back to the eager loop if that raises
+        self.compiled = compiled
         self.model: nn.Module | None = None
         # (host parameter, copy's parameter) of every weight that training changes
         self._trained: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -284,6 +291,10 @@ class RolloutSampler:
             for p in prompts
         ]
         rows = [i for i, f in enumerate(finish) if f is None]  # the batch's rows, in order
+        if rows and self._generate(
+            prompts, rows, made, stops, finish, draw, max_new_tokens, stop, max_positions, pad_id
+        ):
+            rows = []
         if rows:
             with torch.inference_mode():
                 self._decode(
@@ -303,6 +314,50 @@ class RolloutSampler:
             Sample(ids=m, finish_reason=f or "length", stop_id=e)
             for m, f, e in zip(made, finish, stops, strict=True)
         ]
+
+    def _generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        rows: list[int],
+        made: list[list[int]],
+        stops: list[int | None],
+        finish: list[str | None],
+        draw: Draw | None,
+        max_new_tokens: int,
+        stop: set[int],
+        max_positions: int,
+        pad_id: int,
+    ) -> bool:
+        """Decode `rows` through `compiled_decode.generate_rollouts` where this sampler
+        compiles and no row can reach the model's positions (the eager loop's per-row
+        limit); False where it did not (the rows as they were: the eager loop runs)."""
+        from .compiled_decode import generate_rollouts
+
+        longest = max(len(prompts[i]) for i in rows)
+        if not self.compiled or longest + max_new_tokens > max_positions:
+            return False
+        try:
+            generate_rollouts(
+                self.model,
+                prompts,
+                rows,
+                made,
+                stops,
+                finish,
+                draw=draw,
+                max_new_tokens=max_new_tokens,
+                stop=stop,
+                pad_id=pad_id,
+            )
+            return True
+        except Exception:
+            # The eager loop starts again from the prompts; the draw's generator has moved
+            # on, so these rollouts differ from the ones compiled decoding would have made.
+            log.warning("compiled rollouts failed: decoding eagerly from now on", exc_info=True)
+            self.compiled = False
+            for i in rows:
+                made[i], stops[i], finish[i] = [], None, None
+            return False
 
     def _decode(
         self,
@@ -412,4 +467,9 @@ def make_sampler(
         # rollouts too: the trainer has the device to itself, and their upload is a small
         # share of a step's decoding.
         return StreamedRolloutSampler(model, device, keep=False, packed_resident=where == "packed")
-    return RolloutSampler(model, device, keep=where == "resident")
+    from .compiled_decode import compiled_decoding_wanted
+
+    # Compiled decoding for a copy kept between steps only: a copy uploaded again each step
+    # is new modules, which torch.compile would compile again each step.
+    compiled = where == "resident" and compiled_decoding_wanted(device, dtype)
+    return RolloutSampler(model, device, keep=where == "resident", compiled=compiled)

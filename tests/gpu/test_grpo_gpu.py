@@ -155,6 +155,32 @@ def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -
         assert held - torch.cuda.memory_allocated() >= sampler.model_bytes
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_compiled_decoding_gives_the_eager_samplers_rollouts_on_cuda(sampled: bool) -> None:
+    """The resident copy decoding through generate's static cache (compiled on a GPU,
+    rp_service.worker.compiled_decode) against the eager loop, fp32 with LoRA: the fused
+    kernels move the logits by fp32 roundings, far below these random logits' gaps, so the
+    tokens agree (greedy, and drawn from float64 shares of them); and it does not fall
+    back."""
+    from rp_service.worker.generation import RolloutSampler
+    from rp_service.worker.sampling import top_p_draw
+    from tests.unit.engine.conftest import use_devices
+    from tests.unit.rp_service.test_generation import GROUPS, _limits, _model
+
+    def draw() -> Any:
+        gen = torch.Generator().manual_seed(4)
+        return top_p_draw(temperature=1.2, top_p=0.9, generator=gen) if sampled else None
+
+    for _ in use_devices("cuda", 1):
+        model = _model(True)
+        eager = RolloutSampler(model, torch.device("cuda"))
+        compiled = RolloutSampler(model, torch.device("cuda"), compiled=True)
+        want = eager.complete(GROUPS, stop={7}, draw=draw(), **_limits())
+        for _ in range(2):  # the second call replays what the first compiled
+            assert compiled.complete(GROUPS, stop={7}, draw=draw(), **_limits()) == want
+        assert compiled.compiled
+
+
 @pytest.mark.parametrize(
     ("lora", "nf4", "packed"),
     [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],

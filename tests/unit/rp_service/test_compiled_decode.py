@@ -1,0 +1,91 @@
+"""Rollouts through transformers' generate with a static cache (`compiled_decode`) against
+the eager decode loop: on the CPU, where generate does not compile, the same rows token for
+token (greedy and drawn, stops, LoRA), and a failure falls back to the eager loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from rp_service.worker import compiled_decode
+from rp_service.worker.compiled_decode import compiled_decoding_wanted
+from rp_service.worker.generation import RolloutSampler, make_sampler
+from rp_service.worker.sampling import top_p_draw
+from tests.unit.engine.conftest import use_devices
+from tests.unit.rp_service.test_generation import GROUPS, _limits, _model
+
+
+@pytest.fixture(autouse=True)
+def cpu3() -> Iterator[int]:
+    yield from use_devices("cpu:3", 3)
+
+
+def _rollouts(sampler: RolloutSampler, *, sampled: bool, stop: set[int]) -> list[Any]:
+    draw = (
+        top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
+        if sampled
+        else None
+    )
+    return sampler.complete(GROUPS, stop=stop, draw=draw, **_limits())
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_generate_gives_the_eager_loops_rollouts(
+    lora: bool, sampled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = compiled_decode.generate_rollouts
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(compiled_decode, "generate_rollouts", counted)
+    model = _model(lora)
+    eager = RolloutSampler(model, torch.device("cpu"))
+    through_generate = RolloutSampler(model, torch.device("cpu"), compiled=True)
+    free = _rollouts(eager, sampled=sampled, stop=set())
+    stop = {free[2].ids[3]}  # ends row 2 early (and any row that draws it before)
+    for stops in (set(), stop):
+        want = _rollouts(eager, sampled=sampled, stop=stops)
+        got = _rollouts(through_generate, sampled=sampled, stop=stops)
+        assert through_generate.compiled  # it did not fall back
+        assert got == want
+    assert len(calls) == 2  # both went through generate
+    # with the stop: rows ended early, so the chooser drew over fewer rows, and later draws
+    # lined up only because both paths skip finished rows alike
+    assert {s.finish_reason for s in want} == {"stop", "length"}
+
+
+def test_a_failure_falls_back_to_the_eager_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(False)
+    want = _rollouts(RolloutSampler(model, torch.device("cpu")), sampled=False, stop={7})
+
+    def broken(*_: Any, **__: Any) -> None:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compiled_decode, "generate_rollouts", broken)
+    sampler = RolloutSampler(model, torch.device("cpu"), compiled=True)
+    assert _rollouts(sampler, sampled=False, stop={7}) == want
+    assert not sampler.compiled  # and it stays eager
+
+
+def test_compiled_decoding_is_opt_in_for_half_precision_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.delenv("RP_COMPILED_ROLLOUTS", raising=False)
+    assert not compiled_decoding_wanted(cuda, torch.bfloat16)  # not measured yet: off
+    monkeypatch.setenv("RP_COMPILED_ROLLOUTS", "1")
+    assert compiled_decoding_wanted(cuda, torch.bfloat16)
+    assert compiled_decoding_wanted(cuda, torch.float16)
+    assert not compiled_decoding_wanted(cuda, torch.float32)
+    assert not compiled_decoding_wanted(cpu, torch.bfloat16)
+    monkeypatch.setenv("RP_COMPILED_ROLLOUTS", "force")
+    tiny = _model(False)
+    sampler = make_sampler(tiny, rows=4, tokens=32)
+    assert sampler is not None and sampler.keep and sampler.compiled
