@@ -14,8 +14,9 @@ What `generate` would do differently is kept out of the tokens:
   one number a row) or the greedy one. It draws over the rows still active only, exactly
   as the eager loop does once finished rows have left its batch, so both consume the same
   numbers in the same order;
-- the configuration: a generation config made here, not the checkpoint's (whose
-  `repetition_penalty` or `top_k` would change the scores);
+- the configuration: a generation config made here, and the copy's own made neutral
+  (`generate` fills what a config leaves unset from the model's: a checkpoint's
+  `repetition_penalty` or `no_repeat_ngram_size` would change the scores);
 - the end of a row: `generate` keeps finished rows in the batch and pads them; their tokens
   after the stop are dropped here.
 
@@ -112,6 +113,10 @@ def generate_rollouts(
         eos_token_id=sorted(stop) or None,
         pad_token_id=pad_id,
     )
+    # generate fills what `config` leaves unset from the model's own generation config (a
+    # checkpoint's repetition_penalty, no_repeat_ngram_size...): the copy's is made neutral.
+    # The copy is the sampler's own (a deep copy), so the job's model keeps its config.
+    model.generation_config = GenerationConfig(pad_token_id=pad_id)
     chooser = _Chooser(draw, stop, pad_id, len(rows))
     with torch.inference_mode():
         out = model.generate(

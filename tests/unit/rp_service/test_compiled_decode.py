@@ -61,6 +61,21 @@ def test_generate_gives_the_eager_loops_rollouts(
     assert {s.finish_reason for s in want} == {"stop", "length"}
 
 
+def test_the_checkpoints_generation_config_changes_no_score() -> None:
+    """generate fills unset options from the model's generation config: a checkpoint's
+    penalties would change the scores the eager loop draws from."""
+    model = _model(False)
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.no_repeat_ngram_size = 1
+    want = _rollouts(RolloutSampler(model, torch.device("cpu")), sampled=False, stop=set())
+    got = _rollouts(
+        RolloutSampler(model, torch.device("cpu"), compiled=True), sampled=False, stop=set()
+    )
+    assert got == want
+    assert any(len(set(s.ids)) < len(s.ids) for s in want)  # a repeat the penalty would stop
+    assert model.generation_config.repetition_penalty == 3.0  # the job's model keeps its own
+
+
 def test_a_failure_falls_back_to_the_eager_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(False)
     want = _rollouts(RolloutSampler(model, torch.device("cpu")), sampled=False, stop={7})
