@@ -29,13 +29,15 @@ never reads the sampler's numbers.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from .sampling import Draw
+
+if TYPE_CHECKING:
+    from .generation import Decoding
 
 __all__ = ["compiled_decoding_wanted", "generate_rollouts"]
 
@@ -82,29 +84,20 @@ class _Chooser:
 
 def generate_rollouts(
     model: Any,
-    prompts: Sequence[Sequence[int]],
-    rows: list[int],
-    made: list[list[int]],
-    stops: list[int | None],
-    finish: list[str | None],
+    batch: Decoding,
     *,
     draw: Draw | None,
     max_new_tokens: int,
     stop: set[int],
     pad_id: int,
 ) -> None:
-    """Decode `rows` of `prompts` with `model.generate` (static cache), filling `made`,
+    """Decode `batch`'s rows with `model.generate` (static cache), filling its `made`,
     `stops` and `finish` as `RolloutSampler._decode` does. The caller makes sure no row
     reaches the model's positions within `max_new_tokens` (the eager loop's per-row limit)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
-    width = max(len(prompts[i]) for i in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, i in enumerate(rows):  # left-padded, as the eager loop
-        ids[r, width - len(prompts[i]) :] = torch.tensor(list(prompts[i]), dtype=torch.long)
-        mask[r, width - len(prompts[i]) :] = 1
+    ids, mask = batch.left_padded(pad_id)  # as the eager loop
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
@@ -117,7 +110,7 @@ def generate_rollouts(
     # checkpoint's repetition_penalty, no_repeat_ngram_size...): the copy's is made neutral.
     # The copy is the sampler's own (a deep copy), so the job's model keeps its config.
     model.generation_config = GenerationConfig(pad_token_id=pad_id)
-    chooser = _Chooser(draw, stop, pad_id, len(rows))
+    chooser = _Chooser(draw, stop, pad_id, len(batch.rows))
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids.to(device),
@@ -125,14 +118,13 @@ def generate_rollouts(
             generation_config=config,
             logits_processor=LogitsProcessorList([chooser]),
         )
-    for r, new in enumerate(out[:, width:].tolist()):
-        i = rows[r]
+    for i, new in zip(batch.rows, out[:, ids.shape[1] :].tolist(), strict=True):
         for token in new:
             if token in stop:
-                finish[i], stops[i] = "stop", token
+                batch.finish[i], batch.stops[i] = "stop", token
                 break
-            made[i].append(token)
-            if len(made[i]) >= max_new_tokens:
+            batch.made[i].append(token)
+            if len(batch.made[i]) >= max_new_tokens:
                 break
-        if finish[i] is None:
-            finish[i] = "length"
+        if batch.finish[i] is None:
+            batch.finish[i] = "length"

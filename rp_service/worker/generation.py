@@ -60,7 +60,14 @@ from torch import Tensor, nn
 
 from .sampling import Draw, Sample
 
-__all__ = ["Placement", "RolloutSampler", "kv_cache_bytes", "make_sampler", "placement"]
+__all__ = [
+    "Decoding",
+    "Placement",
+    "RolloutSampler",
+    "kv_cache_bytes",
+    "make_sampler",
+    "placement",
+]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +209,31 @@ def _cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in names else "past_key_values"
 
 
+@dataclass(slots=True)
+class Decoding:
+    """One batch of rollouts being decoded: the prompts, the rows still to decode (indices
+    into them, in order), and for every prompt what it made, its stop id and why it ended
+    (None: not yet)."""
+
+    prompts: Sequence[Sequence[int]]
+    rows: list[int]
+    made: list[list[int]]
+    stops: list[int | None]
+    finish: list[str | None]
+
+    def left_padded(self, pad_id: int) -> tuple[Tensor, Tensor]:
+        """The rows' prompts left-padded to the longest (every row's last token in the
+        last column), and their attention mask, on the host."""
+        width = max(len(self.prompts[i]) for i in self.rows)
+        ids = torch.full((len(self.rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(self.rows), width), dtype=torch.long)
+        for r, i in enumerate(self.rows):
+            prompt = torch.tensor(list(self.prompts[i]), dtype=torch.long)
+            ids[r, width - len(prompt) :] = prompt
+            mask[r, width - len(prompt) :] = 1
+        return ids, mask
+
+
 class RolloutSampler:
     """One full copy of a HF causal LM on `device`, kept at the host model's current
     weights (`refresh`), that completes batches of prompts with a KV cache (`complete`)."""
@@ -284,66 +316,54 @@ class RolloutSampler:
 
         if self.model is None:
             self.refresh()
-        made: list[list[int]] = [[] for _ in prompts]
-        stops: list[int | None] = [None for _ in prompts]
         finish: list[str | None] = [
             "length" if not p or len(p) >= max_positions or max_new_tokens < 1 else None
             for p in prompts
         ]
-        rows = [i for i, f in enumerate(finish) if f is None]  # the batch's rows, in order
-        if rows and self._generate(
-            prompts, rows, made, stops, finish, draw, max_new_tokens, stop, max_positions, pad_id
-        ):
-            rows = []
-        if rows:
+        batch = Decoding(
+            prompts=prompts,
+            rows=[i for i, f in enumerate(finish) if f is None],
+            made=[[] for _ in prompts],
+            stops=[None for _ in prompts],
+            finish=finish,
+        )
+        limits: dict[str, Any] = {
+            "draw": draw,
+            "max_new_tokens": max_new_tokens,
+            "stop": stop,
+            "max_positions": max_positions,
+            "pad_id": pad_id,
+        }
+        if batch.rows and not self._generate(batch, **limits):
             with torch.inference_mode():
-                self._decode(
-                    prompts,
-                    rows,
-                    made,
-                    stops,
-                    finish,
-                    DynamicCache,
-                    draw=draw,
-                    max_new_tokens=max_new_tokens,
-                    stop=stop,
-                    max_positions=max_positions,
-                    pad_id=pad_id,
-                )
+                self._decode(batch, DynamicCache, **limits)
         return [
             Sample(ids=m, finish_reason=f or "length", stop_id=e)
-            for m, f, e in zip(made, finish, stops, strict=True)
+            for m, f, e in zip(batch.made, batch.finish, batch.stops, strict=True)
         ]
 
     def _generate(
         self,
-        prompts: Sequence[Sequence[int]],
-        rows: list[int],
-        made: list[list[int]],
-        stops: list[int | None],
-        finish: list[str | None],
+        batch: Decoding,
+        *,
         draw: Draw | None,
         max_new_tokens: int,
         stop: set[int],
         max_positions: int,
         pad_id: int,
     ) -> bool:
-        """Decode `rows` through `compiled_decode.generate_rollouts` where this sampler
+        """Decode `batch` through `compiled_decode.generate_rollouts` where this sampler
         compiles and no row can reach the model's positions (the eager loop's per-row
         limit); False where it did not (the rows as they were: the eager loop runs)."""
         from .compiled_decode import generate_rollouts
 
-        longest = max(len(prompts[i]) for i in rows)
+        longest = max(len(batch.prompts[i]) for i in batch.rows)
         if not self.compiled or longest + max_new_tokens > max_positions:
             return False
         try:
             generate_rollouts(
                 self.model,
-                prompts,
-                rows,
-                made,
-                stops,
-                finish,
+                batch,
                 draw=draw,
                 max_new_tokens=max_new_tokens,
                 stop=stop,
@@ -355,17 +375,13 @@ class RolloutSampler:
             # on, so these rollouts differ from the ones compiled decoding would have made.
             log.warning("compiled rollouts failed: decoding eagerly from now on", exc_info=True)
             self.compiled = False
-            for i in rows:
-                made[i], stops[i], finish[i] = [], None, None
+            for i in batch.rows:
+                batch.made[i], batch.stops[i], batch.finish[i] = [], None, None
             return False
 
     def _decode(
         self,
-        prompts: Sequence[Sequence[int]],
-        rows: list[int],
-        made: list[list[int]],
-        stops: list[int | None],
-        finish: list[str | None],
+        batch: Decoding,
         cache_cls: Any,
         *,
         draw: Draw | None,
@@ -375,12 +391,14 @@ class RolloutSampler:
         pad_id: int,
     ) -> None:
         dev = self.device
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):  # left-padded: every row's last token is the last column
-            ids[r, width - len(prompts[i]) :] = torch.tensor(list(prompts[i]), dtype=torch.long)
-            mask[r, width - len(prompts[i]) :] = 1
+        prompts, rows, made, stops, finish = (
+            batch.prompts,
+            batch.rows,
+            batch.made,
+            batch.stops,
+            batch.finish,
+        )
+        ids, mask = batch.left_padded(pad_id)
         ids, mask = ids.to(dev), mask.to(dev)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = cache_cls(config=self.model.config)  # type: ignore[union-attr]
