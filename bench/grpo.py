@@ -193,7 +193,11 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     if args.sampler == "compiled":
         os.environ["RP_COMPILED_ROLLOUTS"] = "1"
     sampler = make_sampler(
-        model, rows=rows, tokens=args.seq_len, streamed_only=args.sampler == "streamed"
+        model,
+        rows=rows,
+        tokens=args.seq_len,
+        streamed_only=args.sampler == "streamed",
+        prompt_width=args.prompt_len,
     )
     progress(
         f"engine: wrapped; sampler {type(sampler).__name__}"

@@ -90,14 +90,17 @@ def generate_rollouts(
     max_new_tokens: int,
     stop: set[int],
     pad_id: int,
+    width: int | None = None,
 ) -> None:
     """Decode `batch`'s rows with `model.generate` (static cache), filling its `made`,
-    `stops` and `finish` as `RolloutSampler._decode` does. The caller makes sure no row
-    reaches the model's positions within `max_new_tokens` (the eager loop's per-row limit)."""
+    `stops` and `finish` as `RolloutSampler._decode` does. The prompts are left-padded to
+    `width` where it is wider than the longest (one cache length, one compile, for every
+    batch of a job). The caller makes sure no row reaches the model's positions within
+    `max_new_tokens` (the eager loop's per-row limit)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
-    ids, mask = batch.left_padded(pad_id)  # as the eager loop
+    ids, mask = batch.left_padded(pad_id, width)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,

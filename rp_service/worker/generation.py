@@ -221,10 +221,11 @@ class Decoding:
     stops: list[int | None]
     finish: list[str | None]
 
-    def left_padded(self, pad_id: int) -> tuple[Tensor, Tensor]:
-        """The rows' prompts left-padded to the longest (every row's last token in the
-        last column), and their attention mask, on the host."""
-        width = max(len(self.prompts[i]) for i in self.rows)
+    def left_padded(self, pad_id: int, width: int | None = None) -> tuple[Tensor, Tensor]:
+        """The rows' prompts left-padded to the longest, or to `width` where that is wider
+        (every row's last token in the last column), and their attention mask, on the
+        host."""
+        width = max([len(self.prompts[i]) for i in self.rows] + [width or 0])
         ids = torch.full((len(self.rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(self.rows), width), dtype=torch.long)
         for r, i in enumerate(self.rows):
@@ -239,7 +240,13 @@ class RolloutSampler:
     weights (`refresh`), that completes batches of prompts with a KV cache (`complete`)."""
 
     def __init__(
-        self, model: nn.Module, device: torch.device, *, keep: bool = True, compiled: bool = False
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        keep: bool = True,
+        compiled: bool = False,
+        prompt_width: int | None = None,
     ) -> None:
         self.host = model
         self.device = device
@@ -247,6 +254,9 @@ class RolloutSampler:
         # True: decode through transformers' generate with a static cache, which compiles
         # its step on a GPU (`compiled_decode`); back to the eager loop if that raises
         self.compiled = compiled
+        # The longest prompt the job has: compiled decoding pads every batch to it, so its
+        # static cache has one length (each new length compiles the step again)
+        self.prompt_width = prompt_width
         self.model: nn.Module | None = None
         # (host parameter, copy's parameter) of every weight that training changes
         self._trained: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -357,7 +367,7 @@ class RolloutSampler:
         limit); False where it did not (the rows as they were: the eager loop runs)."""
         from .compiled_decode import generate_rollouts
 
-        longest = max(len(batch.prompts[i]) for i in batch.rows)
+        longest = max([len(batch.prompts[i]) for i in batch.rows] + [self.prompt_width or 0])
         if not self.compiled or longest + max_new_tokens > max_positions:
             return False
         try:
@@ -368,6 +378,7 @@ class RolloutSampler:
                 max_new_tokens=max_new_tokens,
                 stop=stop,
                 pad_id=pad_id,
+                width=self.prompt_width,
             )
             return True
         except Exception:
@@ -433,12 +444,18 @@ class RolloutSampler:
 
 
 def make_sampler(
-    model: nn.Module, *, rows: int, tokens: int, streamed_only: bool = False
+    model: nn.Module,
+    *,
+    rows: int,
+    tokens: int,
+    streamed_only: bool = False,
+    prompt_width: int | None = None,
 ) -> RolloutSampler | None:
     """A sampler on the first engine device for batches of `rows` sequences of at most
     `tokens` tokens, placed by `placement`: a full copy (`RolloutSampler`), else the layers
     streamed (`StreamedRolloutSampler`), else None (the engine's path). `streamed_only`:
-    streamed even where the copy fits (`grpo.generation: streamed`)."""
+    streamed even where the copy fits (`grpo.generation: streamed`); `prompt_width`: the
+    longest prompt to come (compiled decoding pads every batch to it)."""
     from engine.device import device_memory_bytes, get_devices
 
     from .streamed_generation import (
@@ -490,4 +507,6 @@ def make_sampler(
     # Compiled decoding for a copy kept between steps only: a copy uploaded again each step
     # is new modules, which torch.compile would compile again each step.
     compiled = where == "resident" and compiled_decoding_wanted(device, dtype)
-    return RolloutSampler(model, device, keep=where == "resident", compiled=compiled)
+    return RolloutSampler(
+        model, device, keep=where == "resident", compiled=compiled, prompt_width=prompt_width
+    )

@@ -217,7 +217,11 @@ class GrpoObjective:
         rows = max(self.batch_size * opts.group_size, opts.eval_prompts)
         tokens = min(longest + opts.max_completion_tokens, self.max_positions)
         return make_sampler(
-            hf_model, rows=rows, tokens=tokens, streamed_only=opts.generation == "streamed"
+            hf_model,
+            rows=rows,
+            tokens=tokens,
+            streamed_only=opts.generation == "streamed",
+            prompt_width=longest,
         )
 
     def close(self) -> None:

@@ -47,7 +47,9 @@ def test_generate_gives_the_eager_loops_rollouts(
     monkeypatch.setattr(compiled_decode, "generate_rollouts", counted)
     model = _model(lora)
     eager = RolloutSampler(model, torch.device("cpu"))
-    through_generate = RolloutSampler(model, torch.device("cpu"), compiled=True)
+    # padded wider than the longest prompt, as a job pads every batch to its longest
+    width = max(len(p) for p in GROUPS) + 3
+    through_generate = RolloutSampler(model, torch.device("cpu"), compiled=True, prompt_width=width)
     free = _rollouts(eager, sampled=sampled, stop=set())
     stop = {free[2].ids[3]}  # ends row 2 early (and any row that draws it before)
     for stops in (set(), stop):
