@@ -63,6 +63,29 @@ def test_generate_gives_the_eager_loops_rollouts(
     assert {s.finish_reason for s in want} == {"stop", "length"}
 
 
+def test_a_wrapped_jobs_model_decodes_through_generate_as_the_engine_does() -> None:
+    """A job's sampler copies the model after the engine wrapped it (the presets' layers,
+    the adapters): generate must run the copy as the eager loop and the engine do."""
+    from engine import wrap_model_to_roundpipe
+    from rp_service.worker.sampling import sampled_completions
+
+    model = _model(True)
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    want = sampled_completions(
+        rp,
+        GROUPS,
+        stop={7},
+        num_microbatch=3,
+        temperature=1.2,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(4),
+        **_limits(),
+    )
+    sampler = RolloutSampler(model, torch.device("cpu"), compiled=True)
+    assert _rollouts(sampler, sampled=True, stop={7}) == want
+    assert sampler.compiled
+
+
 def test_the_checkpoints_generation_config_changes_no_score() -> None:
     """generate fills unset options from the model's generation config: a checkpoint's
     penalties would change the scores the eager loop draws from."""
