@@ -507,6 +507,8 @@ def make_sampler(
     # Compiled decoding for a copy kept between steps only: a copy uploaded again each step
     # is new modules, which torch.compile would compile again each step.
     compiled = where == "resident" and compiled_decoding_wanted(device, dtype)
+    if compiled:
+        log.info("rollout sampler: compiled decoding (generate, static cache)")
     return RolloutSampler(
         model, device, keep=where == "resident", compiled=compiled, prompt_width=prompt_width
     )

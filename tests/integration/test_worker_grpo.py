@@ -190,6 +190,23 @@ def test_kill_9_mid_job_resumes_bit_for_bit(uninterrupted_lora, tmp_path: Path) 
         assert ours[name].equal(theirs[name]), name
 
 
+def test_generates_rollouts_make_the_same_job_as_the_eager_loop(
+    uninterrupted_lora, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's sampler through transformers' generate (compiled on a GPU; on the CPU
+    forced, uncompiled): the same rollouts, so the same job, step for step."""
+    _, want_events = uninterrupted_lora
+    monkeypatch.setenv("RP_COMPILED_ROLLOUTS", "force")
+    job = make_job(tmp_path / "generate", LORA_KL)
+    code, events = run(job)
+    assert code == 0, (job / "worker.log").read_text()[-3000:]
+    assert "compiled decoding" in (job / "worker.log").read_text()
+    assert "compiled rollouts failed" not in (job / "worker.log").read_text()
+    keys = ("train_loss", "reward_mean", "kl", "clip_fraction", "completion_tokens_mean")
+    got, want = metrics(events), metrics(want_events)
+    assert [{k: m[k] for k in keys} for m in got] == [{k: m[k] for k in keys} for m in want]
+
+
 # A full fine-tune's KL reference is its starting weights, built again by each attempt (a
 # resumed one holds the checkpoint's weights): a kill -9 must not move it.
 FULL_KL = {
