@@ -81,12 +81,12 @@ def plan_for_spec(
         shape = ModelShape.from_config(config)
     except ConfigError:
         return None
+    seq_len = _sequence_tokens(spec)
     run = run_shape(
         options,
         shape,
-        # a DPO step runs two rows (chosen, rejected) per pair of train.batch_size
-        tokens_per_step=spec.train.batch_size * spec.data.seq_len * _rows_per_item(spec) // ranks,
-        seq_len=spec.data.seq_len,
+        tokens_per_step=spec.train.batch_size * seq_len * _rows_per_item(spec) // ranks,
+        seq_len=seq_len,
         num_devices=1 if ranks > 1 else max(spec.engine.gpus, 1),
         cuda=cuda,
     )
@@ -148,4 +148,16 @@ def parse_budget_setting(value: str | None) -> str | None:
 
 
 def _rows_per_item(spec: JobSpec) -> int:
+    """Sequences a step trains per item of train.batch_size: DPO's chosen and rejected,
+    GRPO's group of completions, one otherwise."""
+    if spec.grpo is not None:
+        return spec.grpo.group_size
     return 2 if spec.train.objective == "dpo" else 1
+
+
+def _sequence_tokens(spec: JobSpec) -> int:
+    """The longest sequence a step trains: data.seq_len, or for GRPO a prompt (at most
+    data.seq_len) and its completion."""
+    if spec.grpo is not None:
+        return spec.data.seq_len + spec.grpo.max_completion_tokens
+    return spec.data.seq_len

@@ -153,6 +153,36 @@ def test_a_grpo_full_fine_tunes_kl_reference_is_a_second_model_in_the_plan() -> 
     assert "frozen_copies" not in plans["lora", 0.1].parts  # its reference: the adapters off
 
 
+def test_a_grpo_step_is_planned_as_its_groups_of_prompt_and_completion() -> None:
+    """A GRPO step trains train.batch_size prompts x group_size completions, each up to
+    data.seq_len + max_completion_tokens tokens: the activations the engine keeps."""
+    grader = {
+        "type": "string_check",
+        "name": "g",
+        "input": "a",
+        "reference": "a",
+        "operation": "eq",
+    }
+    body = _spec()
+    sft = JobSpec.model_validate(body)
+    grpo = JobSpec.model_validate(
+        {
+            **body,
+            "train": {**body["train"], "objective": "grpo"},
+            "grpo": {"group_size": 8, "max_completion_tokens": 512},
+            "grader": grader,
+        }
+    )
+    plans = [
+        plan_for_spec(spec, spec_to_engine(spec), path_config=None, cuda=False)
+        for spec in (sft, grpo)
+    ]
+    assert plans[0] is not None and plans[1] is not None
+    assert plans[1].run.seq_len == 512 + 512
+    assert plans[1].run.tokens_per_step == 8 * 8 * (512 + 512) == 16 * plans[0].run.tokens_per_step
+    assert plans[1].parts["activations"] > 4 * plans[0].parts["activations"]
+
+
 def test_request_path_does_not_import_torch(tmp_path: Path) -> None:
     code = f"""
 import sys
