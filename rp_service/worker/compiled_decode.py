@@ -44,8 +44,8 @@ __all__ = ["compiled_decoding_wanted", "generate_rollouts"]
 
 def compiled_decoding_wanted(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a resident sampler on `device` of a `dtype` model decodes through
-    `generate_rollouts`: on a GPU, half precision, unless RP_COMPILED_ROLLOUTS is 0.
-    Opt-in (RP_COMPILED_ROLLOUTS=1) until measured on a GPU."""
+    `generate_rollouts`: with RP_COMPILED_ROLLOUTS=1, on a GPU, in half precision (opt-in
+    until measured on a GPU; "force": anywhere, for tests)."""
     setting = os.environ.get("RP_COMPILED_ROLLOUTS", "0")
     if setting == "force":  # tests: the same path on the CPU, where generate runs eagerly
         return True
@@ -64,7 +64,6 @@ class _Chooser:
         self.pad_id = pad_id
         self.done: Tensor | None = None
         self.rows = rows
-        self.calls = 0
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         if self.done is None:
@@ -72,7 +71,6 @@ class _Chooser:
         elif self.stop:
             stops = torch.tensor(self.stop, device=input_ids.device)
             self.done |= torch.isin(input_ids[:, -1], stops).to(self.done.device)
-        self.calls += 1
         active = (~self.done).nonzero().squeeze(1)
         logits = scores[active]
         chosen = logits.argmax(dim=-1) if self.draw is None else self.draw(logits.float())
