@@ -10,6 +10,7 @@ cluster's test); a ranks job paused and resumed, and one whose rank 1 was killed
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -68,23 +69,30 @@ def _rank_pid(job_id: str, rank: int) -> int | None:
 
 
 def _kill_rank_past_first_checkpoint(daemon: Daemon, job_id: str, rank: int) -> None:
-    """SIGKILL `rank` of the job as soon as its first checkpoint is committed.
+    """SIGKILL `rank` of the job as soon as a checkpoint before its last step is committed.
 
-    The pid is taken while the job starts and the checkpoint is watched on disk, not
+    The pid is taken while the job starts and the checkpoints are watched on disk, not
     through the daemon's progress: on a busy two-core machine the reported step lags the
-    ranks by seconds, long enough for a 32-step job to end before the kill."""
-    first = daemon.data_dir / "jobs" / job_id / "checkpoints" / "step-00000004"
+    ranks by seconds, long enough for a 32-step job to end before the kill. Any committed
+    checkpoint before the last step will do, not the first only: the job keeps two, so
+    step 4's is gone by step 12, which a fast run reached while the caller was still
+    pausing another job (session 25, an idle CI machine)."""
+    checkpoints = daemon.data_dir / "jobs" / job_id / "checkpoints"
+    last = f"step-{_STEPS:08d}"
     deadline = time.monotonic() + 120
     pid = None
+    committed: list[str] = []
     while time.monotonic() < deadline:
         pid = pid or _rank_pid(job_id, rank)
-        if pid is not None and first.is_dir():
+        names = [p.name for p in checkpoints.glob("step-*")] if checkpoints.is_dir() else []
+        committed = [n for n in names if re.fullmatch(r"step-\d{8}", n) and n != last]
+        if pid is not None and committed:
             os.kill(pid, signal.SIGKILL)
             return
         time.sleep(0.01)
     with daemon.client() as c:
         job = c.get(f"/v1/jobs/{job_id}").json()
-    raise AssertionError(f"rank {rank} pid {pid}, {first} there: {first.is_dir()}; job {job}")
+    raise AssertionError(f"rank {rank} pid {pid}, checkpoints {committed}; job {job}")
 
 
 @pytest.fixture(scope="module")
