@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from transformers import GenerationConfig, LogitsProcessorList
 
 from .sampling import Draw
 
@@ -95,8 +96,6 @@ def generate_rollouts(
     `width` where it is wider than the longest (one cache length, one compile, for every
     batch of a job). The caller makes sure no row reaches the model's positions within
     `max_new_tokens` (the eager loop's per-row limit)."""
-    from transformers import GenerationConfig, LogitsProcessorList
-
     device = next(model.parameters()).device
     ids, mask = batch.left_padded(pad_id, width)
     config = GenerationConfig(

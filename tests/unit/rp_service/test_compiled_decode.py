@@ -86,6 +86,36 @@ def test_a_wrapped_jobs_model_decodes_through_generate_as_the_engine_does() -> N
     assert sampler.compiled
 
 
+def test_compiled_on_the_cpu_it_compiles_once_and_gives_the_eager_rollouts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """generate compiles its step only on accelerators; its CompileConfig's
+    `_compile_all_devices` makes it compile here too (inductor's CPU backend, no CUDA
+    graphs): the decode step traces as one graph with the adapters, later batches (each a
+    new static cache) compile nothing more, and the tokens are the eager loop's."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    def compiling(**options: Any) -> GenerationConfig:
+        config = GenerationConfig(**options)
+        if options.get("cache_implementation") == "static":
+            config.compile_config = CompileConfig(fullgraph=True, mode="default")
+            config.compile_config._compile_all_devices = True
+        return config
+
+    monkeypatch.setattr(compiled_decode, "GenerationConfig", compiling)
+    model = _model(True)
+    eager = RolloutSampler(model, torch.device("cpu"))
+    sampler = RolloutSampler(model, torch.device("cpu"), compiled=True, prompt_width=8)
+    stats = torch._dynamo.utils.counters["stats"]  # the process's: earlier tests' count
+    before = stats["unique_graphs"]
+    for sampled in (False, True, True):
+        want = _rollouts(eager, sampled=sampled, stop={7})
+        assert _rollouts(sampler, sampled=sampled, stop={7}) == want
+        assert sampler.compiled
+        assert stats["unique_graphs"] - before == 1  # fullgraph: one graph, compiled once
+
+
 def test_the_checkpoints_generation_config_changes_no_score() -> None:
     """generate fills unset options from the model's generation config: a checkpoint's
     penalties would change the scores the eager loop draws from."""
