@@ -112,24 +112,6 @@ def test_a_full_fine_tunes_kl_reference_runs_on_cuda(tmp_path: Path) -> None:
     assert all(m["kl"] > steps[0]["kl"] for m in steps[1:])
 
 
-def _engine_rollouts(rp: Any) -> list[Any]:
-    """The engine's rollouts of the sampler tests' groups (seed 4, temperature 1.2, top-p
-    0.9, stop id 7)."""
-    from rp_service.worker.sampling import sampled_completions
-    from tests.unit.rp_service.test_generation import GROUPS, _limits
-
-    return sampled_completions(
-        rp,
-        GROUPS,
-        stop={7},
-        num_microbatch=3,
-        temperature=1.2,
-        top_p=0.9,
-        generator=torch.Generator().manual_seed(4),
-        **_limits(),
-    )
-
-
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -> None:
     """The sampler's copy on the GPU (fp32: the engine runs it eagerly there too) draws
@@ -139,12 +121,12 @@ def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -
     from rp_service.worker.generation import RolloutSampler
     from rp_service.worker.sampling import top_p_draw
     from tests.unit.engine.conftest import use_devices
-    from tests.unit.rp_service.test_generation import GROUPS, _limits, _model
+    from tests.unit.rp_service.test_generation import GROUPS, _limits, _model, engine_group_rollouts
 
     for _ in use_devices("cuda", 1):
         model = _model(lora)
         rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
-        want = _engine_rollouts(rp)
+        want = engine_group_rollouts(rp)
         sampler = RolloutSampler(model, torch.device("cuda"), keep=False)
         draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
         assert sampler.complete(GROUPS, stop={7}, draw=draw, **_limits()) == want
@@ -195,13 +177,13 @@ def test_the_streamed_sampler_equals_the_engines_rollouts_on_cuda(
     from rp_service.worker.sampling import top_p_draw
     from rp_service.worker.streamed_generation import StreamedRolloutSampler
     from tests.unit.engine.conftest import use_devices
-    from tests.unit.rp_service.test_generation import GROUPS, _limits
+    from tests.unit.rp_service.test_generation import GROUPS, _limits, engine_group_rollouts
     from tests.unit.rp_service.test_streamed_generation import _model
 
     for _ in use_devices("cuda", 1):
         model = _model(lora=lora, nf4=nf4)
         rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)  # pinned host weights
-        want = _engine_rollouts(rp)
+        want = engine_group_rollouts(rp)
         sampler = StreamedRolloutSampler(model, torch.device("cuda"), packed_resident=packed)
         draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
         assert sampler.complete(GROUPS, stop={7}, draw=draw, **_limits()) == want

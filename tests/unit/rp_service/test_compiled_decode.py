@@ -15,7 +15,7 @@ from rp_service.worker.compiled_decode import compiled_decoding_wanted
 from rp_service.worker.generation import RolloutSampler, make_sampler
 from rp_service.worker.sampling import top_p_draw
 from tests.unit.engine.conftest import use_devices
-from tests.unit.rp_service.test_generation import GROUPS, _limits, _model
+from tests.unit.rp_service.test_generation import GROUPS, _limits, _model, engine_group_rollouts
 
 
 @pytest.fixture(autouse=True)
@@ -67,20 +67,9 @@ def test_a_wrapped_jobs_model_decodes_through_generate_as_the_engine_does() -> N
     """A job's sampler copies the model after the engine wrapped it (the presets' layers,
     the adapters): generate must run the copy as the eager loop and the engine do."""
     from engine import wrap_model_to_roundpipe
-    from rp_service.worker.sampling import sampled_completions
 
     model = _model(True)
-    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
-    want = sampled_completions(
-        rp,
-        GROUPS,
-        stop={7},
-        num_microbatch=3,
-        temperature=1.2,
-        top_p=0.9,
-        generator=torch.Generator().manual_seed(4),
-        **_limits(),
-    )
+    want = engine_group_rollouts(wrap_model_to_roundpipe(model, optim_dtype=torch.float32))
     sampler = RolloutSampler(model, torch.device("cpu"), compiled=True)
     assert _rollouts(sampler, sampled=True, stop={7}) == want
     assert sampler.compiled

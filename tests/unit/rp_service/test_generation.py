@@ -58,6 +58,21 @@ def _limits(**extra: object) -> dict[str, object]:
     return {"max_new_tokens": 9, "max_positions": POSITIONS, "pad_id": PAD, **extra}
 
 
+def engine_group_rollouts(rp: RoundPipe) -> list[Sample]:
+    """The engine's rollouts of `GROUPS` as the sampler tests draw them (seed 4,
+    temperature 1.2, top-p 0.9, stop id 7)."""
+    return sampled_completions(
+        rp,
+        GROUPS,
+        stop={7},
+        num_microbatch=3,
+        temperature=1.2,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(4),
+        **_limits(),
+    )
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_greedy_rollouts_equal_the_engines_token_for_token(lora: bool) -> None:
     model = _model(lora)

@@ -30,6 +30,9 @@ TINY = {
     "head_dim": 16,
 }
 
+# A GRPO spec's grader: the plan does not read it, the JobSpec needs one.
+GRADER = {"type": "string_check", "name": "g", "input": "a", "reference": "a", "operation": "eq"}
+
 
 def _spec(**engine: Any) -> dict[str, Any]:
     """Qwen3's default shape (about 10.8 B parameters with the byte vocabulary)."""
@@ -130,19 +133,12 @@ def test_spec_plan_counts_the_model_the_worker_builds() -> None:
 
 
 def test_a_grpo_full_fine_tunes_kl_reference_is_a_second_model_in_the_plan() -> None:
-    grader = {
-        "type": "string_check",
-        "name": "g",
-        "input": "a",
-        "reference": "a",
-        "operation": "eq",
-    }
     plans = {}
     for method, kl in (("full", 0.0), ("full", 0.1), ("lora", 0.1)):
         body = _spec()
         body["train"] = {**body["train"], "objective": "grpo", "method": method}
         body["grpo"] = {"kl_coef": kl}
-        spec = JobSpec.model_validate({**body, "grader": grader})
+        spec = JobSpec.model_validate({**body, "grader": GRADER})
         plan = plan_for_spec(spec, spec_to_engine(spec), path_config=None, cuda=False)
         assert plan is not None
         plans[method, kl] = plan
@@ -156,13 +152,6 @@ def test_a_grpo_full_fine_tunes_kl_reference_is_a_second_model_in_the_plan() -> 
 def test_a_grpo_step_is_planned_as_its_groups_of_prompt_and_completion() -> None:
     """A GRPO step trains train.batch_size prompts x group_size completions, each up to
     data.seq_len + max_completion_tokens tokens: the activations the engine keeps."""
-    grader = {
-        "type": "string_check",
-        "name": "g",
-        "input": "a",
-        "reference": "a",
-        "operation": "eq",
-    }
     body = _spec()
     sft = JobSpec.model_validate(body)
     grpo = JobSpec.model_validate(
@@ -170,7 +159,7 @@ def test_a_grpo_step_is_planned_as_its_groups_of_prompt_and_completion() -> None
             **body,
             "train": {**body["train"], "objective": "grpo"},
             "grpo": {"group_size": 8, "max_completion_tokens": 512},
-            "grader": grader,
+            "grader": GRADER,
         }
     )
     plans = [
