@@ -28,7 +28,8 @@ Tokens are chosen exactly as `sampling._complete` chooses them: greedy on the de
 `draw` over the active rows' fp32 logits (on the device; one number a row from the
 caller's seeded host generator, `sampling.top_p_draw`), so a resumed job draws the same
 tokens, and the two paths give the same rows for the same logits
-(tests/unit/rp_service/test_generation.py checks it token for token). A row leaves the batch (and the cache) at a stop id, at the token limit or at the model's positions.
+(tests/unit/rp_service/test_generation.py checks it token for token). A row leaves the
+batch (and the cache) at a stop id, at the token limit or at the model's positions.
 
 Placement (`placement`): the copy and the largest KV cache must fit in the device's memory
 (the GPU memory cap where one is set) beside what the process already holds. The copy
@@ -221,11 +222,14 @@ class Decoding:
     stops: list[int | None]
     finish: list[str | None]
 
+    def width(self, at_least: int | None = None) -> int:
+        """The longest of the rows' prompts, or `at_least` where that is longer."""
+        return max([len(self.prompts[i]) for i in self.rows] + [at_least or 0])
+
     def left_padded(self, pad_id: int, width: int | None = None) -> tuple[Tensor, Tensor]:
-        """The rows' prompts left-padded to the longest, or to `width` where that is wider
-        (every row's last token in the last column), and their attention mask, on the
-        host."""
-        width = max([len(self.prompts[i]) for i in self.rows] + [width or 0])
+        """The rows' prompts left-padded to `self.width(width)` (every row's last token in
+        the last column), and their attention mask, on the host."""
+        width = self.width(width)
         ids = torch.full((len(self.rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(self.rows), width), dtype=torch.long)
         for r, i in enumerate(self.rows):
@@ -367,8 +371,7 @@ class RolloutSampler:
         limit); False where it did not (the rows as they were: the eager loop runs)."""
         from .compiled_decode import generate_rollouts
 
-        longest = max([len(batch.prompts[i]) for i in batch.rows] + [self.prompt_width or 0])
-        if not self.compiled or longest + max_new_tokens > max_positions:
+        if not self.compiled or batch.width(self.prompt_width) + max_new_tokens > max_positions:
             return False
         try:
             generate_rollouts(
