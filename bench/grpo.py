@@ -5,7 +5,7 @@ Prints one JSON line per run, then a summary (issue 48's Performance section):
     python bench/grpo.py --model qwen3-8b                  # 32 prompts x 8, 512 tokens
     python bench/grpo.py --model qwen3-8b --runs engine    # the engine alone
     python bench/grpo.py --model qwen3-8b --runs engine --sampler streamed
-    python bench/grpo.py --model qwen3-8b --runs engine --sampler compiled
+    python bench/grpo.py --model qwen3-8b --runs engine --sampler eager
     python bench/grpo.py --model llama-70b --nf4 --runs engine --prompts 4 \
         --completion-len 32 --steps 1                      # the 70B NF4 recipe, streamed
     RP_DEVICES=cpu:1 python bench/grpo.py --tiny           # CPU self-check, both runs
@@ -23,7 +23,8 @@ Each run goes in its own subprocess (`--run`), so the host and GPU peaks are its
 
 - `engine`: the job's pieces as the worker calls them: the rollout sampler placed as a
   job places it (`rp_service.worker.generation.make_sampler`: a KV-cached batched
-  generate on a GPU-resident copy, the adapters refreshed each step; where the copy does
+  generate on a GPU-resident copy, the adapters refreshed each step, its decode step
+  replayed as a CUDA graph, `graph_decode`; `--sampler eager` for the A/B; where the copy does
   not fit, or with `--sampler streamed`, the decoder layers streamed from host memory at
   every token, `streamed_generation`), the grader, then the GRPO loss through the engine
   (`forward_backward`, layers streamed from host memory) and the engine's Adam. `--nf4`
@@ -86,12 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--sampler",
-        choices=["auto", "streamed", "compiled"],
+        choices=["auto", "streamed", "eager"],
         default="auto",
-        help="the engine run's rollout sampler: placed by size as a job does (auto), the "
-        "decoder layers streamed from host memory even where a copy fits (streamed), or "
-        "auto with a resident copy decoding through generate's compiled static-cache step "
-        "(compiled: RP_COMPILED_ROLLOUTS=1)",
+        help="the engine run's rollout sampler: placed by size as a job does (auto: a copy "
+        "on the GPU replays its decode step as a CUDA graph), the decoder layers streamed "
+        "from host memory even where a copy fits (streamed), or auto with the copy decoding "
+        "eagerly (eager: RP_GRAPH_ROLLOUTS=0, the A/B of the replay)",
     )
     p.add_argument("--nf4", action="store_true", help="the engine run's base packed in NF4")
     p.add_argument("--run", choices=["engine", "trl"], help=argparse.SUPPRESS)
@@ -190,8 +191,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     rp, opt = _wrap(args, nf4=args.nf4)
     model = rp.rp_unwrap()[1]  # the HF model: the sampler copies its modules
     rows = args.prompts * args.group
-    if args.sampler == "compiled":
-        os.environ["RP_COMPILED_ROLLOUTS"] = "1"
+    if args.sampler == "eager":
+        os.environ["RP_GRAPH_ROLLOUTS"] = "0"
     sampler = make_sampler(
         model,
         rows=rows,
@@ -201,7 +202,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     )
     progress(
         f"engine: wrapped; sampler {type(sampler).__name__}"
-        + (" (compiled decoding)" if getattr(sampler, "compiled", False) else "")
+        + (" (decode step replayed)" if getattr(sampler, "graphs", False) else "")
     )
     if sampler is None:
         return {"run": "engine", "error": "neither the model nor its streamed layers fit"}
@@ -269,7 +270,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         out["sampler_placement"] = "packed" if sampler.packed_resident else "streamed"
     else:
         out["sampler_placement"] = "resident" if sampler.keep else "per_step"
-        out["compiled_decoding"] = sampler.compiled  # False also after a fallback
+        out["graph_decoding"] = sampler.graphs  # False also after a fallback
     out["nf4"] = args.nf4
     if streamed:
         measured = max(args.steps, 1)

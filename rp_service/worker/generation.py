@@ -19,10 +19,10 @@ Why a decode loop here and not transformers' `generate` (which chat serving uses
 `serving/process.py`): `generate` draws on the device from torch's global generator and
 keeps finished rows in the batch; rollouts must draw with the job's seeded host
 generator over the active rows only, or a resumed job and the engine path would draw
-other tokens. The cache itself is transformers'. This loop decodes eagerly. With
-RP_COMPILED_ROLLOUTS=1 a resident copy on a GPU decodes through `generate` instead, its
-static-cache step compiled, a logits processor choosing the tokens as this loop does
-(`compiled_decode`); opt-in until measured on a GPU, and back to this loop if it raises.
+other tokens. The cache itself is transformers'. This loop decodes eagerly, launching every
+kernel from Python: at GRPO's batch that, not the GPU, is what a token waits on. On a GPU the
+copy's decode step is replayed as a CUDA graph instead (`graph_decode`: the same modules, a
+static cache, the tokens chosen as here), back to this loop if that raises.
 
 Tokens are chosen exactly as `sampling._complete` chooses them: greedy on the device, or
 `draw` over the active rows' fp32 logits (on the device; one number a row from the
@@ -238,6 +238,33 @@ class Decoding:
             mask[r, width - len(prompt) :] = 1
         return ids, mask
 
+    def advance(
+        self,
+        rows: Sequence[int],
+        tokens: Sequence[int],
+        *,
+        stop: set[int],
+        max_new_tokens: int,
+        max_positions: int,
+    ) -> list[int]:
+        """Take `tokens[r]` as the next token of prompt `rows[r]`: a stop id ends the row
+        ("stop", the id not kept), the token limit or the model's positions after it
+        ("length"). Returns the places r of the rows that go on."""
+        keep: list[int] = []
+        for r, (i, token) in enumerate(zip(rows, tokens, strict=True)):
+            if token in stop:
+                self.finish[i], self.stops[i] = "stop", token
+                continue
+            self.made[i].append(token)
+            if (
+                len(self.made[i]) >= max_new_tokens
+                or len(self.prompts[i]) + len(self.made[i]) >= max_positions
+            ):
+                self.finish[i] = "length"
+                continue
+            keep.append(r)
+        return keep
+
 
 class RolloutSampler:
     """One full copy of a HF causal LM on `device`, kept at the host model's current
@@ -249,18 +276,19 @@ class RolloutSampler:
         device: torch.device,
         *,
         keep: bool = True,
-        compiled: bool = False,
+        graphs: bool = False,
         prompt_width: int | None = None,
     ) -> None:
         self.host = model
         self.device = device
         self.keep = keep  # False: `release` after each step's rollouts (Placement per_step)
-        # True: decode through transformers' generate with a static cache, which compiles
-        # its step on a GPU (`compiled_decode`); back to the eager loop if that raises
-        self.compiled = compiled
-        # The longest prompt the job has: compiled decoding pads every batch to it, so its
-        # static cache has one length (each new length compiles the step again)
+        # True: the decode step replayed as a CUDA graph (`graph_decode`; run eagerly off a
+        # GPU); back to the eager loop for good if that raises
+        self.graphs = graphs
+        # The longest prompt the job has: graph decoding pads every batch to it, so a step's
+        # batches share one decoder shape
         self.prompt_width = prompt_width
+        self._decoder: Any = None  # graph_decode.GraphDecoder of this step's rollouts
         self.model: nn.Module | None = None
         # (host parameter, copy's parameter) of every weight that training changes
         self._trained: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -287,6 +315,7 @@ class RolloutSampler:
         """Drop the copy from the device (the next `refresh` uploads it again)."""
         self.model = None
         self._trained = []
+        self._decoder = None
         if self.device.type == "cuda":
             gc.collect()  # a module cycle would keep the copy's tensors alive
             torch.cuda.empty_cache()
@@ -296,7 +325,9 @@ class RolloutSampler:
         stays, and the KV cache's freed blocks go back to the device: the caching allocator
         keeps a block for the stream that freed it, and training allocates on the engine's
         own streams, so otherwise the rollouts' cache stays reserved beside training's
-        memory (session 25, Qwen3-8B: 38.7 GiB allocated at most, 67.0 GiB reserved)."""
+        memory (session 25, Qwen3-8B: 38.7 GiB allocated at most, 67.0 GiB reserved).
+        The graph decoder (its static KV cache and its graph's pool) goes too."""
+        self._decoder = None
         if not self.keep:
             self.release()
         elif self.device.type == "cuda":
@@ -366,29 +397,42 @@ class RolloutSampler:
         max_positions: int,
         pad_id: int,
     ) -> bool:
-        """Decode `batch` through `compiled_decode.generate_rollouts` where this sampler
-        compiles and no row can reach the model's positions (the eager loop's per-row
-        limit); False where it did not (the rows as they were: the eager loop runs)."""
-        from .compiled_decode import generate_rollouts
+        """Decode `batch` through a `graph_decode.GraphDecoder` where this sampler replays
+        and no row can reach the model's positions before its token limit; False where it
+        did not (the rows as they were: the eager loop runs)."""
+        from .graph_decode import GraphDecoder
 
-        if not self.compiled or batch.width(self.prompt_width) + max_new_tokens > max_positions:
+        width = batch.width(self.prompt_width)
+        if not self.graphs or width + max_new_tokens > max_positions:
             return False
+        assert self.model is not None
+        rows = len(batch.rows)
         try:
-            generate_rollouts(
-                self.model,
-                batch,
-                draw=draw,
-                max_new_tokens=max_new_tokens,
-                stop=stop,
-                pad_id=pad_id,
-                width=self.prompt_width,
-            )
+            with torch.inference_mode():
+                if self._decoder is None or not self._decoder.fits(rows, width, max_new_tokens):
+                    self._decoder = None  # the old cache goes before the new one is made
+                    self._decoder = GraphDecoder(
+                        self.model,
+                        rows=rows,
+                        width=width,
+                        new_tokens=max_new_tokens,
+                        capture=self.device.type == "cuda",
+                    )
+                self._decoder.decode(
+                    batch,
+                    draw=draw,
+                    max_new_tokens=max_new_tokens,
+                    stop=stop,
+                    max_positions=max_positions,
+                    pad_id=pad_id,
+                )
             return True
         except Exception:
             # The eager loop starts again from the prompts; the draw's generator has moved
-            # on, so these rollouts differ from the ones compiled decoding would have made.
-            log.warning("compiled rollouts failed: decoding eagerly from now on", exc_info=True)
-            self.compiled = False
+            # on, so these rollouts differ from the ones the replayed step would have made.
+            log.warning("graph rollouts failed: decoding eagerly from now on", exc_info=True)
+            self.graphs = False
+            self._decoder = None
             for i in batch.rows:
                 batch.made[i], batch.stops[i], batch.finish[i] = [], None, None
             return False
@@ -405,13 +449,7 @@ class RolloutSampler:
         pad_id: int,
     ) -> None:
         dev = self.device
-        prompts, rows, made, stops, finish = (
-            batch.prompts,
-            batch.rows,
-            batch.made,
-            batch.stops,
-            batch.finish,
-        )
+        rows = batch.rows
         ids, mask = batch.left_padded(pad_id)
         ids, mask = ids.to(dev), mask.to(dev)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -420,21 +458,16 @@ class RolloutSampler:
         next_pos = positions[:, -1:] + 1
         while True:
             chosen = logits.argmax(dim=-1) if draw is None else draw(logits.float())
-            keep: list[int] = []
-            for r, (i, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
-                if token in stop:
-                    finish[i], stops[i] = "stop", token
-                    continue
-                made[i].append(token)
-                if (
-                    len(made[i]) >= max_new_tokens
-                    or len(prompts[i]) + len(made[i]) >= max_positions
-                ):
-                    finish[i] = "length"
-                    continue
-                keep.append(r)
+            keep = batch.advance(
+                rows,
+                chosen.tolist(),
+                stop=stop,
+                max_new_tokens=max_new_tokens,
+                max_positions=max_positions,
+            )
             if not keep:
                 return
+            made = batch.made
             tokens = torch.tensor([[made[rows[r]][-1]] for r in keep], dtype=torch.long, device=dev)
             if len(keep) < len(rows):  # finished rows leave the batch and the cache
                 index = torch.tensor(keep, dtype=torch.long, device=dev)
@@ -458,7 +491,7 @@ def make_sampler(
     `tokens` tokens, placed by `placement`: a full copy (`RolloutSampler`), else the layers
     streamed (`StreamedRolloutSampler`), else None (the engine's path). `streamed_only`:
     streamed even where the copy fits (`grpo.generation: streamed`); `prompt_width`: the
-    longest prompt to come (compiled decoding pads every batch to it)."""
+    longest prompt to come (graph decoding pads every batch to it)."""
     from engine.device import device_memory_bytes, get_devices
 
     from .streamed_generation import (
@@ -505,13 +538,12 @@ def make_sampler(
         # rollouts too: the trainer has the device to itself, and their upload is a small
         # share of a step's decoding.
         return StreamedRolloutSampler(model, device, keep=False, packed_resident=where == "packed")
-    from .compiled_decode import compiled_decoding_wanted
+    from .graph_decode import graph_decoding_wanted
 
-    # Compiled decoding for a copy kept between steps only: a copy uploaded again each step
-    # is new modules, which torch.compile would compile again each step.
-    compiled = where == "resident" and compiled_decoding_wanted(device, dtype)
-    if compiled:
-        log.info("rollout sampler: compiled decoding (generate, static cache)")
+    graphs = graph_decoding_wanted(model, device)
+    if graphs:
+        how = "replayed as a CUDA graph" if device.type == "cuda" else "run uncaptured (no GPU)"
+        log.info("rollout sampler: a static-cache decode step, %s", how)
     return RolloutSampler(
-        model, device, keep=where == "resident", compiled=compiled, prompt_width=prompt_width
+        model, device, keep=where == "resident", graphs=graphs, prompt_width=prompt_width
     )

@@ -138,12 +138,14 @@ def test_the_kv_cached_sampler_equals_the_engines_rollouts_on_cuda(lora: bool) -
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_compiled_decoding_gives_the_eager_samplers_rollouts_on_cuda(sampled: bool) -> None:
-    """The resident copy decoding through generate's static cache (compiled on a GPU,
-    rp_service.worker.compiled_decode) against the eager loop, fp32 with LoRA: the fused
-    kernels move the logits by fp32 roundings, far below these random logits' gaps, so the
-    tokens agree (greedy, and drawn from float64 shares of them); and it does not fall
-    back."""
+def test_the_replayed_decode_step_gives_the_eager_samplers_rollouts_on_cuda(
+    sampled: bool,
+) -> None:
+    """The resident copy's decode step captured as a CUDA graph and replayed
+    (rp_service.worker.graph_decode) against the eager loop, fp32 with LoRA: the static
+    cache's masked columns and the replay move the logits by fp32 roundings at most, far
+    below these random logits' gaps, so the tokens agree (greedy, and drawn from float64
+    shares of them); it does not fall back, and it replayed (the eager check passed)."""
     from rp_service.worker.generation import RolloutSampler
     from rp_service.worker.sampling import top_p_draw
     from tests.unit.engine.conftest import use_devices
@@ -156,11 +158,31 @@ def test_compiled_decoding_gives_the_eager_samplers_rollouts_on_cuda(sampled: bo
     for _ in use_devices("cuda", 1):
         model = _model(True)
         eager = RolloutSampler(model, torch.device("cuda"))
-        compiled = RolloutSampler(model, torch.device("cuda"), compiled=True)
+        replayed = RolloutSampler(model, torch.device("cuda"), graphs=True)
         want = eager.complete(GROUPS, stop={7}, draw=draw(), **_limits())
-        for _ in range(2):  # the second call replays what the first compiled
-            assert compiled.complete(GROUPS, stop={7}, draw=draw(), **_limits()) == want
-        assert compiled.compiled
+        for _ in range(2):  # the second call replays the first call's graph
+            assert replayed.complete(GROUPS, stop={7}, draw=draw(), **_limits()) == want
+        decoder = replayed._decoder
+        assert replayed.graphs and decoder is not None
+        assert decoder.graph is not None and decoder.checked and decoder.replays > 8
+        replayed.step_done()
+        assert replayed._decoder is None
+
+
+def test_the_replayed_step_runs_a_half_precision_copy_on_cuda() -> None:
+    """bf16, as jobs run: the replay agrees with the eager step (the decoder's own check)
+    and every row gets its tokens; the tokens themselves may part from the eager loop's at
+    a near tie (bf16 roundings), so only their count is compared."""
+    from rp_service.worker.generation import RolloutSampler
+    from tests.unit.engine.conftest import use_devices
+    from tests.unit.rp_service.test_generation import GROUPS, _limits, _model
+
+    for _ in use_devices("cuda", 1):
+        model = _model(True).to(torch.bfloat16)
+        sampler = RolloutSampler(model, torch.device("cuda"), graphs=True)
+        got = sampler.complete(GROUPS, stop=set(), draw=None, **_limits())
+        assert sampler.graphs and sampler._decoder.checked
+        assert [len(s.ids) for s in got] == [9] * len(GROUPS)
 
 
 @pytest.mark.parametrize(

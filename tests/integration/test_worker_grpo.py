@@ -190,18 +190,19 @@ def test_kill_9_mid_job_resumes_bit_for_bit(uninterrupted_lora, tmp_path: Path) 
         assert ours[name].equal(theirs[name]), name
 
 
-def test_generates_rollouts_make_the_same_job_as_the_eager_loop(
+def test_the_static_decode_step_makes_the_same_job_as_the_eager_loop(
     uninterrupted_lora, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The worker's sampler through transformers' generate (compiled on a GPU; on the CPU
-    forced, uncompiled): the same rollouts, so the same job, step for step."""
+    """The worker's sampler through the static-cache decode step (replayed as a CUDA graph
+    on a GPU; on the CPU forced, uncaptured): the same rollouts, so the same job, step for
+    step."""
     _, want_events = uninterrupted_lora
-    monkeypatch.setenv("RP_COMPILED_ROLLOUTS", "force")
-    job = make_job(tmp_path / "generate", LORA_KL)
+    monkeypatch.setenv("RP_GRAPH_ROLLOUTS", "force")
+    job = make_job(tmp_path / "graphs", LORA_KL)
     code, events = run(job)
     assert code == 0, (job / "worker.log").read_text()[-3000:]
-    assert "compiled decoding" in (job / "worker.log").read_text()
-    assert "compiled rollouts failed" not in (job / "worker.log").read_text()
+    assert "a static-cache decode step" in (job / "worker.log").read_text()
+    assert "graph rollouts failed" not in (job / "worker.log").read_text()
     keys = ("train_loss", "reward_mean", "kl", "clip_fraction", "completion_tokens_mean")
     got, want = metrics(events), metrics(want_events)
     assert [{k: m[k] for k in keys} for m in got] == [{k: m[k] for k in keys} for m in want]
