@@ -261,6 +261,13 @@ def _last_plan(rp: Any) -> str | None:
     return repr(plans[max(plans, key=lambda k: k[2])]) if plans else None
 
 
+def _deferred_grads(args: argparse.Namespace) -> bool:
+    """Whether engine.optim.Adam reads the gradient downloads in place (the plan then counts
+    no fp32 gradient buffer): not with --copy-grads, nor under data parallel (a rank's shards
+    are plain parameters, their gradients copied)."""
+    return not args.copy_grads and int(os.environ.get("WORLD_SIZE", "1")) == 1
+
+
 def host_plan(args: argparse.Namespace) -> Any:
     """engine.planning.memory_plan's prediction of this run's peak host memory (from shapes only);
     None for the MoE shapes, which the plan does not model (check_host_memory covers them)."""
@@ -286,6 +293,7 @@ def host_plan(args: argparse.Namespace) -> Any:
         double_buffer_weights=_double_buffer(args),
         layers_per_group=args.group_layers,
         num_devices=get_num_devices(),
+        deferred_grads=_deferred_grads(args),
     )
     return plan_host_memory(shape, run)
 

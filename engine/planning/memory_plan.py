@@ -372,6 +372,12 @@ class RunShape:
     # Whole frozen copies of the model wrapped beside it for forwards only (the service's
     # GRPO full fine-tune keeps its starting weights as the KL reference): pinned as it is.
     frozen_copies: int = 0
+    # The optimizer reads each gradient download in place (engine.optim.Adam, a step_fn
+    # that zeroes the gradients and reads no `.grad`, one process: the service's jobs), so
+    # no optimizer-dtype gradient buffer is made (engine/optim/_deferred.py). Session 26,
+    # Qwen3-1.7B on an H200: 47.8 GiB peak with the deferral, 54.2 GiB copied, the
+    # difference this buffer (6.4 GiB).
+    deferred_grads: bool = False
 
 
 def run_shape(
@@ -382,8 +388,10 @@ def run_shape(
     seq_len: int,
     num_devices: int,
     cuda: bool,
+    deferred_grads: bool = False,
 ) -> RunShape:
-    """The RunShape of a run of `shape` with `options` on `num_devices` devices."""
+    """The RunShape of a run of `shape` with `options` on `num_devices` devices
+    (`deferred_grads`: see RunShape)."""
     model_bytes = _DTYPE_BYTES[options.model_dtype]
     lora = options.lora
     return RunShape(
@@ -406,6 +414,7 @@ def run_shape(
         quantization=options.quantization,
         layers_per_group=options.layers_per_group,
         num_devices=num_devices,
+        deferred_grads=deferred_grads,
     )
 
 
@@ -568,9 +577,8 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
         parts["optim_state_scales"] = compact[1] if run.optimizer_state else 0
     else:
         parts["optim_master"] = trainable * run.optim_dtype_bytes
-        parts["optim_gradients"] = (
-            trainable * run.optim_dtype_bytes if run.optim_grad_dtype == "optim" else 0
-        )
+        copied = run.optim_grad_dtype == "optim" and not run.deferred_grads
+        parts["optim_gradients"] = trainable * run.optim_dtype_bytes if copied else 0
         second = run.double_buffer_weights and mbytes < run.optim_dtype_bytes
         parts["model_second_copy"] = trainable * mbytes if second else 0
         state_bytes = 4 if run.optim_state_dtype == "float32" else 2

@@ -89,6 +89,9 @@ def plan_for_spec(
         seq_len=seq_len,
         num_devices=1 if ranks > 1 else max(spec.engine.gpus, 1),
         cuda=cuda,
+        # the worker's step_fn (engine.optim.Adam, its clip, zero_grad) reads no `.grad`;
+        # data parallel's shards are plain parameters, whose gradients are copied
+        deferred_grads=ranks == 1,
     )
     if spec.grpo is not None and spec.grpo.kl_coef > 0 and spec.train.method != "lora":
         # the KL reference of a full fine-tune: the starting weights, a second wrapped copy

@@ -171,11 +171,18 @@ def _nbytes(t: torch.Tensor | None) -> int:
 
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize(
-    "grad_mode,state_dtype,pin_model",
-    [("optim", "float32", "off"), ("model", "bfloat16", "arena"), ("optim", "bfloat16", "alloc")],
+    "grad_mode,state_dtype,pin_model,zeroes",
+    [
+        ("optim", "float32", "off", False),
+        ("model", "bfloat16", "arena", False),
+        ("optim", "bfloat16", "alloc", False),
+        # the service's step_fn: it zeroes the gradients, so engine.optim.Adam reads each
+        # download in place and no fp32 gradient buffer is made (the plan's deferred_grads)
+        ("optim", "float32", "alloc", True),
+    ],
 )
 def test_plan_matches_the_bytes_allocated(
-    cpu3: int, tie: bool, grad_mode: str, state_dtype: str, pin_model: str
+    cpu3: int, tie: bool, grad_mode: str, state_dtype: str, pin_model: str, zeroes: bool
 ) -> None:
     hf = _qwen3(tie)
     shape = ModelShape.from_config(hf.config)
@@ -187,6 +194,7 @@ def test_plan_matches_the_bytes_allocated(
         optim_state_dtype=state_dtype,  # type: ignore[arg-type]
         pin_model=pin_model,  # type: ignore[arg-type]
         cuda=False,
+        deferred_grads=zeroes,
     )
     plan = plan_host_memory(shape, run)
     rp = wrap_model_to_roundpipe(
@@ -204,7 +212,12 @@ def test_plan_matches_the_bytes_allocated(
         label=ids,
         loss_fn=causal_lm_loss_fn(ids),
     )
-    rp.step(opt.step, is_async=False)
+    def step_fn() -> None:
+        opt.step()
+        if zeroes:
+            opt.zero_grad()
+
+    rp.step(step_fn, is_async=False)
     attrs = [pa for _, pa in rp._all_params()]
     params = [p for p, _ in rp._all_params()]
     got = {
@@ -223,6 +236,7 @@ def test_plan_matches_the_bytes_allocated(
         buffers = sum(-(-_nbytes(b) // 64) * 64 for b in rp.model.buffers())
         assert arena == got["model"] + got["host_gradients"] + buffers
     assert {k: plan.parts[k] for k in got} == got
+    assert (got["optim_gradients"] == 0) == (zeroes or grad_mode == "model")
 
 
 def test_plan_of_8b_on_the_h100_box() -> None:
