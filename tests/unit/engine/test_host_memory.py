@@ -212,6 +212,7 @@ def test_plan_matches_the_bytes_allocated(
         label=ids,
         loss_fn=causal_lm_loss_fn(ids),
     )
+
     def step_fn() -> None:
         opt.step()
         if zeroes:
