@@ -17,6 +17,7 @@ case ${PART:-grpo} in
 grpo)
     timeout 150 python3 -m pytest -p no:cacheprovider -m gpu -v --tb=short --timeout=120 \
         "tests/gpu/test_grpo_gpu.py::test_the_replayed_decode_step_gives_the_eager_samplers_rollouts_on_cuda" \
+        "tests/gpu/test_grpo_gpu.py::test_compacted_rows_are_captured_again_on_cuda" \
         "tests/gpu/test_grpo_gpu.py::test_the_replayed_step_runs_a_half_precision_copy_on_cuda" \
         >"$OUT/grpo-graphs.log" 2>&1
     grep -E "PASSED|FAILED|ERROR" "$OUT/grpo-graphs.log" | tail -4

@@ -21,9 +21,11 @@ transformers' SDPA mask does, so no NaN reaches the cache). The first decode ste
 eagerly twice on a side stream (cuBLAS and cuDNN set up outside the capture; both write the
 K/V the replay writes again), is captured, and replayed; the second step is computed
 eagerly as well as replayed, and the two must agree, else the batch goes back to the eager
-loop. Rows that finish stay in the graph's batch and their tokens are ignored: the draw,
-as in the eager loop, is over the active rows only, so both loops consume the same numbers
-of the job's seeded generator in the same order.
+loop. Rows that finish stay in the graph's batch and their tokens are ignored, until at
+most half the rows still decode: then the live ones move to the front (their cache rows
+too, in place) and the step is captured again for that many (`GraphDecoder._compact`). The
+draw, as in the eager loop, is over the active rows only, so both loops consume the same
+numbers of the job's seeded generator in the same order.
 
 Where: a copy on a GPU (resident or uploaded per step) of a dense decoder family whose
 attention layers call `update` on the cache they are given, with SDPA attention and no
@@ -103,6 +105,7 @@ class _StaticCache:
     def __init__(self, length: int, position: Tensor) -> None:
         self.length = length
         self.position = position  # (1,) long on the device: where a decode step writes
+        self.rows: int | None = None  # the first rows in use (None: all); see compact
         self.prefill_width: int | None = None
         self.keys: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
@@ -120,7 +123,7 @@ class _StaticCache:
             k[:, :, :width].copy_(keys)
             v[:, :, :width].copy_(values)
             return k[:, :, :width], v[:, :, :width]
-        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k, v = self.keys[layer_idx][: self.rows], self.values[layer_idx][: self.rows]
         k.index_copy_(2, self.position, keys)
         v.index_copy_(2, self.position, values)
         return k, v
@@ -142,6 +145,10 @@ class GraphDecoder:
     tokens each through `model`'s modules and a static cache; `capture`: the decode step
     replayed as a CUDA graph (else run eagerly, as on the CPU)."""
 
+    # Rows below which a batch is no longer compacted: the step then costs about the weights'
+    # reads whatever the rows, and each compaction captures the step again.
+    min_rows = 16
+
     def __init__(
         self, model: nn.Module, *, rows: int, width: int, new_tokens: int, capture: bool
     ) -> None:
@@ -152,23 +159,53 @@ class GraphDecoder:
         self.inner: Any = model.model
         self.layers = decoder_layers(model)
         self.head: Any = model.get_output_embeddings()
-        self.rows, self.width, self.new_tokens = rows, width, new_tokens
+        self.capacity, self.width, self.new_tokens = rows, width, new_tokens
         self.capture = capture
         device = next(model.parameters()).device
         self.device = device
         length = width + new_tokens
-        self.tokens = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.mask = torch.zeros((rows, 1, 1, length), dtype=torch.bool, device=device)
+        # The step's inputs, whole; `tokens`, `positions`, `mask` are views of their first
+        # `rows` rows (all of them until a compaction)
+        self._tokens = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self._positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self._mask = torch.zeros((rows, 1, 1, length), dtype=torch.bool, device=device)
         self.cache = _StaticCache(length, torch.zeros(1, dtype=torch.long, device=device))
         self._cache_kw = _cache_keyword(self.layers[0])
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_rows = 0  # the rows the graph was captured for
         self.logits: Tensor | None = None  # the graph's output
         self.checked = False
         self.replays = 0
+        self.compactions = 0
+        self._use_rows(rows)
 
     def fits(self, rows: int, width: int, new_tokens: int) -> bool:
-        return (rows, width, new_tokens) == (self.rows, self.width, self.new_tokens)
+        return (rows, width, new_tokens) == (self.capacity, self.width, self.new_tokens)
+
+    def _use_rows(self, rows: int) -> None:
+        """Decode the first `rows` rows from now on (a graph of another size goes)."""
+        self.rows = rows
+        self.tokens = self._tokens[:rows]
+        self.positions = self._positions[:rows]
+        self.mask = self._mask[:rows]
+        self.cache.rows = rows
+        if self.graph_rows != rows:
+            self.graph, self.logits, self.checked = None, None, False
+
+    def _compact(self, keep: list[int]) -> None:
+        """Move rows `keep` (ascending places in the batch) to the front, in order, and
+        decode those only: at half the rows a step reads half the KV cache and does half the
+        arithmetic. In place (a row's new place is at or before its old one), one layer's
+        rows at a time, so no second cache is made."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        n = len(keep)
+        for whole in (self._tokens, self._positions, self._mask):
+            whole[:n].copy_(whole.index_select(0, index))
+        for tensors in (self.cache.keys, self.cache.values):
+            for t in tensors.values():
+                t[:n].copy_(t.index_select(0, index))
+        self.compactions += 1
+        self._use_rows(n)
 
     def _forward(self, ids: Tensor, mask: Tensor, positions: Tensor) -> Tensor:
         """The last position's logits, as the model's forward with `logits_to_keep=1`."""
@@ -201,6 +238,7 @@ class GraphDecoder:
                 f"{self.cache.updates - before} cache updates for {len(self.layers)} layers: "
                 "the attention does not write the cache it is given"
             )
+        self._use_rows(self.capacity)
         self.mask.zero_()
         self.mask[:, 0, 0, :width] = mask.bool()
         self.positions.copy_(positions[:, -1:])
@@ -245,7 +283,7 @@ class GraphDecoder:
         # thread_local: the engine's own threads may use CUDA meanwhile (legal for them)
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.logits = self._forward(*args)
-        self.graph = graph
+        self.graph, self.graph_rows = graph, self.rows
         graph.replay()
         return self.logits
 
@@ -259,12 +297,14 @@ class GraphDecoder:
         max_positions: int,
         pad_id: int,
     ) -> None:
-        """Decode `batch`'s rows (as many as this decoder's `rows`), filling its `made`,
-        `stops` and `finish` as the eager loop does."""
+        """Decode `batch`'s rows (as many as this decoder's `capacity`), filling its `made`,
+        `stops` and `finish` as the eager loop does. Once at most half the rows still decode
+        (and at least `min_rows`), they are compacted to the front and the step is captured
+        again for that many."""
         ids, mask = batch.left_padded(pad_id, self.width)
         logits = self._prefill(ids.to(self.device), mask.to(self.device))
         rows = list(batch.rows)  # the batch's rows still decoding
-        active = list(range(self.rows))  # their places in the graph's batch
+        active = list(range(self.rows))  # their places in the decoder's batch
         index: Tensor | None = None  # `active` on the device, once rows have left
         while True:
             scores = logits if index is None else logits.index_select(0, index)
@@ -285,5 +325,12 @@ class GraphDecoder:
             if len(keep) < len(rows):
                 rows = [rows[r] for r in keep]
                 active = [active[r] for r in keep]
-                index = torch.tensor(active, dtype=torch.long, device=self.device)
+                if self.min_rows <= len(active) <= self.rows // 2:
+                    self._compact(active)
+                    active = list(range(len(active)))
+                index = (
+                    None
+                    if len(active) == self.rows
+                    else torch.tensor(active, dtype=torch.long, device=self.device)
+                )
             logits = self._step()

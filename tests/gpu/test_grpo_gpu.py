@@ -169,6 +169,32 @@ def test_the_replayed_decode_step_gives_the_eager_samplers_rollouts_on_cuda(
         assert replayed._decoder is None
 
 
+def test_compacted_rows_are_captured_again_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows ending early (stops that end most of them within four tokens) are compacted to
+    the front and the step captured again for fewer rows: the eager sampler's tokens."""
+    from rp_service.worker.generation import RolloutSampler
+    from rp_service.worker.graph_decode import GraphDecoder
+    from tests.unit.engine.conftest import use_devices
+    from tests.unit.rp_service.test_generation import GROUPS, _limits, _model
+
+    monkeypatch.setattr(GraphDecoder, "min_rows", 2)
+    for _ in use_devices("cuda", 1):
+        model = _model(True)
+        eager = RolloutSampler(model, torch.device("cuda"))
+        free = eager.complete(GROUPS, stop=set(), draw=None, **_limits())
+        stop: set[int] = set()
+        for row in free:
+            if sum(bool(stop & set(r.ids[:4])) for r in free) >= 8:
+                break
+            stop.add(row.ids[2])
+        want = eager.complete(GROUPS, stop=stop, draw=None, **_limits())
+        replayed = RolloutSampler(model, torch.device("cuda"), graphs=True)
+        assert replayed.complete(GROUPS, stop=stop, draw=None, **_limits()) == want
+        decoder = replayed._decoder
+        assert replayed.graphs and decoder.compactions >= 1 and decoder.graph is not None
+        assert decoder.graph_rows == decoder.rows < len(GROUPS)
+
+
 def test_the_replayed_step_runs_a_half_precision_copy_on_cuda() -> None:
     """bf16, as jobs run: the replay agrees with the eager step (the decoder's own check)
     and every row gets its tokens; the tokens themselves may part from the eager loop's at

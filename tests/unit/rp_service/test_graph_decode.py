@@ -106,6 +106,34 @@ def test_a_wrapped_jobs_model_decodes_as_the_engine_does() -> None:
     assert sampler.graphs
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rows_compacted_as_they_end_decode_as_the_eager_loop(
+    sampled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once at most half the rows still decode, the decoder moves them to the front and
+    decodes those only (its cache's rows too): the same tokens, the draws over the same
+    active rows."""
+    monkeypatch.setattr(GraphDecoder, "min_rows", 2)
+    model = _model(True)
+    eager = RolloutSampler(model, CPU)
+    free = _rollouts(eager, sampled=sampled, stop=set())
+    stop: set[int] = set()
+    for row in free:  # stops that end at least 8 of the 12 rows within their first tokens
+        if sum(bool(stop & set(r.ids[:4])) for r in free) >= 8:
+            break
+        stop.add(row.ids[2])
+    want = _rollouts(eager, sampled=sampled, stop=stop)
+    ended = sum(s.finish_reason == "stop" and len(s.ids) < 6 for s in want)
+    assert ended >= len(GROUPS) // 2  # enough rows end early for a compaction
+    static = RolloutSampler(model, CPU, graphs=True)
+    assert _rollouts(static, sampled=sampled, stop=stop) == want
+    decoder = static._decoder
+    assert static.graphs and decoder.compactions >= 1 and decoder.rows < len(GROUPS)
+    # the next batch starts whole again
+    assert _rollouts(static, sampled=sampled, stop=set()) == free
+    assert static._decoder is decoder
+
+
 def test_one_decoder_serves_a_steps_batches_and_goes_at_its_end() -> None:
     sampler = RolloutSampler(_model(False), CPU, graphs=True, prompt_width=10)
     _rollouts(sampler, sampled=False, stop=set())
