@@ -238,6 +238,29 @@ class Decoding:
             mask[r, width - len(prompt) :] = 1
         return ids, mask
 
+    def choose_next(
+        self,
+        rows: Sequence[int],
+        logits: Tensor,
+        draw: Draw | None,
+        *,
+        stop: set[int],
+        max_new_tokens: int,
+        max_positions: int,
+    ) -> tuple[Tensor, list[int]]:
+        """Choose the next token of prompts `rows` from their last logits (greedy on the
+        device, or `draw` over their fp32 values) and take it (`advance`). Returns the
+        chosen ids (on the logits' device) and the places of the rows that go on."""
+        chosen = logits.argmax(dim=-1) if draw is None else draw(logits.float())
+        keep = self.advance(
+            rows,
+            chosen.tolist(),
+            stop=stop,
+            max_new_tokens=max_new_tokens,
+            max_positions=max_positions,
+        )
+        return chosen, keep
+
     def advance(
         self,
         rows: Sequence[int],
@@ -456,15 +479,9 @@ class RolloutSampler:
         cache = cache_cls(config=self.model.config)  # type: ignore[union-attr]
         logits = self._logits(ids, mask, positions, cache)
         next_pos = positions[:, -1:] + 1
+        limits = {"stop": stop, "max_new_tokens": max_new_tokens, "max_positions": max_positions}
         while True:
-            chosen = logits.argmax(dim=-1) if draw is None else draw(logits.float())
-            keep = batch.advance(
-                rows,
-                chosen.tolist(),
-                stop=stop,
-                max_new_tokens=max_new_tokens,
-                max_positions=max_positions,
-            )
+            _, keep = batch.choose_next(rows, logits, draw, **limits)
             if not keep:
                 return
             made = batch.made

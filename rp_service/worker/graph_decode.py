@@ -306,16 +306,10 @@ class GraphDecoder:
         rows = list(batch.rows)  # the batch's rows still decoding
         active = list(range(self.rows))  # their places in the decoder's batch
         index: Tensor | None = None  # `active` on the device, once rows have left
+        limits = {"stop": stop, "max_new_tokens": max_new_tokens, "max_positions": max_positions}
         while True:
             scores = logits if index is None else logits.index_select(0, index)
-            chosen = scores.argmax(dim=-1) if draw is None else draw(scores.float())
-            keep = batch.advance(
-                rows,
-                chosen.tolist(),
-                stop=stop,
-                max_new_tokens=max_new_tokens,
-                max_positions=max_positions,
-            )
+            chosen, keep = batch.choose_next(rows, scores, draw, **limits)
             if not keep:
                 return
             if index is None:
