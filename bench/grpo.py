@@ -94,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "from host memory even where a copy fits (streamed), or auto with the copy decoding "
         "eagerly (eager: RP_GRAPH_ROLLOUTS=0, the A/B of the replay)",
     )
+    p.add_argument(
+        "--merged-adapters",
+        action="store_true",
+        help="the engine run's sampler copy carries the LoRA adapters merged into its base "
+        "weights, uploaded again at each refresh (RP_MERGED_ROLLOUTS=1)",
+    )
     p.add_argument("--nf4", action="store_true", help="the engine run's base packed in NF4")
     p.add_argument("--run", choices=["engine", "trl"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -193,6 +199,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     rows = args.prompts * args.group
     if args.sampler == "eager":
         os.environ["RP_GRAPH_ROLLOUTS"] = "0"
+    if args.merged_adapters:
+        os.environ["RP_MERGED_ROLLOUTS"] = "1"
     sampler = make_sampler(
         model,
         rows=rows,
@@ -271,6 +279,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     else:
         out["sampler_placement"] = "resident" if sampler.keep else "per_step"
         out["graph_decoding"] = sampler.graphs  # False also after a fallback
+        out["merged_adapters"] = bool(sampler._merges)
     out["nf4"] = args.nf4
     if streamed:
         measured = max(args.steps, 1)

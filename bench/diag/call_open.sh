@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU device calls for what session 26 left unmeasured (each ~9 minutes; logs to $OUT):
 #   PART=grpo  issue 48: the CUDA-graph decode step's GPU tests, then the 8B engine step
-#              with it (the default) and with the eager loop (`--sampler eager`), one call
+#              with it (the default), then with the adapters merged into the sampler copy
+#              (`--merged-adapters`; the eager loop's figure is session 25's 56.2 s)
 #   PART=trl   issue 48: TRL's 8B step, a warm-up step first (session 26 measured only its
 #              first step, 85.2 s, in the call's time), then the small batch beside the
 #              engine. Needs `WITH_TRL=1 bash bench/fetch_wheels.sh`.
@@ -18,17 +19,17 @@ grpo)
     timeout 150 python3 -m pytest -p no:cacheprovider -m gpu -v --tb=short --timeout=120 \
         "tests/gpu/test_grpo_gpu.py::test_the_replayed_decode_step_gives_the_eager_samplers_rollouts_on_cuda" \
         "tests/gpu/test_grpo_gpu.py::test_compacted_rows_are_captured_again_on_cuda" \
+        "tests/gpu/test_grpo_gpu.py::test_merged_adapters_give_the_engines_rollouts_on_cuda" \
         "tests/gpu/test_grpo_gpu.py::test_the_replayed_step_runs_a_half_precision_copy_on_cuda" \
         >"$OUT/grpo-graphs.log" 2>&1
-    grep -E "PASSED|FAILED|ERROR" "$OUT/grpo-graphs.log" | tail -4
+    grep -E "PASSED|FAILED|ERROR" "$OUT/grpo-graphs.log" | tail -6
     timeout 250 python3 bench/grpo.py --model qwen3-8b --runs engine --steps 1 --warmup 1 \
         >"$OUT/grpo-8b-graphs.jsonl" 2>"$OUT/grpo-8b-graphs.err"
     cat "$OUT/grpo-8b-graphs.jsonl"
     grep -h "grpo bench\|graph rollouts failed" "$OUT/grpo-8b-graphs.err" | tail -6
-    timeout 170 python3 bench/grpo.py --model qwen3-8b --runs engine --sampler eager \
-        --prompts 8 --completion-len 256 --steps 1 --warmup 1 >"$OUT/grpo-small-eager.jsonl" \
-        2>"$OUT/grpo-small-eager.err"
-    cat "$OUT/grpo-small-eager.jsonl"
+    timeout 170 python3 bench/grpo.py --model qwen3-8b --runs engine --merged-adapters \
+        --steps 1 --warmup 1 >"$OUT/grpo-8b-merged.jsonl" 2>"$OUT/grpo-8b-merged.err"
+    cat "$OUT/grpo-8b-merged.jsonl"
     ;;
 trl)
     timeout 330 python3 bench/grpo.py --model qwen3-8b --runs trl --steps 1 --warmup 1 \

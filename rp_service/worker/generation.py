@@ -52,6 +52,7 @@ import copy
 import gc
 import inspect
 import logging
+import os
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -204,6 +205,32 @@ def _device_copy(
     return model.eval(), trained
 
 
+def _mergeable(host: nn.Module, copy: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(host, copy) LoRA layers whose adapter the copy can carry merged in its base weight:
+    a base held as itself (not NF4-packed: its decoded copy would have to be decoded again
+    at every refresh), no dropout in the way."""
+    from engine.adapters.lora import lora_modules
+    from engine.memory import packed_form
+
+    mine = dict(lora_modules(copy))
+    out = []
+    for name, module in lora_modules(host):
+        weight = module.base_layer.weight
+        if packed_form(weight) is None and not isinstance(module.lora_dropout, nn.Dropout):
+            out.append((module, mine[name]))
+    return out
+
+
+def _merge(module: nn.Module) -> None:
+    """W += s B A in the copy's LoRA layer, as the trainer's device replicas merge it
+    (`LoraLinear.rp_after_upload`: one addmm in the weight's dtype), and its forward the
+    base GEMM alone from then on."""
+    w = module.base_layer.weight  # type: ignore[union-attr]
+    b, a = module.lora_B.weight, module.lora_A.weight  # type: ignore[union-attr]
+    w.addmm_(b.to(w.dtype), a.to(w.dtype), alpha=module.scaling)  # type: ignore[arg-type]
+    module.merged = True
+
+
 def _cache_keyword(model: nn.Module) -> str:
     """The forward's name for the KV cache (transformers renamed `past_key_values`)."""
     names = inspect.signature(model.forward).parameters
@@ -300,10 +327,16 @@ class RolloutSampler:
         *,
         keep: bool = True,
         graphs: bool = False,
+        merged: bool = False,
         prompt_width: int | None = None,
     ) -> None:
         self.host = model
         self.device = device
+        # True: the copy's LoRA adapters merged into its base weights (W + s B A, as the
+        # trainer's replicas merge them), the base uploaded again at each refresh to merge
+        # the new adapters into; a base that is not NF4-packed only
+        self.merged = merged
+        self._merges: list[tuple[nn.Module, nn.Module]] = []  # (host, copy) LoraLinears
         self.keep = keep  # False: `release` after each step's rollouts (Placement per_step)
         # True: the decode step replayed as a CUDA graph (`graph_decode`; run eagerly off a
         # GPU); back to the eager loop for good if that raises
@@ -323,6 +356,10 @@ class RolloutSampler:
 
     def _upload(self) -> nn.Module:
         model, self._trained = _device_copy(self.host, self.device)
+        self._merges = _mergeable(self.host, model) if self.merged else []
+        with torch.no_grad():
+            for _, mine in self._merges:
+                _merge(mine)
         return model
 
     def refresh(self) -> None:
@@ -333,11 +370,15 @@ class RolloutSampler:
         with torch.no_grad():
             for host, mine in self._trained:
                 mine.copy_(host.detach(), non_blocking=True)
+            for host_module, module in self._merges:  # the base again, the new adapters in
+                module.base_layer.weight.copy_(host_module.base_layer.weight, non_blocking=True)
+                _merge(module)
 
     def release(self) -> None:
         """Drop the copy from the device (the next `refresh` uploads it again)."""
         self.model = None
         self._trained = []
+        self._merges = []
         self._decoder = None
         if self.device.type == "cuda":
             gc.collect()  # a module cycle would keep the copy's tensors alive
@@ -561,6 +602,16 @@ def make_sampler(
     if graphs:
         how = "replayed as a CUDA graph" if device.type == "cuda" else "run uncaptured (no GPU)"
         log.info("rollout sampler: a static-cache decode step, %s", how)
+    # Opt-in until measured on a GPU: it saves the adapters' kernels at every decode step
+    # and costs an upload of the adapted base weights at every refresh.
+    merged = os.environ.get("RP_MERGED_ROLLOUTS", "0") == "1"
+    if merged:
+        log.info("rollout sampler: the LoRA adapters merged into the copy's weights")
     return RolloutSampler(
-        model, device, keep=where == "resident", graphs=graphs, prompt_width=prompt_width
+        model,
+        device,
+        keep=where == "resident",
+        graphs=graphs,
+        merged=merged,
+        prompt_width=prompt_width,
     )

@@ -195,6 +195,29 @@ def test_compacted_rows_are_captured_again_on_cuda(monkeypatch: pytest.MonkeyPat
         assert decoder.graph_rows == decoder.rows < len(GROUPS)
 
 
+def test_merged_adapters_give_the_engines_rollouts_on_cuda() -> None:
+    """RP_MERGED_ROLLOUTS=1's copy (W + s B A merged as the trainer's replicas merge it),
+    replayed: the engine's uncached rollouts token for token, fp32."""
+    from engine import wrap_model_to_roundpipe
+    from rp_service.worker.generation import RolloutSampler
+    from rp_service.worker.sampling import top_p_draw
+    from tests.unit.engine.conftest import use_devices
+    from tests.unit.rp_service.test_generation import (
+        GROUPS,
+        _limits,
+        _model,
+        engine_group_rollouts,
+    )
+
+    for _ in use_devices("cuda", 1):
+        model = _model(True)
+        want = engine_group_rollouts(wrap_model_to_roundpipe(model, optim_dtype=torch.float32))
+        sampler = RolloutSampler(model, torch.device("cuda"), graphs=True, merged=True)
+        draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
+        assert sampler.complete(GROUPS, stop={7}, draw=draw, **_limits()) == want
+        assert sampler.graphs and sampler._merges
+
+
 def test_the_replayed_step_runs_a_half_precision_copy_on_cuda() -> None:
     """bf16, as jobs run: the replay agrees with the eager step (the decoder's own check)
     and every row gets its tokens; the tokens themselves may part from the eager loop's at

@@ -352,3 +352,37 @@ def test_a_resident_copy_stays_and_hands_back_the_kv_caches_blocks(
     sampler.step_done()
     assert sampler.model is copy  # kept between steps
     assert emptied == [1]  # the rollouts' cache is not left reserved for training
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_adapters_merged_into_the_copy_give_the_engines_rollouts(graphs: bool) -> None:
+    """RP_MERGED_ROLLOUTS=1: the copy carries W + s B A in its base weights, merged as the
+    trainer's replicas merge them, and after an optimizer step the refreshed copy (the base
+    uploaded again, the new adapters merged in) still draws the engine's rollouts."""
+    import engine.optim as eo
+
+    model = _model(True)
+    rp = wrap_model_to_roundpipe(model, optim_dtype=torch.float32)
+    sampler = RolloutSampler(model, torch.device("cpu"), graphs=graphs, merged=True)
+    draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
+    assert sampler.complete(GROUPS, stop={7}, draw=draw, **_limits()) == engine_group_rollouts(rp)
+    assert sampler._merges and all(m.merged for _, m in sampler._merges)
+    base = {n: p.clone() for n, p in model.named_parameters() if "base_layer" in n}
+
+    opt = eo.Adam(list(rp.optim_parameters()), lr=0.05)
+    ids = torch.tensor([p + [PAD] * (8 - len(p)) for p in GROUPS])
+    from engine.models import causal_lm_loss_fn
+
+    rp.forward_backward(
+        input_kwargs={"input_ids": ids, "return_logits": False},
+        label=ids,
+        loss_fn=causal_lm_loss_fn(ids),
+    )
+    rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    rp.synchronize()
+    sampler.refresh()
+    draw = top_p_draw(temperature=1.2, top_p=0.9, generator=torch.Generator().manual_seed(4))
+    got = sampler.complete(GROUPS, stop={7}, draw=draw, **_limits())
+    assert got == engine_group_rollouts(rp)
+    # the host's base weights stay as they were: the merge is the copy's alone
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)
