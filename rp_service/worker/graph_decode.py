@@ -105,7 +105,7 @@ class _StaticCache:
     def __init__(self, length: int, position: Tensor) -> None:
         self.length = length
         self.position = position  # (1,) long on the device: where a decode step writes
-        self.rows: int | None = None  # the first rows in use (None: all); see compact
+        self.rows: int | None = None  # the first rows in use (None: all): GraphDecoder._compact
         self.prefill_width: int | None = None
         self.keys: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
