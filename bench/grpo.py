@@ -280,6 +280,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         out["sampler_placement"] = "resident" if sampler.keep else "per_step"
         out["graph_decoding"] = sampler.graphs  # False also after a fallback
         out["merged_adapters"] = bool(sampler._merges)
+        # every step's decoders: captures (their seconds), replays, compactions
+        out["graph_counters"] = {k: round(v, 3) for k, v in sampler.graph_counters.items()}
     out["nf4"] = args.nf4
     if streamed:
         measured = max(args.steps, 1)

@@ -345,6 +345,8 @@ class RolloutSampler:
         # batches share one decoder shape
         self.prompt_width = prompt_width
         self._decoder: Any = None  # graph_decode.GraphDecoder of this step's rollouts
+        # Every decoder's counters summed (GraphDecoder.counters), kept past step_done
+        self.graph_counters: dict[str, float] = {}
         self.model: nn.Module | None = None
         # (host parameter, copy's parameter) of every weight that training changes
         self._trained: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -379,10 +381,17 @@ class RolloutSampler:
         self.model = None
         self._trained = []
         self._merges = []
-        self._decoder = None
+        self._drop_decoder()
         if self.device.type == "cuda":
             gc.collect()  # a module cycle would keep the copy's tensors alive
             torch.cuda.empty_cache()
+
+    def _drop_decoder(self) -> None:
+        """Free the graph decoder (its cache and graph), its counters added up first."""
+        if self._decoder is not None:
+            for key, value in self._decoder.counters().items():
+                self.graph_counters[key] = self.graph_counters.get(key, 0) + value
+        self._decoder = None
 
     def step_done(self) -> None:
         """After a step's rollouts: drop the copy unless it stays resident. A resident copy
@@ -391,7 +400,7 @@ class RolloutSampler:
         own streams, so otherwise the rollouts' cache stays reserved beside training's
         memory (session 25, Qwen3-8B: 38.7 GiB allocated at most, 67.0 GiB reserved).
         The graph decoder (its static KV cache and its graph's pool) goes too."""
-        self._decoder = None
+        self._drop_decoder()
         if not self.keep:
             self.release()
         elif self.device.type == "cuda":
@@ -474,7 +483,7 @@ class RolloutSampler:
         try:
             with torch.inference_mode():
                 if self._decoder is None or not self._decoder.fits(rows, width, max_new_tokens):
-                    self._decoder = None  # the old cache goes before the new one is made
+                    self._drop_decoder()  # the old cache goes before the new one is made
                     self._decoder = GraphDecoder(
                         self.model,
                         rows=rows,
@@ -496,7 +505,7 @@ class RolloutSampler:
             # on, so these rollouts differ from the ones the replayed step would have made.
             log.warning("graph rollouts failed: decoding eagerly from now on", exc_info=True)
             self.graphs = False
-            self._decoder = None
+            self._drop_decoder()
             for i in batch.rows:
                 batch.made[i], batch.stops[i], batch.finish[i] = [], None, None
             return False

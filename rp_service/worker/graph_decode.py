@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -177,7 +178,18 @@ class GraphDecoder:
         self.checked = False
         self.replays = 0
         self.compactions = 0
+        self.captures = 0
+        self.capture_s = 0.0  # the captures' wall time, their warm-up steps included
         self._use_rows(rows)
+
+    def counters(self) -> dict[str, float]:
+        """What this decoder did so far: captures (and their seconds), replays, compactions."""
+        return {
+            "captures": self.captures,
+            "capture_s": self.capture_s,
+            "replays": self.replays,
+            "compactions": self.compactions,
+        }
 
     def fits(self, rows: int, width: int, new_tokens: int) -> bool:
         return (rows, width, new_tokens) == (self.capacity, self.width, self.new_tokens)
@@ -272,6 +284,7 @@ class GraphDecoder:
         return replayed
 
     def _capture(self) -> Tensor:
+        start = time.perf_counter()
         args = (self.tokens, self.mask, self.positions)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -284,6 +297,8 @@ class GraphDecoder:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.logits = self._forward(*args)
         self.graph, self.graph_rows = graph, self.rows
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
         graph.replay()
         return self.logits
 

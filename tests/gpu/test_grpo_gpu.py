@@ -193,6 +193,13 @@ def test_compacted_rows_are_captured_again_on_cuda(monkeypatch: pytest.MonkeyPat
         decoder = replayed._decoder
         assert replayed.graphs and decoder.compactions >= 1 and decoder.graph is not None
         assert decoder.graph_rows == decoder.rows < len(GROUPS)
+        replayed.step_done()
+        counters = replayed.graph_counters
+        # one capture a batch size: the first (unless rows ended at their first token, before
+        # any step) and one after each compaction
+        compactions = counters["compactions"]
+        assert compactions <= counters["captures"] <= compactions + 1
+        assert counters["capture_s"] > 0
 
 
 def test_merged_adapters_give_the_engines_rollouts_on_cuda() -> None:

@@ -132,6 +132,10 @@ def test_rows_compacted_as_they_end_decode_as_the_eager_loop(
     # the next batch starts whole again
     assert _rollouts(static, sampled=sampled, stop=set()) == free
     assert static._decoder is decoder
+    compactions = decoder.compactions
+    static.step_done()  # the decoder goes, its counters stay
+    assert static.graph_counters["compactions"] == compactions >= 1
+    assert static.graph_counters["captures"] == 0  # uncaptured on the CPU
 
 
 def test_one_decoder_serves_a_steps_batches_and_goes_at_its_end() -> None:
