@@ -314,6 +314,12 @@ class LoraLinear(nn.Module):
             # user needs its own gradient, which the merged backward does not give.
             self.merged = False
             return
+        self.merge_adapter()
+
+    def merge_adapter(self) -> None:
+        """W += s B A in the weight's dtype (one addmm; the weight is a copy: a device
+        replica, or the rollout sampler's), and the forward the base GEMM alone from then on."""
+        w = self.base_layer.weight
         w.addmm_(self.lora_B.weight.to(w.dtype), self.lora_A.weight.to(w.dtype), alpha=self.scaling)
         self.merged = True
 

@@ -205,7 +205,7 @@ def _device_copy(
     return model.eval(), trained
 
 
-def _mergeable(host: nn.Module, copy: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+def _mergeable(host: nn.Module, copy: nn.Module) -> list[tuple[Any, Any]]:
     """(host, copy) LoRA layers whose adapter the copy can carry merged in its base weight:
     a base held as itself (not NF4-packed: its decoded copy would have to be decoded again
     at every refresh), no dropout in the way."""
@@ -219,16 +219,6 @@ def _mergeable(host: nn.Module, copy: nn.Module) -> list[tuple[nn.Module, nn.Mod
         if packed_form(weight) is None and not isinstance(module.lora_dropout, nn.Dropout):
             out.append((module, mine[name]))
     return out
-
-
-def _merge(module: nn.Module) -> None:
-    """W += s B A in the copy's LoRA layer, as the trainer's device replicas merge it
-    (`LoraLinear.rp_after_upload`: one addmm in the weight's dtype), and its forward the
-    base GEMM alone from then on."""
-    w = module.base_layer.weight  # type: ignore[union-attr]
-    b, a = module.lora_B.weight, module.lora_A.weight  # type: ignore[union-attr]
-    w.addmm_(b.to(w.dtype), a.to(w.dtype), alpha=module.scaling)  # type: ignore[arg-type]
-    module.merged = True
 
 
 def _cache_keyword(model: nn.Module) -> str:
@@ -336,7 +326,7 @@ class RolloutSampler:
         # trainer's replicas merge them), the base uploaded again at each refresh to merge
         # the new adapters into; a base that is not NF4-packed only
         self.merged = merged
-        self._merges: list[tuple[nn.Module, nn.Module]] = []  # (host, copy) LoraLinears
+        self._merges: list[tuple[Any, Any]] = []  # (host, copy) LoraLinears
         self.keep = keep  # False: `release` after each step's rollouts (Placement per_step)
         # True: the decode step replayed as a CUDA graph (`graph_decode`; run eagerly off a
         # GPU); back to the eager loop for good if that raises
@@ -361,7 +351,7 @@ class RolloutSampler:
         self._merges = _mergeable(self.host, model) if self.merged else []
         with torch.no_grad():
             for _, mine in self._merges:
-                _merge(mine)
+                mine.merge_adapter()  # as the trainer's replicas merge (rp_after_upload)
         return model
 
     def refresh(self) -> None:
@@ -374,7 +364,7 @@ class RolloutSampler:
                 mine.copy_(host.detach(), non_blocking=True)
             for host_module, module in self._merges:  # the base again, the new adapters in
                 module.base_layer.weight.copy_(host_module.base_layer.weight, non_blocking=True)
-                _merge(module)
+                module.merge_adapter()
 
     def release(self) -> None:
         """Drop the copy from the device (the next `refresh` uploads it again)."""
@@ -534,8 +524,9 @@ class RolloutSampler:
             _, keep = batch.choose_next(rows, logits, draw, **limits)
             if not keep:
                 return
-            made = batch.made
-            tokens = torch.tensor([[made[rows[r]][-1]] for r in keep], dtype=torch.long, device=dev)
+            tokens = torch.tensor(
+                [[batch.made[rows[r]][-1]] for r in keep], dtype=torch.long, device=dev
+            )
             if len(keep) < len(rows):  # finished rows leave the batch and the cache
                 index = torch.tensor(keep, dtype=torch.long, device=dev)
                 cache.batch_select_indices(index)

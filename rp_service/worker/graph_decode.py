@@ -156,7 +156,6 @@ class GraphDecoder:
         from .generation import _cache_keyword
         from .streamed_generation import decoder_layers
 
-        self.model = model
         self.inner: Any = model.model
         self.layers = decoder_layers(model)
         self.head: Any = model.get_output_embeddings()
