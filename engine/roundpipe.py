@@ -43,8 +43,8 @@ from .memory import get_model_active_size, get_model_size, pin_module
 from .optim_stream import check_optim_error, launch_optim_kernel, synchronize_optim
 from .parallel.data_parallel import AUTO_GROUP, attach_data_parallel, resolve_process_group
 from .planning import one_device
+from .planning.allocation_check import check_engine_allocation
 from .planning.gpu_memory import check_gpu_memory_cap, resolve_max_gpu_memory
-from .planning.memory_plan import check_engine_allocation
 from .planning.search import group_param_cap
 from .planning.simulate import publish_wait_ms_per_gb
 from .roundpipe_base import (

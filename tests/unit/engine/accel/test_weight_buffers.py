@@ -22,10 +22,10 @@ from torch import nn
 import engine.optim as eo
 from engine import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from engine.attribute import ParamAttribute
+from engine.planning.allocation_check import check_engine_allocation
 from engine.planning.memory_plan import (
     ModelShape,
     RunShape,
-    check_engine_allocation,
     plan_host_memory,
 )
 from tests.unit.engine._models import make_batch, make_model

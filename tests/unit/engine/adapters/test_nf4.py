@@ -28,10 +28,10 @@ from engine.adapters.nf4 import (
 from engine.adapters.quantized_load import load_nf4_model
 from engine.memory import packed_form
 from engine.options import AdamOptions, EngineOptions
+from engine.planning.allocation_check import check_engine_allocation
 from engine.planning.memory_plan import (
     ModelShape,
     RunShape,
-    check_engine_allocation,
     nf4_tensor_bytes,
     plan_host_memory,
 )
