@@ -185,6 +185,7 @@ def main() -> None:
             flush=True,
         )
         trace_path = Path(args.trace_dir or "/tmp") / f"trace_{args.base}_{variant}.json"
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_path))
         trace = json.loads(trace_path.read_text())
         # Kineto's clock against ours: the 'iteration1' range was recorded at fb1_start.

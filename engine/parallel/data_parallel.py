@@ -156,11 +156,14 @@ def _collective(what: str, rank: int, world: int, timeout_s: float) -> Iterator[
 def _bulk_backend(backend: str) -> str:
     """The one backend of the gradient and weight group, from the caller's group's.
 
-    `init_process_group()` without a backend (rp_service.cluster.rank, as torchrun users
-    write it) gives torch's per-device pair, "cpu:gloo,cuda:nccl": the bulk group then
-    takes NCCL where this rank computes on GPUs and gloo where it does not (a group built
-    from the pair kept no CPU backend for the start-up broadcast on torch 2.11)."""
-    if backend == "nccl" or "nccl" not in backend:
+    A per-device pair ("cpu:gloo,cuda:nccl") and `init_process_group()` without a backend
+    (reported as "undefined": torch then builds the accelerator's backend alone, NCCL on a
+    GPU box, and no CPU one) both leave the choice to the engine: NCCL where this rank
+    computes on GPUs, gloo where it does not. Taking either string as it is gave the bulk
+    group no backend for the start-up broadcast's tensors (seen on torch 2.11, 2 H200s)."""
+    if backend in ("nccl", "gloo"):
+        return backend
+    if backend != "undefined" and "nccl" not in backend:
         return backend
     return "nccl" if any(d.is_cuda for d in get_devices()) else "gloo"
 

@@ -2,9 +2,10 @@
 
 The worker (`python -m rp_service.worker`) with one thing before the job: joining the
 job's process group through torch.distributed's env rendezvous (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, as torchrun or rp_service.cluster.driver set them). Gloo, and
-NCCL as well where CUDA is there (torch's default pair), so the engine's data parallel
-takes the default group. Only rank 0 keeps the event journal; every rank writes its events
+MASTER_ADDR, MASTER_PORT, as torchrun or rp_service.cluster.driver set them). Gloo for
+CPU tensors and NCCL for CUDA ones where CUDA is there, named explicitly: without a backend
+torch 2.11 builds NCCL alone on a GPU box, and the engine's data parallel takes the
+default group. Only rank 0 keeps the event journal; every rank writes its events
 on stdout (the driver passes rank 0's on).
 """
 
@@ -22,7 +23,10 @@ def join_process_group() -> int:
     """Join the default process group from the environment; return this rank."""
     import torch.distributed as dist
 
-    dist.init_process_group(timeout=datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT_S))
+    import torch
+
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT_S))
     return dist.get_rank()
 
 

@@ -78,6 +78,9 @@ def test_single_process_without_a_group() -> None:
         # init_process_group() without a backend on a CUDA build (the multi-node rank)
         ("cpu:gloo,cuda:nccl", True, "nccl"),
         ("cpu:gloo,cuda:nccl", False, "gloo"),
+        # init_process_group() with no backend at all: torch reports "undefined"
+        ("undefined", True, "nccl"),
+        ("undefined", False, "gloo"),
     ],
 )
 def test_the_bulk_group_takes_one_backend(

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Device calls on nvidia-h200-x2 (session 27; logs to $OUT):
+#   PART=tests    GPU 0: the CUDA-graph decode tests (issue 48) and the LoRA file beside,
+#                 GPU 1: nothing else; then the 2-GPU tests (local ranks, multinode, NCCL)
+#                 and `ONLY=shared bash bench/multinode.sh` (issue 47's 2 nodes >= 1.8x)
+#   PART=scaling  issue 43: bench/train.py on 1 and on 2 GPUs at 262,144 tokens a step,
+#                 then bench/profile_train.py's timeline of the 2-GPU step
+#   source bench/device_env.sh && PART=tests OUT=$OUT bash bench/diag/call_two.sh
+set -u
+OUT=${OUT:-/tmp/calltwo}
+mkdir -p "$OUT"
+PYTEST=(python3 -m pytest -p no:cacheprovider -m gpu -v --tb=short)
+case ${PART:-tests} in
+tests)
+    CUDA_VISIBLE_DEVICES=0 timeout 170 "${PYTEST[@]}" --timeout=120 \
+        "tests/gpu/test_grpo_gpu.py::test_the_replayed_decode_step_gives_the_eager_samplers_rollouts_on_cuda" \
+        "tests/gpu/test_grpo_gpu.py::test_compacted_rows_are_captured_again_on_cuda" \
+        "tests/gpu/test_grpo_gpu.py::test_merged_adapters_give_the_engines_rollouts_on_cuda" \
+        "tests/gpu/test_grpo_gpu.py::test_the_replayed_step_runs_a_half_precision_copy_on_cuda" \
+        >"$OUT/grpo-graphs.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 170 "${PYTEST[@]}" --timeout=120 tests/gpu/test_lora_gpu.py \
+        >"$OUT/lora.log" 2>&1 &
+    wait
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/grpo-graphs.log" "$OUT/lora.log" | cut -c1-300 | tail -20
+    timeout 200 "${PYTEST[@]}" --timeout=150 tests/gpu/test_local_ranks_gpu.py \
+        tests/gpu/test_multinode_gpu.py "tests/gpu/test_distributed_gpu.py" >"$OUT/two.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/two.log" | cut -c1-300 | tail -12
+    ONLY=shared STEPS=4 WARMUP=2 T_RUN=230 OUT=$OUT bash bench/multinode.sh
+    ;;
+scaling)
+    ARGS=(--seqs-per-step 128 --num-microbatch 8 --warmup 3)
+    RP_DEVICES=cuda:0 timeout 130 python3 bench/train.py "${ARGS[@]}" --steps 3 >"$OUT/one.jsonl" 2>"$OUT/one.err"
+    RP_DEVICES=cuda:0,1 timeout 110 python3 bench/train.py "${ARGS[@]}" --steps 4 >"$OUT/two.jsonl" 2>"$OUT/two.err"
+    for f in one two; do python3 - "$OUT/$f.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        d = json.loads(line)
+        keys = ("num_devices", "tokens_per_s", "tokens_per_s_steps_without_compile", "step_s",
+                "steps_with_compile", "plan", "peak_host_mem_gib", "plan_host_gib")
+        print({k: d.get(k) for k in keys})
+PY
+    tail -2 "$OUT/$f.err"; done
+    RP_DEVICES=cuda:0,1 timeout 200 python3 bench/profile_train.py --seqs-per-step 128 \
+        --num-microbatch 8 --steps 2 --warmup 3 --trace-dir /tmp/trace >"$OUT/profile2.jsonl" 2>"$OUT/profile2.err"
+    cut -c1-3000 "$OUT/profile2.jsonl"; tail -3 "$OUT/profile2.err"
+    ;;
+esac
