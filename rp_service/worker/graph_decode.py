@@ -58,9 +58,14 @@ log = logging.getLogger(__name__)
 # Decoder families whose layers take (hidden, mask, positions, rotary table, cache) and whose
 # attention writes the cache through `update` (transformers' Llama layout).
 _FAMILIES = frozenset({"qwen3", "qwen2", "llama", "mistral"})
-# How far the replayed logits may sit from the eager step's (relative to their largest):
-# the same kernels give the same numbers; this only catches a capture that went wrong.
-_AGREEMENT = 1e-2
+# How far the replayed logits may sit from the eager step's, relative to their largest;
+# it only catches a capture that went wrong (stale inputs, freed memory: errors of the
+# logits' own size). The same code replayed is not the same arithmetic: under capture
+# cuBLAS may take other GEMM algorithms, so half precision drifts through the layers. A
+# random-weight Qwen3-8B in bf16 with LoRA (bench/grpo.py, one H200) sat 0.035 away, which
+# the first bound, 1e-2 for every dtype, refused; fp32 copies stay far under 1e-2.
+_AGREEMENT = {torch.float32: 1e-2, torch.float64: 1e-2}
+_HALF_AGREEMENT = 0.1
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -277,8 +282,13 @@ class GraphDecoder:
             raise RuntimeError("the replayed decode step gave non-finite logits")
         scale = eager.float().abs().amax().clamp(min=1e-6)
         off = float((eager.float() - replayed.float()).abs().amax() / scale)
-        if off > _AGREEMENT:
-            raise RuntimeError(f"the replayed decode step is {off:.3g} from the eager one")
+        bound = _AGREEMENT.get(eager.dtype, _HALF_AGREEMENT)
+        if off > bound:
+            raise RuntimeError(
+                f"the replayed decode step is {off:.3g} from the eager one (bound {bound:g} "
+                f"for {eager.dtype})"
+            )
+        log.info("replayed decode step checked: %.3g from the eager one (%s)", off, eager.dtype)
         self.checked = True
         return replayed
 
