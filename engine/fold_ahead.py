@@ -32,8 +32,14 @@ depend on their order.
 The kernel runs on the optimizer thread, after the step before (so a step_fn's zero_grad has
 dropped the gradients it read, or the kernel leaves them to the step), and `forward_backward` waits for it as it waits for that step
 (synchronize_optim), so the next call's downloads never meet it. Overlapped calls fold in the
-step kernel already (publish_weights_take_grads waits for each gradient) and data parallel
-folds as it reduces: neither gets this kernel.
+step kernel already (publish_weights_take_grads waits for each gradient).
+
+Data parallel folds as it reduces, so its kernel is the reduction itself
+(`DataParallel.reduce_ahead`): each layer's gradients, summed across ranks (sharded: each
+rank keeping its rows) as soon as the backward has downloaded them, the last layer first on
+every rank, so the collectives meet in one order. The step then finds nothing left to
+reduce. Before it, a step with `step_staleness=0` started with every layer's reduction (on
+2 ranks of 2 H200s, the service's 1.7B job ran at 1.24x one rank).
 """
 
 from __future__ import annotations
@@ -58,8 +64,9 @@ FOLD_STATS = 64  # calls whose fold-ahead times a model keeps (RoundPipe.fold_ph
 
 
 def fold_ahead_of_step(model: RoundPipe, run: RunState) -> dict[str, float] | None:
-    """Queue the fold of `run`'s gradients on the optimizer thread (see the module doc);
-    nothing with data parallel or when the model's `_fold_ahead` switch is off.
+    """Queue the fold of `run`'s gradients on the optimizer thread (see the module doc;
+    with data parallel, their reduction); nothing when the model's `_fold_ahead` switch is
+    off.
 
     Returns the call's entry in `model.fold_phases`, which the kernel fills: "fold_s", the
     seconds spent copying (where a copy is made) and summing; "params", the gradients made
@@ -67,14 +74,15 @@ def fold_ahead_of_step(model: RoundPipe, run: RunState) -> dict[str, float] | No
     "end_wait_s", how long the call's end waited for the optimizer thread (this kernel and,
     with staleness one, the step before).
     """
-    if model._dp is not None or not model.__dict__.get("_fold_ahead", True):
+    if not model.__dict__.get("_fold_ahead", True):
         return None
     phases = model.__dict__.get("fold_phases")
     if phases is None:
         phases = collections.deque(maxlen=FOLD_STATS)
         object.__setattr__(model, "fold_phases", phases)
     stats = {"fold_s": 0.0, "params": 0.0, "end_wait_s": 0.0}
-    launch_optim_kernel(_fold_kernel, model, run, stats)  # may raise a failed step's error
+    kernel = _fold_kernel if model._dp is None else _reduce_kernel
+    launch_optim_kernel(kernel, model, run, stats)  # may raise a failed step's error
     phases.append(stats)
     return stats
 
@@ -103,3 +111,15 @@ def _fold_kernel(model: RoundPipe, run: RunState, stats: dict[str, float]) -> No
             stats["params"] += len(grads)
     except RunAborted:
         return  # the call failed (it raises its own error); the step folds what is left
+
+
+def _reduce_kernel(model: RoundPipe, run: RunState, stats: dict[str, float]) -> None:
+    """On the optimizer thread (data parallel): reduce each layer's gradients across ranks
+    once this call has downloaded them (DataParallel.reduce_ahead)."""
+    assert model._dp is not None
+    try:
+        model._dp.reduce_ahead(run.wait_grads, stats)
+    except RunAborted:
+        # This rank's call failed; the other ranks' kernels wait in a collective until the
+        # group's timeout names this rank, as any collective a dead rank left does.
+        return

@@ -25,15 +25,17 @@ Either way ranks are more micro-batches: the loss_fn normalises by the global ba
 ranks, and the returned loss is the sum over every rank's micro-batches, so each rank
 returns the global loss.
 
-The step keeps the staleness-one protocol of `engine.attribute` on every rank. On the
-optimizer thread, per layer: publish w[k] (sharded: all-gather the updated half-precision
-shards into the model's parameters), set param_copied; then, in the order the next
-backward downloads (by last use, descending: a tied embedding first), sum the layer's
-gradients across ranks
-(sharded: reduce-scatter, each rank keeping its shard; else all-reduce), fold them into
-the optimizer-side gradients and set grad_copied. The collectives run while the next
-iteration computes. NCCL ranks bounce host tensors through their first GPU; gloo ranks
-reduce host tensors in place.
+The step keeps the protocol of `engine.attribute` on every rank. While a call's backward
+runs, the optimizer thread sums each layer's gradients across ranks as soon as they are down,
+the last layer first (`reduce_ahead`, engine.fold_ahead's kernel; sharded: reduce-scatter,
+each rank keeping its shard; else all-reduce) and folds them into the optimizer-side
+gradients. The step then, per layer: publishes w[k] (sharded: all-gathers the updated
+half-precision shards into the model's parameters), sets param_copied; reduces, in the order
+the next backward downloads (by last use, descending: a tied embedding first), whatever is
+still pending (nothing, unless the fold-ahead switch is off) and sets grad_copied. With
+staleness one these collectives run while the next call computes; with staleness zero the
+weights are published layer 0 first after step_fn (`publish_in_order`). NCCL ranks bounce
+host tensors through their first GPU; gloo ranks reduce host tensors in place.
 
 The shard (ZeRO stage 1, `shard_optimizer=True`). Each layer's parameters, flattened in
 order, are cut into one range per rank at row (dim 0) boundaries, so each rank's piece of
@@ -589,11 +591,13 @@ class DataParallel:
             for (p, _, _), g in zip(layout.params, grads, strict=True):
                 p.grad = None if g is None else g.detach().to(p.dtype, copy=True)
 
-    def _pending_flags(self) -> list[list[bool]]:
-        """Per layer and parameter: whether any rank holds a gradient not yet folded."""
+    def _pending_flags(self, layouts: list[_LayerLayout] | None = None) -> list[list[bool]]:
+        """Per layer (of `layouts`, default all) and parameter: whether any rank holds a
+        gradient not yet folded (collective)."""
+        layouts = self.layouts if layouts is None else layouts
         flat = [
             float(pa.grad_pending and pa.grad_host is not None)
-            for layout in self.layouts
+            for layout in layouts
             for _, pa, _ in layout.params
         ]
         flags = torch.tensor(flat or [0.0], dtype=torch.float32, device=self.device)
@@ -601,10 +605,34 @@ class DataParallel:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.bulk)
         values = flags.tolist()
         out, k = [], 0
-        for layout in self.layouts:
+        for layout in layouts:
             out.append([v > 0 for v in values[k : k + len(layout.params)]])
             k += len(layout.params)
         return out
+
+    def reduce_ahead(
+        self, wait_grads: Callable[[nn.Parameter], None], stats: dict[str, float]
+    ) -> None:
+        """While a call's backward runs (engine.fold_ahead, on the optimizer thread): per
+        layer, the last first, wait until this call's gradients of it are down
+        (`wait_grads`), then sum them across ranks into the optimizer-side gradients, as
+        the step's reduction would. Every rank takes the layers in this order, so the
+        collectives meet. What is reduced here is no longer pending: the step's reduction
+        skips it, and a second call before the step (accumulation) downloads afresh and is
+        reduced by its own kernel, added to the sum kept in fp32."""
+        for layout in reversed(self.layouts):
+            if not layout.params:
+                continue
+            for p, _, _ in layout.params:
+                wait_grads(p)
+            start = time.perf_counter()
+            (flags,) = self._pending_flags([layout])
+            if any(flags):
+                self._reduce_layer(layout, flags)
+                stats["params"] += sum(flags)
+            took = time.perf_counter() - start
+            stats["fold_s"] += took
+            self.stats["reduce_s"] += took
 
     def _reduce_grads(self, model: RoundPipeBase, *, set_events: bool) -> None:
         flags = self._pending_flags()

@@ -142,8 +142,14 @@ def train(
     losses = run_steps(rp, opt, 0, STEPS, sync, norms)
     x, y = batch(STEPS)
     losses.append(float(rp.forward_backward((x,), label=y, loss_fn=loss_fn)))
+    # Data parallel reduces a call's gradients while its backward runs (engine.fold_ahead):
+    # none is left for the step once the call has returned.
+    from engine.attribute import ParamAttribute
+
+    pending = sum(ParamAttribute.get(p).grad_pending for p in rp.parameters())
     rp.synchronize()
     return {
+        "pending_after_call": pending,
         "losses": losses,
         "norms": norms,
         "grads": {n: p.grad.clone() for n, p in rp.named_parameters()},
