@@ -21,9 +21,8 @@ _RENDEZVOUS_TIMEOUT_S = 600.0
 
 def join_process_group() -> int:
     """Join the default process group from the environment; return this rank."""
-    import torch.distributed as dist
-
     import torch
+    import torch.distributed as dist
 
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=_RENDEZVOUS_TIMEOUT_S))

@@ -37,8 +37,11 @@ class Meter:
     start_step: int = 0
     trained_tokens: int = 0
     pending: deque[dict[str, Any]] = field(default_factory=deque)
-    # (step, grad norm, learning rate) of each update, in step order
-    updates: queue.SimpleQueue[tuple[int, float, float]] = field(default_factory=queue.SimpleQueue)
+    # (step, grad norm, learning rate, the optimizer thread's seconds) of each update, in
+    # step order
+    updates: queue.SimpleQueue[tuple[int, float, float, dict[str, float]]] = field(
+        default_factory=queue.SimpleQueue
+    )
     speed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_SPEED_WINDOW))
     last: dict[str, Any] = field(default_factory=dict)
     busy: BusyReader = field(default_factory=BusyReader)
@@ -89,7 +92,7 @@ class Meter:
             valid = {**(valid or {}), "valid_loss": valid_loss}
         while True:
             try:
-                step, norm, lr = self.updates.get_nowait()
+                step, norm, lr, timing = self.updates.get_nowait()
             except queue.Empty:
                 return
             data = self.pending.popleft()
@@ -97,6 +100,7 @@ class Meter:
                 raise RuntimeError(f"grad norm of step {step} arrived for step {data['step']}")
             data["grad_norm"] = norm
             data["learning_rate"] = lr
+            data["optimizer"] = timing
             if not self.pending and valid:
                 data.update(valid)
             self.last = data

@@ -343,6 +343,7 @@ class _Run:
 
         def step_fn() -> None:
             # On the optimizer thread: `masters` are the fp32 master weights and their grads.
+            start = time.perf_counter()
             if self.ranks.world > 1:
                 # Each rank steps its shard: the norm is over every rank's rows (collective).
                 from engine.parallel.data_parallel import grad_norm
@@ -358,9 +359,22 @@ class _Run:
             self.optimizer.step()
             self.optimizer.zero_grad()
             self.scheduler.step()
-            self.meter.updates.put((step, float(norm), lr))
+            timing = {"step_s": round(time.perf_counter() - start, 4), **self._collective_s()}
+            self.meter.updates.put((step, float(norm), lr, timing))
 
         return step_fn
+
+    def _collective_s(self) -> dict[str, float]:
+        """Data parallel's seconds on the optimizer thread since the last step's event:
+        reducing gradients (during the backward) and publishing weights (all-gathers);
+        nothing for one process."""
+        dp = getattr(self.rp, "_dp", None)
+        if dp is None:
+            return {}
+        seen = self.__dict__.get("_dp_seen", {})
+        now = {key: dp.stats[key] for key in ("reduce_s", "publish_s")}
+        self._dp_seen = now
+        return {key: round(now[key] - seen.get(key, 0.0), 4) for key in now}
 
     def _forward_backward(self, step: int) -> tuple[torch.Tensor, int]:
         if self.objective.needs_sync_before_step:

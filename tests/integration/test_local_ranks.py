@@ -137,6 +137,14 @@ def test_two_ranks_train_as_one_process(daemon: Daemon, runs: dict[str, Any]) ->
     assert any(
         [d["device"] for d in share] == [f"cpu-virtual:{r}" for r in (0, 1)] for share in shares
     ), shares
+    # the optimizer thread's seconds: the step, and data parallel's collectives (the
+    # gradients' reduction during each backward); one process has no collectives
+    timings = [e["data"]["optimizer"] for e in seen if e["type"] == "metrics"]
+    assert all(t["step_s"] > 0 and t["reduce_s"] > 0 and "publish_s" in t for t in timings)
+    single = [
+        e["data"]["optimizer"] for e in events(daemon, pipeline["id"]) if e["type"] == "metrics"
+    ]
+    assert single and all(set(t) == {"step_s"} for t in single), single
     assert not any(e["message"].startswith(_LAUNCHED) for e in events(daemon, pipeline["id"]))
     # every rank's optimizer shard is in the committed checkpoint
     last = sorted((Path(ranks["output_model_path"]).parent / "checkpoints").glob("step-*"))[-1]

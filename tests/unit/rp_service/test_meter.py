@@ -35,7 +35,7 @@ def test_the_event_carries_the_schedulers_rate_once_the_update_ran() -> None:
         rate = scheduler.get_last_lr()[0]  # what step_fn reads before optimizer.step()
         optimizer.step()
         scheduler.step()
-        meter.updates.put((step, 0.5, rate))
+        meter.updates.put((step, 0.5, rate, {"step_s": 0.25}))
         meter.flush()
     rates = [data["learning_rate"] for _, _, data in events]
     assert rates == [2e-3 * factor(k) for k in range(3)] == [1e-3, 2e-3, 2e-3]
@@ -61,7 +61,7 @@ def test_the_event_carries_each_devices_share_of_the_step(cpu3: int) -> None:
     devices[1].submit(job).done.wait(10)
     timer.flush()
     meter.record(1, loss=1.0, tokens=10)
-    meter.updates.put((1, 0.5, 1e-3))
+    meter.updates.put((1, 0.5, 1e-3, {"step_s": 0.25}))
     meter.flush()
     (share,) = [data["gpu_share"] for _, _, data in events]
     assert [s["device"] for s in share] == [d.name for d in devices]
