@@ -116,6 +116,7 @@ def run_nodes(
         out.close()
     tokens_per_step = args.seq_len * args.seqs_per_node * nodes
     rates: dict[int, float] = {}
+    timings: dict[str, list[float]] = {}  # rank 0's optimizer-thread seconds, measured steps
     for node in range(nodes):
         for line in (work / f"nodes-{nodes}-agent-{node}.out").read_text().splitlines():
             if not line.startswith("{"):
@@ -127,6 +128,9 @@ def run_nodes(
                 step = int(data["step"])
                 rate = tokens_per_step / float(data["step_seconds"])
                 rates[step] = min(rates.get(step, rate), rate)
+                if node == 0 and step > args.warmup:
+                    for key, seconds in (data.get("optimizer") or {}).items():
+                        timings.setdefault(key, []).append(float(seconds))
     measured = [rate for step, rate in sorted(rates.items()) if step > args.warmup]
     if not keep:
         shutil.rmtree(job_dir, ignore_errors=True)  # the 1.7B checkpoint is ~24 GB
@@ -139,6 +143,7 @@ def run_nodes(
         "tokens_per_node_step": args.seq_len * args.seqs_per_node,
         "tokens_per_s": round(statistics.median(measured), 1) if measured else None,
         "steps_measured": len(measured),
+        "optimizer_s": {k: round(statistics.median(v), 4) for k, v in sorted(timings.items())},
         "job_dir": str(job_dir),
     }
 
