@@ -291,11 +291,14 @@ class RoundPipeBase(nn.Module):
             "deferred": 0.0,
         }
         start = time.perf_counter()
-        progress: _LayerProgress | None = None
+        # _LayerProgress, or data parallel's PublishAsUpdated
+        progress: Any = None
         groups: list[list[tuple[nn.Parameter, ParamAttribute]]] = []
         try:
             if self._dp is not None:
                 self._dp.publish_weights_take_grads(self, hold_weights=fresh)
+                if fresh and self._publish_as_updated:
+                    progress = self._dp.progress(self)
             else:
                 published = self._optim_ahead
                 groups = self._params_by_owner()
@@ -353,7 +356,7 @@ class RoundPipeBase(nn.Module):
         """After step_fn (staleness zero): publish, layer 0 first, the layers the optimizer
         did not report (torch's optimizers report none), each released as it lands."""
         if self._dp is not None:
-            self._dp.publish_in_order(self)
+            self._dp.publish_in_order(self, progress)
             return
         clock = _PhaseClock(phases)
         users = self.__dict__.get("_owner_users")

@@ -150,6 +150,8 @@ def train(
     rp.synchronize()
     return {
         "pending_after_call": pending,
+        # layers gathered while step_fn ran (staleness zero, engine.optim.Adam's reports)
+        "early_layers": sum(phases["early_layers"] for phases in rp.step_phases),
         "losses": losses,
         "norms": norms,
         "grads": {n: p.grad.clone() for n, p in rp.named_parameters()},

@@ -93,6 +93,8 @@ def test_staleness_zero_equals_the_sync_step_on_two_ranks(
             assert fresh[key].keys() == sync[key].keys()
             for name, value in fresh[key].items():
                 assert torch.equal(value, sync[key][name]), (key, name)
+        # each layer went out as the optimizer finished it, not after step_fn
+        assert fresh["early_layers"] > 0 and sync["early_layers"] == 0
     stale = spawned["ranks"][0][f"sync=False,shard={shard}"]
     assert stale["losses"][1:] != spawned["ranks"][0][f"sync=True,shard={shard}"]["losses"][1:]
 
