@@ -5,6 +5,11 @@
 #                 and `ONLY=shared bash bench/multinode.sh` (issue 47's 2 nodes >= 1.8x)
 #   PART=scaling  issue 43: bench/train.py on 1 and on 2 GPUs at 262,144 tokens a step,
 #                 then bench/profile_train.py's timeline of the 2-GPU step
+#   PART=dp       issue 47: the multinode bench after session 27's reduction during the
+#                 backward and gather-as-updated (1.24x before), rank 0's optimizer seconds
+#   PART=overlap  issue 43: 1 and 2 GPUs with overlapped calls (the profile's 82 + 77 ms of
+#                 fill and drain at the call boundary); first the 8B GRPO step with graphs
+#                 (GPU 1, alone)
 #   source bench/device_env.sh && PART=tests OUT=$OUT bash bench/diag/call_two.sh
 set -u
 OUT=${OUT:-/tmp/calltwo}
@@ -44,5 +49,19 @@ PY
     RP_DEVICES=cuda:0,1 timeout 200 python3 bench/profile_train.py --seqs-per-step 128 \
         --num-microbatch 8 --steps 2 --warmup 3 --trace-dir /tmp/trace >"$OUT/profile2.jsonl" 2>"$OUT/profile2.err"
     cut -c1-3000 "$OUT/profile2.jsonl"; tail -3 "$OUT/profile2.err"
+    ;;
+dp)
+    timeout 150 "${PYTEST[@]}" --timeout=120 tests/gpu/test_distributed_gpu.py >"$OUT/dp-tests.log" 2>&1
+    grep -E "PASSED|FAILED|passed|failed" "$OUT/dp-tests.log" | tail -3
+    ONLY=shared STEPS=3 WARMUP=2 T_RUN=400 OUT=$OUT bash bench/multinode.sh
+    ;;
+overlap)
+    CUDA_VISIBLE_DEVICES=1 timeout 240 python3 bench/grpo.py --model qwen3-8b --runs engine \
+        --steps 1 --warmup 1 >"$OUT/grpo-8b.jsonl" 2>"$OUT/grpo-8b.err"
+    ARGS=(--seqs-per-step 128 --num-microbatch 8 --warmup 3 --overlap-calls)
+    RP_DEVICES=cuda:0 timeout 130 python3 bench/train.py "${ARGS[@]}" --steps 3 >"$OUT/one-ov.jsonl" 2>"$OUT/one-ov.err"
+    RP_DEVICES=cuda:0,1 timeout 110 python3 bench/train.py "${ARGS[@]}" --steps 4 >"$OUT/two-ov.jsonl" 2>"$OUT/two-ov.err"
+    grep -h tokens_per_s "$OUT"/one-ov.jsonl "$OUT"/two-ov.jsonl | cut -c1-600
+    cut -c1-900 "$OUT/grpo-8b.jsonl"; grep -h "grpo bench\|graph rollouts\|checked" "$OUT/grpo-8b.err" | tail -5
     ;;
 esac
