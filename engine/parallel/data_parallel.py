@@ -80,6 +80,7 @@ from torch.utils import _pytree as pytree
 from ..batch import RoundPipePackedData, guess_split_spec, split_args_kwargs, split_label
 from ..device import get_devices
 from ..errors import ConfigError, DistributedError
+from ..optim import _sumsq
 from ..optim_stream import synchronize_optim
 from .checkpoint import load_checkpoint, save_checkpoint  # re-exported: the DP API
 
@@ -634,6 +635,9 @@ class DataParallel:
             if any(flags):
                 self._reduce_layer(layout, flags)
                 stats["params"] += sum(flags)
+                if _sumsq.can_keep():  # grad_norm's sums, taken here off the step's path
+                    grads = [pa.optim.grad for _, pa, _ in layout.params if pa.optim is not None]
+                    _sumsq.keep([g for g in grads if g is not None])
             took = time.perf_counter() - start
             stats["fold_s"] += took
             self.stats["reduce_s"] += took
@@ -804,7 +808,13 @@ def grad_norm(model: RoundPipeBase, norm_type: float = 2.0) -> float:
         if dp is None:
             return local
         return dp.all_reduce_scalar(local, dist.ReduceOp.MAX)
-    local = sum(float(g.double().norm(norm_type) ** norm_type) for g in grads)
+    if norm_type == 2.0 and _sumsq.can_keep():
+        # The C library's sums, in double on every core, kept where the reduction during
+        # the backward took them (reduce_ahead): with staleness zero the norm is on the
+        # step's path, and a double copy of every fp32 gradient was the slow way there.
+        local = _sumsq.total(grads)
+    else:
+        local = sum(float(g.double().norm(norm_type) ** norm_type) for g in grads)
     total = local if dp is None else dp.all_reduce_scalar(local)
     return total ** (1.0 / norm_type)
 

@@ -147,9 +147,15 @@ def train(
     from engine.attribute import ParamAttribute
 
     pending = sum(ParamAttribute.get(p).grad_pending for p in rp.parameters())
+    # ... and kept each reduced gradient's sum of squares for the step's norm (engine.optim._sumsq)
+    from engine.optim import _sumsq
+
+    grads = [p.grad for p in rp.optim_parameters() if p.grad is not None]
+    kept = (sum(_sumsq.kept(g) is not None for g in grads), len(grads), _sumsq.can_keep())
     rp.synchronize()
     return {
         "pending_after_call": pending,
+        "kept_after_call": kept,
         # layers gathered while step_fn ran (staleness zero, engine.optim.Adam's reports)
         "early_layers": sum(phases["early_layers"] for phases in rp.step_phases),
         "losses": losses,

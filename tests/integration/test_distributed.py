@@ -109,6 +109,8 @@ def test_two_ranks_equal_one_process(spawned: dict[str, Any], sync: bool, shard:
         torch.testing.assert_close(run["norms"], expected["norms"], **TOL)
         assert len(run["norms"]) == dp_worker.STEPS
         assert run["pending_after_call"] == 0, "the call's gradients were left to the step"
+        kept, grads, can_keep = run["kept_after_call"]
+        assert can_keep and grads > 0 and kept == grads, run["kept_after_call"]
         for name, w in expected["weights"].items():
             torch.testing.assert_close(run["weights"][name], w, **TOL, msg=f"rank {rank} {name}")
             torch.testing.assert_close(run["grads"][name], expected["grads"][name], **TOL)
