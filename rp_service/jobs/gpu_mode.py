@@ -4,13 +4,17 @@
 the decision (its `gpu_mode`: mode, ranks, reason) for every launch, resumes included. The
 rule rests on issue 43's measurements (docs/SCALING.md): on 4 x H100, Qwen3-1.7B full,
 2 NCCL ranks ran 76,688 tokens/s against 65,250 for one process on the same 2 GPUs, 4
-ranks 89,107 against 72,711-81,124. Ranks cost host memory (each holds the model), so
-`auto` takes them where
+ranks 89,107 against 72,711-81,124, all with the asynchronous step at staleness one. At
+staleness zero (the service's default) the data-parallel step's collectives were on the
+step's path: 2 ranks of the service's job ran 1.24x one rank (2 x H200, session 27), where
+one process drives 2 GPUs at 1.81x one. Ranks also cost host memory (each holds the
+model), so `auto` takes them where
 
 1. the job runs on >= 2 GPUs of this box (engine.nodes 1; a daemon with GPUs),
 2. data-parallel ranks can run it (full fine-tune, sft: `data_parallel_refusal`),
-3. the batch splits into equal shares of at least num_microbatch rows a rank,
-4. N times one rank's host-memory plan fits the daemon's budget (conservative: each
+3. the step is asynchronous with staleness one (`engine.async_step`, `step_staleness: 1`),
+4. the batch splits into equal shares of at least num_microbatch rows a rank,
+5. N times one rank's host-memory plan fits the daemon's budget (conservative: each
    rank's optimizer state is counted whole, though a rank keeps only its shard);
 
 else the pipeline, with the first reason that failed. `ranks` asked explicitly and not
@@ -69,6 +73,8 @@ def choose_gpu_mode(
     obstacle = _obstacle(spec, options)
     if obstacle is None and asked == "auto" and not on_gpus:
         obstacle = "this daemon has no GPUs: its CPU devices run as one process"
+    if obstacle is None and asked == "auto":
+        obstacle = _step_obstacle(spec)
     if obstacle is None:
         need = rank_plan_bytes(gpus)
         if need is not None and need * gpus > budget:
@@ -93,6 +99,19 @@ def choose_gpu_mode(
         gpus,
         f"{gpus} data-parallel ranks outrun one process on {gpus} GPUs (docs/SCALING.md) and "
         "their model copies fit host memory",
+    )
+
+
+def _step_obstacle(spec: JobSpec) -> str | None:
+    """Why `auto` keeps one process for this job's step (ranks asked for still run)."""
+    engine = spec.engine
+    if engine.async_step and engine.step_staleness == 1:
+        return None
+    step = "step_staleness 0" if engine.async_step else "async_step false"
+    return (
+        f"with engine.{step} the data-parallel step's collectives wait on the step's path "
+        "(measured: 2 ranks 1.24x one GPU, one process on 2 GPUs 1.81x; docs/SCALING.md); "
+        "engine.gpu_mode 'ranks' takes them anyway"
     )
 
 

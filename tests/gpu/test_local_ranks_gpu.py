@@ -1,7 +1,8 @@
 """engine.gpu_mode on 2 GPUs through a real daemon: `auto` takes one rank per GPU for a full
-sft job (rp_service.cluster.local: CUDA_VISIBLE_DEVICES one GPU a rank, NCCL), and those
-ranks train the weights of the same job as one process driving both GPUs (fp32, the
-tolerance of the two-node NCCL test)."""
+sft job with the staleness-one step (rp_service.cluster.local: CUDA_VISIBLE_DEVICES one GPU
+a rank, NCCL), and those ranks train the weights of the same job as one process driving
+both GPUs (fp32, the tolerance of the two-node NCCL test). With the default staleness-zero
+step `auto` keeps one process (rp_service.jobs.gpu_mode)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _run(daemon: Daemon, mode: str) -> dict[str, Any]:
     body = spec(
         model={"preset": "qwen3", "config": TINY_FP32_CONFIG, "dtype": "float32"},
         train={"steps": _STEPS, "batch_size": 8, "checkpoint_interval": 4, "seed": 3},
-        engine={"gpus": 2, "gpu_mode": mode, "num_microbatch": 2},
+        engine={"gpus": 2, "gpu_mode": mode, "num_microbatch": 2, "step_staleness": 1},
     )
     return finish(daemon, submit(daemon, body), timeout_s=300)
 

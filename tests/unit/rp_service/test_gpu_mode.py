@@ -49,17 +49,28 @@ def _mode(tmp_path: Path, body: dict[str, Any], *, budget: str = "64GiB", gpu_co
 
 
 def test_auto_takes_ranks_on_several_gpus_when_the_copies_fit(tmp_path: Path) -> None:
-    mode = _mode(tmp_path, _body())
+    mode = _mode(tmp_path, _body(step_staleness=1))
     assert (mode.mode, mode.ranks) == ("ranks", 2)
     assert "outrun one process" in mode.reason
-    four = _mode(tmp_path, _body(gpus=4), gpu_count=4)
+    four = _mode(tmp_path, _body(gpus=4, step_staleness=1), gpu_count=4)
     assert (four.mode, four.ranks) == ("ranks", 4)
+
+
+def test_auto_keeps_one_process_where_the_step_waits_for_the_collectives(tmp_path: Path) -> None:
+    """The default step (staleness zero) and a synchronous one: the pipeline, saying why and
+    how to take ranks anyway; asked for, ranks still run."""
+    default = _mode(tmp_path, _body())
+    assert default.mode == "pipeline" and "engine.step_staleness 0" in default.reason
+    assert "engine.gpu_mode 'ranks'" in default.reason
+    sync = _mode(tmp_path, _body(async_step=False, step_staleness=1))
+    assert sync.mode == "pipeline" and "engine.async_step false" in sync.reason
+    assert _mode(tmp_path, _body(gpu_mode="ranks")).mode == "ranks"
 
 
 def test_auto_falls_back_to_the_pipeline_and_says_why(tmp_path: Path) -> None:
     # a CUDA process's runtime is planned at 4 GiB (the tiny model's own bytes are a few
     # MiB): one process fits 6 GiB, two ranks do not
-    small = _mode(tmp_path, _body(), budget="6GiB")
+    small = _mode(tmp_path, _body(step_staleness=1), budget="6GiB")
     assert small.mode == "pipeline" and small.ranks == 1
     assert "2 copies of the model in host memory" in small.reason
     lora = _mode(tmp_path, _body(train={"method": "lora"}))
