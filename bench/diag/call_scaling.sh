@@ -16,13 +16,5 @@ RP_DEVICES=cuda:0 timeout 115 python3 bench/train.py "${ARGS[@]}" --steps 3 >"$O
 RP_DEVICES=cuda timeout 120 python3 bench/train.py "${ARGS[@]}" --steps 4 >"$OUT/four.jsonl" 2>"$OUT/four.err"
 cat "$OUT/topo.txt" "$OUT/links.jsonl"
 grep -E "PASSED|FAILED|passed|failed|apart" "$OUT/tests.log" | tail -8
-for f in one four; do python3 - "$OUT/$f.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    if line.startswith("{"):
-        d = json.loads(line)
-        keys = ("num_devices", "tokens_per_s", "tokens_per_s_steps_without_compile", "step_s",
-                "steps_with_compile", "plan", "peak_host_mem_gib", "plan_host_gib")
-        print({k: d.get(k) for k in keys})
-PY
+for f in one four; do python3 bench/diag/train_summary.py "$OUT/$f.jsonl"
 tail -2 "$OUT/$f.err"; done

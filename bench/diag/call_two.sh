@@ -36,15 +36,7 @@ scaling)
     ARGS=(--seqs-per-step 128 --num-microbatch 8 --warmup 3)
     RP_DEVICES=cuda:0 timeout 130 python3 bench/train.py "${ARGS[@]}" --steps 3 >"$OUT/one.jsonl" 2>"$OUT/one.err"
     RP_DEVICES=cuda:0,1 timeout 110 python3 bench/train.py "${ARGS[@]}" --steps 4 >"$OUT/two.jsonl" 2>"$OUT/two.err"
-    for f in one two; do python3 - "$OUT/$f.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    if line.startswith("{"):
-        d = json.loads(line)
-        keys = ("num_devices", "tokens_per_s", "tokens_per_s_steps_without_compile", "step_s",
-                "steps_with_compile", "plan", "peak_host_mem_gib", "plan_host_gib")
-        print({k: d.get(k) for k in keys})
-PY
+    for f in one two; do python3 bench/diag/train_summary.py "$OUT/$f.jsonl"
     tail -2 "$OUT/$f.err"; done
     RP_DEVICES=cuda:0,1 timeout 200 python3 bench/profile_train.py --seqs-per-step 128 \
         --num-microbatch 8 --steps 2 --warmup 3 --trace-dir /tmp/trace >"$OUT/profile2.jsonl" 2>"$OUT/profile2.err"
@@ -61,7 +53,7 @@ overlap)
     ARGS=(--seqs-per-step 128 --num-microbatch 8 --warmup 3 --overlap-calls)
     RP_DEVICES=cuda:0 timeout 130 python3 bench/train.py "${ARGS[@]}" --steps 3 >"$OUT/one-ov.jsonl" 2>"$OUT/one-ov.err"
     RP_DEVICES=cuda:0,1 timeout 110 python3 bench/train.py "${ARGS[@]}" --steps 4 >"$OUT/two-ov.jsonl" 2>"$OUT/two-ov.err"
-    grep -h tokens_per_s "$OUT"/one-ov.jsonl "$OUT"/two-ov.jsonl | cut -c1-600
+    python3 bench/diag/train_summary.py "$OUT"/one-ov.jsonl "$OUT"/two-ov.jsonl
     cut -c1-900 "$OUT/grpo-8b.jsonl"; grep -h "grpo bench\|graph rollouts\|checked" "$OUT/grpo-8b.err" | tail -5
     ;;
 esac
