@@ -8,7 +8,9 @@
 #   four        4 GPUs as the engine plans them (steps 0-9: the time plan's steady state)
 #   four_reatt  4 GPUs, attention recomputed (no saved attention: 28 GiB less each way)
 #   four_g7     4 GPUs, an explicit plan of 7-layer groups (the simulation's best even plan)
-#   OUT=$OUT ONLY="one four four_reatt four_g7" bash bench/scaling_variants.sh
+#   four_ov     4 GPUs, overlapped calls (session 27's 2-GPU profile: the call boundary's
+#               fill and drain are most of the idle time)
+#   OUT=$OUT ONLY="one four four_reatt four_g7 four_ov" bash bench/scaling_variants.sh
 set -u
 OUT=${OUT:-/tmp/scaling_variants}
 mkdir -p "$OUT"
@@ -24,3 +26,5 @@ run four_reatt "${T_FOUR:-150}" env RP_DEVICES=cuda python3 bench/train.py "${AR
     --steps 7 --recompute-attention
 run four_g7 "${T_FOUR:-150}" env RP_DEVICES=cuda python3 bench/train.py "${ARGS[@]}" \
     --steps 7 --group-layers 7
+run four_ov "${T_FOUR:-150}" env RP_DEVICES=cuda python3 bench/train.py "${ARGS[@]}" \
+    --steps 7 --overlap-calls
