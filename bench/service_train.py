@@ -9,6 +9,11 @@ JSON line per system and one with the ratio (the issue's bar: within 3%).
 
     python bench/service_train.py --model qwen3-1.7b --steps 6 --warmup 3
     python bench/service_train.py --model tiny          # CPU self-check (RP_GPUS=none)
+
+Several GPUs (issue 43: the daemon's job at >= 95% of the bench on the same GPUs):
+`--gpus 2` gives the job `engine.gpus: 2` (`--gpu-mode` its engine.gpu_mode, auto by default)
+and runs bench/train.py on cuda:0,1; `--step-staleness` applies to both (the service's
+default is 0, bench/train.py's 1), and the job's line names the mode it ran in.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -67,8 +73,10 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
             "num_microbatch": args.num_microbatch,
             "recompute_grain": "stage",
             "optim_dtype": "float32",
-            "gpus": 1 if on_gpu else 0,
+            "gpus": args.gpus if on_gpu else 0,
+            "gpu_mode": args.gpu_mode,
             "async_step": True,
+            "step_staleness": args.step_staleness,
         },
     }
 
@@ -77,7 +85,11 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
     tokens_per_step = args.seq_len * args.seqs_per_step
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="rp-bench-") as data_dir:
-        env = dict(os.environ, RP_PORT=str(port), RP_DATA_DIR=data_dir, RP_HOST="127.0.0.1")
+        token = secrets.token_hex(16)  # the daemon requires a token (docs/API.md)
+        env = dict(
+            os.environ, RP_PORT=str(port), RP_DATA_DIR=data_dir, RP_HOST="127.0.0.1", RP_TOKEN=token
+        )
+        http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30)
         if args.model == "tiny":
             env["RP_GPUS"] = "none"
         daemon = subprocess.Popen([sys.executable, "-m", "rp_service"], env=env, cwd=ROOT)
@@ -86,22 +98,21 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    if http.get(f"{base}/readyz", timeout=2).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline or daemon.poll() is not None:
                     raise RuntimeError("the daemon did not become ready")
                 time.sleep(0.2)
-            job = httpx.post(f"{base}/v1/jobs", json=job_spec(args), timeout=30).json()
+            job = http.post(f"{base}/v1/jobs", json=job_spec(args)).json()
             if "id" not in job:
                 raise RuntimeError(f"submission refused: {job}")
             after, rates, status = 0, {}, "queued"
             while status not in TERMINAL:
-                page = httpx.get(
+                page = http.get(
                     f"{base}/v1/jobs/{job['id']}/events",
                     params={"after": after, "limit": 1000},
-                    timeout=30,
                 ).json()
                 for ev in page["data"]:
                     after = ev["id"]
@@ -113,8 +124,9 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
                         status = data["status"]
                 if not page["data"]:
                     time.sleep(0.5)
-            final = httpx.get(f"{base}/v1/jobs/{job['id']}", timeout=30).json()
+            final = http.get(f"{base}/v1/jobs/{job['id']}").json()
         finally:
+            http.close()
             daemon.terminate()
             daemon.wait(timeout=120)
     measured = [rate for step, rate in sorted(rates.items()) if step > args.warmup]
@@ -127,6 +139,7 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_s": round(statistics.median(measured), 1) if measured else None,
         "steps_measured": len(measured),
         "per_step_tokens_per_s": [round(r, 1) for _, r in sorted(rates.items())],
+        "gpu_mode": final.get("gpu_mode"),
     }
 
 
@@ -135,10 +148,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         sys.executable, str(ROOT / "bench" / "train.py"), "--model", args.model,
         "--seq-len", str(args.seq_len), "--seqs-per-step", str(args.seqs_per_step),
         "--num-microbatch", str(args.num_microbatch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--step-staleness", str(args.step_staleness),
     ]  # fmt: skip
     env = dict(os.environ)
     if args.model == "tiny":
         env["RP_DEVICES"] = "cpu:1"
+    else:
+        env["RP_DEVICES"] = ",".join(f"cuda:{k}" for k in range(args.gpus))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return next(d for d in lines if d.get("system") == "roundpipe")
@@ -154,6 +170,9 @@ def main() -> None:
     p.add_argument("--num-microbatch", type=int, default=4)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--gpus", type=int, default=1, help="the job's engine.gpus (GPU runs)")
+    p.add_argument("--gpu-mode", choices=["auto", "pipeline", "ranks"], default="auto")
+    p.add_argument("--step-staleness", type=int, choices=[0, 1], default=0)
     args = p.parse_args()
     full = {"seq_len": 2048, "seqs_per_step": 64, "steps": 5, "warmup": 3}
     for key, value in full.items():

@@ -10,6 +10,8 @@
 #   PART=overlap  issue 43: 1 and 2 GPUs with overlapped calls (the profile's 82 + 77 ms of
 #                 fill and drain at the call boundary); first the 8B GRPO step with graphs
 #                 (GPU 1, alone)
+#   PART=service  issue 43: the daemon's 2-GPU job against bench/train.py on the same GPUs,
+#                 staleness one (auto takes ranks) and zero (auto keeps one process)
 #   source bench/device_env.sh && PART=tests OUT=$OUT bash bench/diag/call_two.sh
 set -u
 OUT=${OUT:-/tmp/calltwo}
@@ -55,5 +57,13 @@ overlap)
     RP_DEVICES=cuda:0,1 timeout 110 python3 bench/train.py "${ARGS[@]}" --steps 4 >"$OUT/two-ov.jsonl" 2>"$OUT/two-ov.err"
     python3 bench/diag/train_summary.py "$OUT"/one-ov.jsonl "$OUT"/two-ov.jsonl
     cut -c1-900 "$OUT/grpo-8b.jsonl"; grep -h "grpo bench\|graph rollouts\|checked" "$OUT/grpo-8b.err" | tail -5
+    ;;
+service)
+    for staleness in 1 0; do
+        timeout 280 python3 bench/service_train.py --gpus 2 --seqs-per-step 128 --num-microbatch 8 \
+            --steps 4 --warmup 3 --step-staleness "$staleness" >"$OUT/service-s$staleness.jsonl" \
+            2>"$OUT/service-s$staleness.err"
+        cut -c1-700 "$OUT/service-s$staleness.jsonl"
+    done
     ;;
 esac
