@@ -28,10 +28,16 @@ def test_nccl_ranks_equal_one_process(cuda_devices: int, tmp_path: Path, world: 
     optimizer thread, came out as one rank's share (9.58 against 12.99): the scalar was
     written and read back on streams the collective did not wait for."""
     ranks = _spawn("nccl", tmp_path, timeout_s=300.0, world=world)
-    for sync, shard in ((False, True), (True, False)):
-        expected = dp_worker.train(sync=sync, shard=shard, process_group=None, world=world)
+    # the staleness-zero run (session 27): each layer reduced on the optimizer thread while
+    # the backward computes on the same GPU, each gathered as Adam finishes it
+    cases = [(False, True, 1), (True, False, 1), (False, True, 0)]
+    for sync, shard, staleness in cases:
+        expected = dp_worker.train(
+            sync=sync, shard=shard, process_group=None, world=world, staleness=staleness
+        )
         for got in ranks:
-            run = got[f"sync={sync},shard={shard}"]
+            run = got["fresh,shard=True" if staleness == 0 else f"sync={sync},shard={shard}"]
+            assert run["pending_after_call"] == 0
             torch.testing.assert_close(run["losses"], expected["losses"], **TOL)
             torch.testing.assert_close(run["norms"], expected["norms"], **TOL)
             for name, w in expected["weights"].items():

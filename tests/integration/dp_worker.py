@@ -317,6 +317,8 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
         if scenario == "nccl":
             for sync, shard in ((False, True), (True, False)):
                 result[f"sync={sync},shard={shard}"] = train(sync=sync, shard=shard, world=world)
+            # the staleness-zero step: reductions during the backward, gathers as updated
+            result["fresh,shard=True"] = train(sync=False, shard=True, world=world, staleness=0)
         elif scenario == "equal":
             for sync in (True, False):
                 for shard in (True, False):
