@@ -166,6 +166,33 @@ def train(
     }
 
 
+def accumulate(
+    *, process_group: Any = "auto", world: int = 1, staleness: int = 1
+) -> dict[str, Any]:
+    """Two calls a step (gradient accumulation), two steps: each call's gradients are reduced
+    during its own backward and added in fp32 (engine.fold_ahead's data-parallel kernel)."""
+    rp, opt = build(
+        shard=True,
+        microbatches=MICROBATCHES_PER_RANK * (world if process_group is None else 1),
+        optimizer="engine",
+        process_group=process_group,
+        staleness=staleness,
+    )
+
+    def step_fn() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    losses = []
+    for k in range(4):
+        x, y = batch(10 + k)
+        losses.append(float(rp.forward_backward((x,), label=y, loss_fn=loss_fn)))
+        if k % 2:
+            rp.step(step_fn, is_async=True)
+    rp.synchronize()
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in rp.named_parameters()}}
+
+
 def resume(
     path: str, *, first: int, last: int, save_to: str | None, process_group: Any
 ) -> dict[str, Any]:
@@ -326,6 +353,10 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, scenario: str) -> 
                         sync=sync, shard=shard, world=world
                     )
             result["torch-adamw"] = train(sync=False, shard=True, optimizer="torch", world=world)
+            for staleness in (0, 1):
+                result[f"accumulate,staleness={staleness}"] = accumulate(
+                    world=world, staleness=staleness
+                )
             for shard in (True, False):  # step_staleness=0: the sync step's results
                 result[f"fresh,shard={shard}"] = train(
                     sync=False, shard=shard, world=world, staleness=0

@@ -116,6 +116,18 @@ def test_two_ranks_equal_one_process(spawned: dict[str, Any], sync: bool, shard:
             torch.testing.assert_close(run["grads"][name], expected["grads"][name], **TOL)
 
 
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_accumulated_calls_equal_one_process(spawned: dict[str, Any], staleness: int) -> None:
+    """Two calls before each step: every call's gradients are reduced during its own backward
+    and summed in fp32, as one process sums its two downloads."""
+    expected = dp_worker.accumulate(process_group=None, world=WORLD, staleness=staleness)
+    for rank, got in enumerate(spawned["ranks"]):
+        run = got[f"accumulate,staleness={staleness}"]
+        torch.testing.assert_close(run["losses"], expected["losses"], **TOL)
+        for name, w in expected["weights"].items():
+            torch.testing.assert_close(run["weights"][name], w, **TOL, msg=f"rank {rank} {name}")
+
+
 def test_sharded_state_is_split_and_any_torch_optimizer_works(spawned: dict[str, Any]) -> None:
     expected = _oracle(sync=False, shard=True, optimizer="torch")
     shards = [r["torch-adamw"]["shard_numel"] for r in spawned["ranks"]]
