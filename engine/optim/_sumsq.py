@@ -23,9 +23,9 @@ from torch import Tensor
 from ..errors import ConfigError
 from . import _native
 
-__all__ = ["can_keep", "keep", "kept", "per_tensor", "total"]
+__all__ = ["GRAD_DTYPES", "can_keep", "keep", "kept", "per_tensor", "total"]
 
-_GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # RP_DTYPE_*
+GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # RP_DTYPE_*
 _KEPT_ATTR = "_rp_sumsq"  # (version counter when summed, sum of squares)
 
 
@@ -36,10 +36,10 @@ def per_tensor(grads: Sequence[Tensor]) -> list[float]:
     dense = [g.contiguous() for g in grads]
     tensors = ffi.new("rp_adam_tensor[]", len(dense))
     for k, g in enumerate(dense):
-        if g.dtype not in _GRAD_DTYPES or g.device.type != "cpu":
+        if g.dtype not in GRAD_DTYPES or g.device.type != "cpu":
             raise ConfigError(f"a gradient must be an fp32, fp16 or bf16 CPU tensor, got {g.dtype}")
         tensors[k].grad = g.data_ptr()
-        tensors[k].grad_dtype = _GRAD_DTYPES[g.dtype]
+        tensors[k].grad_dtype = GRAD_DTYPES[g.dtype]
         tensors[k].numel = g.numel()
     out = ffi.new("double[]", len(dense))
     isa = _native.get_isa()

@@ -810,7 +810,8 @@ def grad_norm(model: RoundPipeBase, norm_type: float = 2.0) -> float:
         if dp is None:
             return local
         return dp.all_reduce_scalar(local, dist.ReduceOp.MAX)
-    if norm_type == 2.0 and _sumsq.can_keep():
+    summable = all(g.device.type == "cpu" and g.dtype in _sumsq.GRAD_DTYPES for g in grads)
+    if norm_type == 2.0 and summable and _sumsq.can_keep():
         # The C library's sums, in double on every core, kept where the reduction during
         # the backward took them (reduce_ahead): with staleness zero the norm is on the
         # step's path, and a double copy of every fp32 gradient was the slow way there.
