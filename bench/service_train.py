@@ -73,10 +73,14 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
             "num_microbatch": args.num_microbatch,
             "recompute_grain": "stage",
             "optim_dtype": "float32",
-            "gpus": args.gpus if on_gpu else 0,
-            "gpu_mode": args.gpu_mode,
+            "gpus": getattr(args, "gpus", 1) if on_gpu else 0,
             "async_step": True,
-            "step_staleness": args.step_staleness,
+            # bench/multinode.py's namespace has neither: the service's defaults then
+            **{
+                key: getattr(args, key)
+                for key in ("gpu_mode", "step_staleness")
+                if getattr(args, key, None) is not None
+            },
         },
     }
 
