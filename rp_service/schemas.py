@@ -355,8 +355,8 @@ class EngineSection(_Section):
         "driving all engine.gpus GPUs round robin; ranks, one data-parallel process per GPU "
         "(each holds a copy of the model in host memory; full fine-tunes with the sft "
         "objective only); auto, ranks where they can run, their copies fit the host "
-        "memory budget and the step is asynchronous with step_staleness 1, else pipeline. The job object's gpu_mode says which ran and why "
-        "(docs/SCALING.md).",
+        "memory budget and the step is asynchronous with step_staleness 1, else pipeline. "
+        "The job object's gpu_mode says which ran and why (docs/SCALING.md).",
     )
     async_step: bool = Field(
         True,
