@@ -166,9 +166,7 @@ def _bulk_backend(backend: str) -> str:
     GPU box, and no CPU one) both leave the choice to the engine: NCCL where this rank
     computes on GPUs, gloo where it does not. Taking either string as it is gave the bulk
     group no backend for the start-up broadcast's tensors (seen on torch 2.11, 2 H200s)."""
-    if backend in ("nccl", "gloo"):
-        return backend
-    if backend != "undefined" and "nccl" not in backend:
+    if backend == "nccl" or ("nccl" not in backend and backend != "undefined"):
         return backend
     return "nccl" if any(d.is_cuda for d in get_devices()) else "gloo"
 

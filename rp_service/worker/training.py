@@ -236,6 +236,8 @@ class _Run:
         self.optimizer = make_optimizer(self.masters, options)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.meter = Meter(emit=emit, total_steps=self.total_steps, order=self.order)
+        # data parallel's collective seconds (DataParallel.stats) at the last step's event
+        self._dp_seen: dict[str, float] = {}
         self.meter.start_step = self.start_step
         if self.resume is not None:
             self._restore(self.resume)
@@ -371,9 +373,8 @@ class _Run:
         dp = getattr(self.rp, "_dp", None)
         if dp is None:
             return {}
-        seen = self.__dict__.get("_dp_seen", {})
         now = {key: dp.stats[key] for key in ("reduce_s", "publish_s")}
-        self._dp_seen = now
+        seen, self._dp_seen = self._dp_seen, now
         return {key: round(now[key] - seen.get(key, 0.0), 4) for key in now}
 
     def _forward_backward(self, step: int) -> tuple[torch.Tensor, int]:
