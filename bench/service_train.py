@@ -13,7 +13,9 @@ JSON line per system and one with the ratio (the issue's bar: within 3%).
 Several GPUs (issue 43: the daemon's job at >= 95% of the bench on the same GPUs):
 `--gpus 2` gives the job `engine.gpus: 2` (`--gpu-mode` its engine.gpu_mode, auto by default)
 and runs bench/train.py on cuda:0,1; `--step-staleness` applies to both (the service's
-default is 0, bench/train.py's 1), and the job's line names the mode it ran in.
+default is 0, bench/train.py's 1), and the job's line names the mode it ran in;
+bench/train.py overlaps its calls where the job did (`--overlap-calls` sets the job's
+engine.overlap_calls; auto by default).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
             # bench/multinode.py's namespace has neither: the service's defaults then
             **{
                 key: getattr(args, key)
-                for key in ("gpu_mode", "step_staleness")
+                for key in ("gpu_mode", "step_staleness", "overlap_calls")
                 if getattr(args, key, None) is not None
             },
         },
@@ -147,20 +149,26 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+def run_bench(args: argparse.Namespace, *, overlap_calls: bool = False) -> dict[str, Any]:
+    """bench/train.py's line for the job's shape (`overlap_calls`: as the job ran)."""
     cmd = [
         sys.executable, str(ROOT / "bench" / "train.py"), "--model", args.model,
         "--seq-len", str(args.seq_len), "--seqs-per-step", str(args.seqs_per_step),
         "--num-microbatch", str(args.num_microbatch), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--step-staleness", str(args.step_staleness),
     ]  # fmt: skip
+    if overlap_calls:
+        cmd.append("--overlap-calls")
     env = dict(os.environ)
     if args.model == "tiny":
         env["RP_DEVICES"] = "cpu:1"
     else:
-        env["RP_DEVICES"] = ",".join(f"cuda:{k}" for k in range(args.gpus))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        env["RP_DEVICES"] = "cuda:" + ",".join(str(k) for k in range(args.gpus))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:  # say why: its stderr's end (a traceback, a refusal)
+        sys.stderr.write(done.stderr[-4000:])
+        raise RuntimeError(f"bench/train.py exited with {done.returncode}: {' '.join(cmd)}")
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return next(d for d in lines if d.get("system") == "roundpipe")
 
 
@@ -177,6 +185,14 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=1, help="the job's engine.gpus (GPU runs)")
     p.add_argument("--gpu-mode", choices=["auto", "pipeline", "ranks"], default="auto")
     p.add_argument("--step-staleness", type=int, choices=[0, 1], default=0)
+    p.add_argument(
+        "--overlap-calls",
+        type=lambda v: v if v == "auto" else v == "true",
+        choices=["auto", True, False],
+        default=None,
+        help="the job's engine.overlap_calls (auto, true, false; default: the service's); "
+        "bench/train.py then runs as the job did (its gpu_mode.overlap_calls)",
+    )
     args = p.parse_args()
     full = {"seq_len": 2048, "seqs_per_step": 64, "steps": 5, "warmup": 3}
     for key, value in full.items():
@@ -186,7 +202,7 @@ def main() -> None:
         args.num_microbatch = min(args.num_microbatch, 2)
     service = run_service(args)
     print(json.dumps(service), flush=True)
-    bench = run_bench(args)
+    bench = run_bench(args, overlap_calls=bool((service["gpu_mode"] or {}).get("overlap_calls")))
     print(
         json.dumps(
             {k: bench.get(k) for k in ("bench", "system", "model", "tokens_per_s", "step_s")}

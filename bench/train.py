@@ -291,6 +291,7 @@ def host_plan(args: argparse.Namespace) -> Any:
         saved_attention=not args.recompute_attention,
         trainable_params=shape.lora_params(args.lora_rank) if args.lora else None,
         double_buffer_weights=_double_buffer(args),
+        overlap_calls=bool(args.overlap_calls),
         layers_per_group=args.group_layers,
         num_devices=get_num_devices(),
         deferred_grads=_deferred_grads(args),

@@ -134,6 +134,9 @@ class EngineOptions:
             compute capability >= 8.9, which the caller checks: it knows the devices).
         fp8_recipe: RoundPipe's fp8_recipe: 'rowwise', 'tensorwise' or
             'rowwise_with_gw_hp' (with 'fp8' only).
+        overlap_calls: RoundPipe's overlap_calls (each call's backward finishes behind the
+            next call's forward), with its double-buffered weights: a second half-precision
+            copy of the trainable weights in host memory.
         names: How a caller calls each option in messages and in `ConfigError.field`
             (e.g. {'num_microbatch': 'engine.num_microbatch'}); unnamed options keep
             their own name. Not compared.
@@ -157,6 +160,7 @@ class EngineOptions:
     layers_per_group: int | None = None
     matmul_precision: MatmulPrecision = "bf16"
     fp8_recipe: Fp8Recipe = "rowwise"
+    overlap_calls: bool = False
     names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -354,9 +354,20 @@ class EngineSection(_Section):
         description="How a job on several GPUs of this box runs: pipeline, one process "
         "driving all engine.gpus GPUs round robin; ranks, one data-parallel process per GPU "
         "(each holds a copy of the model in host memory; full fine-tunes with the sft "
-        "objective only); auto, ranks where they can run, their copies fit the host "
-        "memory budget and the step is asynchronous with step_staleness 1, else pipeline. "
+        "objective only); auto, ranks on 4 or more GPUs where they can run, their copies "
+        "fit the host memory budget and the step is asynchronous with step_staleness 1, "
+        "else pipeline. "
         "The job object's gpu_mode says which ran and why (docs/SCALING.md).",
+    )
+    overlap_calls: bool | Literal["auto"] = Field(
+        "auto",
+        description="true: each step's backward finishes behind the next step's forward "
+        "(the engine's overlap_calls: same results, the pipeline's fill and drain hidden; "
+        "a second half-precision copy of the trainable weights in host memory). auto: on "
+        "for an sft job run as one process on 2 or more GPUs with async_step and "
+        "step_staleness 1, where the copy fits the host memory budget. One process only "
+        "(not with gpu_mode ranks or engine.nodes > 1), sft only, not with optim_memory "
+        "compact. The job's options say what ran (docs/SCALING.md).",
     )
     async_step: bool = Field(
         True,
@@ -659,6 +670,11 @@ class GpuModeChoice(BaseModel):
     )
     ranks: int = Field(description="Processes that run the job (1 for pipeline).")
     reason: str = Field(description="Why this mode (engine.gpu_mode and the auto rule).")
+    overlap_calls: bool = Field(
+        False,
+        description="Whether one process overlaps each step's backward with the next "
+        "step's forward (engine.overlap_calls and its auto rule).",
+    )
 
 
 class Job(BaseModel):

@@ -10,8 +10,9 @@
 #   PART=overlap  issue 43: 1 and 2 GPUs with overlapped calls (the profile's 82 + 77 ms of
 #                 fill and drain at the call boundary); first the 8B GRPO step with graphs
 #                 (GPU 1, alone)
-#   PART=service  issue 43: the daemon's 2-GPU job against bench/train.py on the same GPUs,
-#                 staleness one (auto takes ranks) and zero (auto keeps one process)
+#   PART=service  issue 43: the daemon's 2-GPU job against bench/train.py on the same GPUs
+#                 at staleness one (auto: one process, overlapped calls), then bench/train.py
+#                 at staleness zero
 #   source bench/device_env.sh && PART=tests OUT=$OUT bash bench/diag/call_two.sh
 set -u
 OUT=${OUT:-/tmp/calltwo}
@@ -59,11 +60,14 @@ overlap)
     cut -c1-900 "$OUT/grpo-8b.jsonl"; grep -h "grpo bench\|graph rollouts\|checked" "$OUT/grpo-8b.err" | tail -5
     ;;
 service)
-    for staleness in 1 0; do
-        timeout 280 python3 bench/service_train.py --gpus 2 --seqs-per-step 128 --num-microbatch 8 \
-            --steps 4 --warmup 3 --step-staleness "$staleness" >"$OUT/service-s$staleness.jsonl" \
-            2>"$OUT/service-s$staleness.err"
-        cut -c1-700 "$OUT/service-s$staleness.jsonl"
-    done
+    # auto at staleness one: one process with overlapped calls (session 28's rule), and
+    # bench/train.py as the job ran; then bench/train.py at staleness zero alone (the
+    # service's staleness-zero job ran 74,183 tokens/s in session 28's call 3)
+    timeout 330 python3 bench/service_train.py --gpus 2 --seqs-per-step 128 --num-microbatch 8 \
+        --steps 4 --warmup 3 --step-staleness 1 >"$OUT/service-s1.jsonl" 2>"$OUT/service-s1.err"
+    cut -c1-700 "$OUT/service-s1.jsonl"; grep -v "INFO:" "$OUT/service-s1.err" | tail -4 | cut -c1-300
+    RP_DEVICES=cuda:0,1 timeout 130 python3 bench/train.py --seqs-per-step 128 --num-microbatch 8 \
+        --warmup 3 --steps 4 --step-staleness 0 >"$OUT/bench-s0.jsonl" 2>"$OUT/bench-s0.err"
+    python3 bench/diag/train_summary.py "$OUT/bench-s0.jsonl"; tail -3 "$OUT/bench-s0.err" | cut -c1-300
     ;;
 esac

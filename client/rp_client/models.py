@@ -84,6 +84,7 @@ class GpuModeChoice(_Model):
     mode: str
     ranks: int = 1
     reason: str = ""
+    overlap_calls: bool = False  # one process overlapping its calls (engine.overlap_calls)
 
 
 class Job(_Model):
@@ -295,6 +296,7 @@ class EngineSection(_Model):
     gpus: int | None = None  # per node when nodes > 1
     nodes: int | None = None  # machines of the daemon's Ray cluster (docs/SCALING.md)
     gpu_mode: str | None = None  # auto | pipeline | ranks (docs/SCALING.md, "One box")
+    overlap_calls: bool | str | None = None  # auto | true | false (docs/SCALING.md)
     async_step: bool | None = None
     step_staleness: int | None = None  # 0 (default) | 1: docs/HOST_MEMORY_MODES.md, "Staleness"
     max_gpu_memory_gib: float | None = None  # GiB a GPU the job may use (docs/API.md)

@@ -361,6 +361,11 @@ class RunShape:
     trainable_params: int | None = None  # None: all (full fine-tune); else e.g. LoRA's
     optimizer_state: bool = True  # count Adam's moments
     double_buffer_weights: bool = False  # a second model copy per trainable parameter
+    # RoundPipe's overlap_calls: a call's backward still holds its activations and saved
+    # attention while the next call's forward saves its own, so both parts count twice
+    # (session 28, Qwen3-1.7B on 1 and 2 H200s: 100.8-104.1 GiB peak against 68.4 planned
+    # without it, the difference their sum, 33.4 GiB).
+    overlap_calls: bool = False
     optim_memory: OptimMemory = "default"  # compact: see the module doc
     # "nf4": the frozen projections are held packed (engine.adapters.nf4); EngineOptions
     # allows it with adapters only (trainable_params set).
@@ -415,6 +420,8 @@ def run_shape(
         layers_per_group=options.layers_per_group,
         num_devices=num_devices,
         deferred_grads=deferred_grads,
+        double_buffer_weights=options.overlap_calls,  # RoundPipe's default with overlap
+        overlap_calls=options.overlap_calls,
     )
 
 
@@ -597,6 +604,9 @@ def plan_host_memory(shape: ModelShape, run: RunShape) -> HostMemoryPlan:
         parts["saved_attention"] = shape.num_hidden_layers * run.num_microbatch * per_mb
     else:
         parts["saved_attention"] = 0
+    if run.overlap_calls:  # two calls' worth (RunShape.overlap_calls)
+        parts["activations"] *= 2
+        parts["saved_attention"] *= 2
     parts["runtime"] = RUNTIME_BYTES["cuda" if cuda else "cpu"]
     return HostMemoryPlan(parts, run, shape)
 

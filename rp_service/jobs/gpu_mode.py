@@ -1,18 +1,19 @@
-"""How a job on several GPUs of this box runs: one process (pipeline) or one rank per GPU.
+"""How a job on several GPUs of this box runs: one process (pipeline) or one rank per GPU,
+and whether one process overlaps its calls.
 
 `engine.gpu_mode` asks; `choose_gpu_mode` decides once, at submission, and the job keeps
 the decision (its `gpu_mode`: mode, ranks, reason) for every launch, resumes included. The
-rule rests on issue 43's measurements (docs/SCALING.md): on 4 x H100, Qwen3-1.7B full,
-2 NCCL ranks ran 76,688 tokens/s against 65,250 for one process on the same 2 GPUs, 4
-ranks 89,107 against 72,711-81,124, all with the asynchronous step at staleness one. At
-staleness zero (the service's default) the data-parallel step's collectives were on the
-step's path: 2 ranks of the service's job ran 1.24x one rank (2 x H200, session 27), where
-one process drives 2 GPUs at 1.81x one. Ranks also cost host memory (each holds the
-model), so `auto` takes them where
+rule rests on issue 43's measurements (docs/SCALING.md), Qwen3-1.7B full, 262,144 tokens a
+step: on 4 x H100, 4 NCCL ranks ran 89,107 tokens/s against 72,711-81,124 for one process
+on the same 4 GPUs (staleness one, calls not overlapped). On 2 x H200 (session 28) one
+process with overlapped calls ran 80,433 against 74,253 for the service's 2 ranks at
+staleness one, and 74,183 against 73,769 at staleness zero. Ranks also cost host memory
+(each holds the model), so `auto` takes them where
 
 1. the job runs on >= 2 GPUs of this box (engine.nodes 1; a daemon with GPUs),
 2. data-parallel ranks can run it (full fine-tune, sft: `data_parallel_refusal`),
-3. the step is asynchronous with staleness one (`engine.async_step`, `step_staleness: 1`),
+3. the step is asynchronous with staleness one (`engine.async_step`, `step_staleness: 1`)
+   and the job has at least 4 GPUs (below, one process with overlapped calls is faster),
 4. the batch splits into equal shares of at least num_microbatch rows a rank,
 5. N times one rank's host-memory plan fits the daemon's budget (conservative: each
    rank's optimizer state is counted whole, though a rank keeps only its shard);
@@ -20,6 +21,11 @@ model), so `auto` takes them where
 else the pipeline, with the first reason that failed. `ranks` asked explicitly and not
 runnable is a 422 naming engine.gpu_mode and the fix (on a daemon without GPUs it runs:
 one CPU device a rank, gloo, as the CI tests do).
+
+`overlap_refusal` and `overlap_by_default` decide `engine.overlap_calls` once the mode is
+known: the engine's overlapped calls hide a call's pipeline fill and drain where the next
+forward does not wait for the step (staleness one), at the cost of a second half-precision
+copy of the trainable weights (the double buffer the optimizer writes).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from rp_service.cluster.nodes import data_parallel_refusal
 from rp_service.errors import InvalidRequest
 from rp_service.schemas import JobSpec
 
-__all__ = ["GpuMode", "choose_gpu_mode"]
+__all__ = ["GpuMode", "choose_gpu_mode", "overlap_by_default", "overlap_refusal"]
 
 _FIELD = "engine.gpu_mode"
 
@@ -46,9 +52,15 @@ class GpuMode:
     mode: Literal["pipeline", "ranks"]
     ranks: int
     reason: str
+    overlap_calls: bool = False  # engine.overlap_calls as decided (one process only)
 
     def to_json(self) -> dict[str, Any]:
-        return {"mode": self.mode, "ranks": self.ranks, "reason": self.reason}
+        return {
+            "mode": self.mode,
+            "ranks": self.ranks,
+            "reason": self.reason,
+            "overlap_calls": self.overlap_calls,
+        }
 
 
 def choose_gpu_mode(
@@ -102,16 +114,54 @@ def choose_gpu_mode(
     )
 
 
+# Below this many GPUs `auto` keeps one process (rule 3 of the module doc).
+_RANKS_FROM_GPUS = 4
+
+
 def _step_obstacle(spec: JobSpec) -> str | None:
-    """Why `auto` keeps one process for this job's step (ranks asked for still run)."""
+    """Why `auto` keeps one process for this job's step and GPUs (ranks asked for still
+    run)."""
     engine = spec.engine
-    if engine.async_step and engine.step_staleness == 1:
-        return None
-    step = "step_staleness 0" if engine.async_step else "async_step false"
+    if not (engine.async_step and engine.step_staleness == 1):
+        step = "step_staleness 0" if engine.async_step else "async_step false"
+        return (
+            f"with engine.{step} one process is as fast as ranks (measured on 2 GPUs: "
+            "74,183 against 73,769 tokens/s; docs/SCALING.md) and holds one copy of the "
+            "model; engine.gpu_mode 'ranks' takes them anyway"
+        )
+    if engine.gpus < _RANKS_FROM_GPUS:
+        return (
+            f"on {engine.gpus} GPUs one process with overlapped calls outruns ranks "
+            "(measured on 2: 80,433 against 74,253 tokens/s; docs/SCALING.md); "
+            "engine.gpu_mode 'ranks' takes them anyway"
+        )
+    return None
+
+
+def overlap_refusal(spec: JobSpec, mode: GpuMode) -> str | None:
+    """Why the job cannot overlap its calls (engine.overlap_calls true is then a 422), or
+    None."""
+    engine = spec.engine
+    if mode.mode == "ranks" or engine.nodes > 1:
+        return "data-parallel ranks run without overlapped calls; set engine.gpu_mode to 'pipeline'"
+    if spec.train.objective != "sft":
+        return f"train.objective {spec.train.objective!r} runs without overlapped calls (sft only)"
+    if engine.optim_memory == "compact":
+        return "engine.optim_memory 'compact' computes with each update: nothing to overlap"
+    return None
+
+
+def overlap_by_default(spec: JobSpec, mode: GpuMode, *, on_gpus: bool) -> bool:
+    """Whether `engine.overlap_calls: auto` turns overlapped calls on (before the host
+    memory check of their second copy): one process on >= 2 GPUs whose next forward does
+    not wait for the step."""
+    engine = spec.engine
     return (
-        f"with engine.{step} the data-parallel step's collectives wait on the step's path "
-        "(measured: 2 ranks 1.24x one GPU, one process on 2 GPUs 1.81x; docs/SCALING.md); "
-        "engine.gpu_mode 'ranks' takes them anyway"
+        on_gpus
+        and engine.gpus >= 2
+        and engine.async_step
+        and engine.step_staleness == 1
+        and overlap_refusal(spec, mode) is None
     )
 
 

@@ -252,7 +252,8 @@ class Orchestrator:
         options = self.resolver.check(
             spec, gpu_count=gpu_count, gpu_capabilities=self.gpu_capabilities
         )
-        return options, self.resolver.gpu_mode(spec, options, gpu_count=gpu_count)
+        mode = self.resolver.gpu_mode(spec, options, gpu_count=gpu_count)
+        return self.resolver.overlap_calls(spec, options, mode, gpu_count=gpu_count)
 
     async def cancel(self, job_id: str) -> JobRecord:
         for _ in range(10):

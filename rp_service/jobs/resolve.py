@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,12 @@ from rp_service.cluster.nodes import ClusterView, check_nodes_request
 from rp_service.data.chat_template import CHOOSE_HINT, folder_has_template
 from rp_service.data.formats import DataFormatError, iter_records
 from rp_service.errors import InvalidRequest, JobFailure
-from rp_service.jobs.gpu_mode import GpuMode, choose_gpu_mode
+from rp_service.jobs.gpu_mode import (
+    GpuMode,
+    choose_gpu_mode,
+    overlap_by_default,
+    overlap_refusal,
+)
 from rp_service.jobs.hostmem import budget_bytes, check_spec, plan_for_spec
 from rp_service.jobs.store import Store
 from rp_service.jobs.weights import check_weights_cover
@@ -311,6 +317,38 @@ class SpecResolver:
             rank_plan_bytes=rank_plan_bytes,
             budget=self.host_budget_bytes,
         )
+
+    def overlap_calls(
+        self, spec: JobSpec, options: EngineOptions, mode: GpuMode, *, gpu_count: int
+    ) -> tuple[EngineOptions, GpuMode]:
+        """The options and mode with engine.overlap_calls decided (after `gpu_mode`):
+        InvalidRequest when `true` cannot run, HostMemoryExceeded when its second weight
+        copy does not fit; `auto` turns it on only where the copy fits."""
+        asked = spec.engine.overlap_calls
+        if asked is False:
+            return options, mode
+        path_config = self._path_config(spec)
+        cuda = gpu_count > 0 and spec.engine.gpus > 0
+        overlapped = replace(options, overlap_calls=True)
+        if asked is True:
+            refusal = overlap_refusal(spec, mode)
+            if refusal is not None:
+                raise InvalidRequest(
+                    f"engine.overlap_calls: {refusal}; or set engine.overlap_calls to 'auto' "
+                    "or false",
+                    code="overlap_not_possible",
+                    param="engine.overlap_calls",
+                )
+            check_spec(
+                spec, overlapped, path_config=path_config, cuda=cuda, budget=self.host_budget_bytes
+            )
+            return overlapped, replace(mode, overlap_calls=True)
+        if not overlap_by_default(spec, mode, on_gpus=cuda):
+            return options, mode
+        plan = plan_for_spec(spec, overlapped, path_config=path_config, cuda=cuda)
+        if plan is not None and plan.total_bytes > self.host_budget_bytes:
+            return options, mode  # the second copy does not fit: calls one after the other
+        return overlapped, replace(mode, overlap_calls=True)
 
     def legacy_options(self, spec: JobSpec) -> dict[str, Any]:
         """The options of a job queued by a daemon from before the store kept them (`check`

@@ -217,6 +217,8 @@ class _Run:
         self.adapter_keys: list[str] | None = None
         self.hf_model = self._build_model()
         self.rp = wrap(self.hf_model, self.options)
+        if getattr(self.rp, "overlap_calls", False):
+            log.info("overlapped calls: each step's backward finishes behind the next forward")
         if spec.engine.optim_memory != "compact":  # compact always computes with the update
             # engine.step_staleness: which weights the call after an asynchronous step reads
             self.rp.step_staleness = spec.engine.step_staleness

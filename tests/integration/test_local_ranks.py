@@ -126,6 +126,7 @@ def test_two_ranks_train_as_one_process(daemon: Daemon, runs: dict[str, Any]) ->
         "mode": "ranks",
         "ranks": 2,
         "reason": "engine.gpu_mode is 'ranks'",
+        "overlap_calls": False,  # ranks never overlap calls
     }
     assert pipeline["gpu_mode"]["mode"] == "pipeline"
     assert sorted(losses(daemon, ranks["id"])) == list(range(1, _STEPS + 1))

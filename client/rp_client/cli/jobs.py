@@ -141,7 +141,9 @@ def status(
         lines.append(("parameters", _parameters(job.parameters, job.spec)))
     if job.gpu_mode is not None:
         ranks = f" x {job.gpu_mode.ranks}" if job.gpu_mode.mode == "ranks" else ""
-        lines.append(("gpu mode", printable(f"{job.gpu_mode.mode}{ranks}: {job.gpu_mode.reason}")))
+        overlap = ", calls overlapped" if job.gpu_mode.overlap_calls else ""
+        text = f"{job.gpu_mode.mode}{ranks}{overlap}: {job.gpu_mode.reason}"
+        lines.append(("gpu mode", printable(text)))
     lines += [(k, f"{v:.6g}" if isinstance(v, float) else str(v)) for k, v in job.metrics.items()]
     if job.progress.eta_seconds is not None and not job.is_terminal:
         lines.append(("eta", f"{job.progress.eta_seconds:.0f} s"))

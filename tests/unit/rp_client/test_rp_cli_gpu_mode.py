@@ -17,6 +17,14 @@ def test_status_shows_the_gpu_mode_and_its_reason(make_client) -> None:
     assert result.exit_code == 0, result.output
     line = next(x for x in result.stdout.splitlines() if x.startswith("gpu mode"))
     assert line.split(None, 2)[2] == f"ranks x 4: {reason}"
+    piped = {"mode": "pipeline", "ranks": 1, "reason": "r", "overlap_calls": True}
+    client, _ = make_client(
+        lambda r: httpx.Response(200, json=job_obj(status="running", gpu_mode=piped)),
+        max_retries=0,
+    )
+    result = CliRunner().invoke(app, ["status", "job-1"], obj={"client": client})
+    line = next(x for x in result.stdout.splitlines() if x.startswith("gpu mode"))
+    assert line.split(None, 2)[2] == "pipeline, calls overlapped: r"
     older = job_obj(status="running")  # a daemon from before the field: no line
     client, _ = make_client(lambda r: httpx.Response(200, json=older), max_retries=0)
     result = CliRunner().invoke(app, ["status", "job-1"], obj={"client": client})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,16 @@ def _mode(tmp_path: Path, body: dict[str, Any], *, budget: str = "64GiB", gpu_co
     return resolver.gpu_mode(spec, spec_to_engine(spec), gpu_count=gpu_count)
 
 
-def test_auto_takes_ranks_on_several_gpus_when_the_copies_fit(tmp_path: Path) -> None:
-    mode = _mode(tmp_path, _body(step_staleness=1))
-    assert (mode.mode, mode.ranks) == ("ranks", 2)
-    assert "outrun one process" in mode.reason
+def test_auto_takes_ranks_on_four_gpus_when_the_copies_fit(tmp_path: Path) -> None:
     four = _mode(tmp_path, _body(gpus=4, step_staleness=1), gpu_count=4)
     assert (four.mode, four.ranks) == ("ranks", 4)
+    assert "outrun one process" in four.reason
+    # on 2 (and 3) GPUs one process with overlapped calls measured faster
+    two = _mode(tmp_path, _body(step_staleness=1))
+    assert (two.mode, two.ranks) == ("pipeline", 1)
+    assert "overlapped calls outruns ranks" in two.reason and "'ranks'" in two.reason
+    three = _mode(tmp_path, _body(gpus=3, step_staleness=1, train={"batch_size": 12}), gpu_count=3)
+    assert three.mode == "pipeline"
 
 
 def test_auto_keeps_one_process_where_the_step_waits_for_the_collectives(tmp_path: Path) -> None:
@@ -70,9 +75,9 @@ def test_auto_keeps_one_process_where_the_step_waits_for_the_collectives(tmp_pat
 def test_auto_falls_back_to_the_pipeline_and_says_why(tmp_path: Path) -> None:
     # a CUDA process's runtime is planned at 4 GiB (the tiny model's own bytes are a few
     # MiB): one process fits 6 GiB, two ranks do not
-    small = _mode(tmp_path, _body(step_staleness=1), budget="6GiB")
+    small = _mode(tmp_path, _body(gpus=4, step_staleness=1), budget="6GiB", gpu_count=4)
     assert small.mode == "pipeline" and small.ranks == 1
-    assert "2 copies of the model in host memory" in small.reason
+    assert "4 copies of the model in host memory" in small.reason
     lora = _mode(tmp_path, _body(train={"method": "lora"}))
     assert lora.mode == "pipeline" and "train.method 'lora'" in lora.reason
     dpo = _mode(tmp_path, _body(train={"objective": "dpo"}))
@@ -108,6 +113,72 @@ def test_explicit_ranks_run_where_they_can_and_are_refused_naming_the_field(
         assert words in exc.value.message and "set engine.gpu_mode to 'auto'" in exc.value.message
 
 
+def _overlap(
+    tmp_path: Path, body: dict[str, Any], *, budget: str = "64GiB", gpu_count: int = 2
+) -> tuple[bool, bool]:
+    """(the options' overlap_calls, the mode's) as the orchestrator decides them."""
+    resolver = SpecResolver(Settings(data_dir=tmp_path, host_memory_budget=budget), None)
+    spec = JobSpec.model_validate(body)
+    options = spec_to_engine(spec)
+    mode = resolver.gpu_mode(spec, options, gpu_count=gpu_count)
+    options, mode = resolver.overlap_calls(spec, options, mode, gpu_count=gpu_count)
+    return options.overlap_calls, mode.overlap_calls
+
+
+def test_auto_overlaps_one_process_on_several_gpus_at_staleness_one(tmp_path: Path) -> None:
+    assert _overlap(tmp_path, _body(step_staleness=1)) == (True, True)
+    assert _overlap(tmp_path, _body(step_staleness=1, train={"method": "lora"})) == (True, True)
+    for body, gpu_count in (
+        (_body(), 2),  # staleness zero: the next forward waits for the step anyway
+        (_body(async_step=False, step_staleness=1), 2),
+        (_body(gpus=1, step_staleness=1), 2),
+        (_body(step_staleness=1), 0),  # CPU devices: nothing to hide
+        (_body(step_staleness=1, train={"objective": "dpo"}), 2),
+        (_body(step_staleness=1, overlap_calls=False), 2),
+        (_body(step_staleness=1, gpu_mode="ranks"), 2),
+        (_body(gpus=4, step_staleness=1), 4),  # ranks on 4
+    ):
+        assert _overlap(tmp_path, body, gpu_count=gpu_count) == (False, False), body
+
+
+def test_auto_overlaps_only_where_the_second_calls_memory_fits(tmp_path: Path) -> None:
+    """Overlapped calls hold two calls' activations and a second weight copy: a budget
+    the plain plan fits but the overlapped one does not keeps calls one after the other."""
+    from rp_service.jobs.hostmem import plan_for_spec
+
+    body = _body(step_staleness=1, train={"batch_size": 64})
+    body["data"]["seq_len"] = 2048
+    body["model"]["config"] = {**TINY, "max_position_embeddings": 2048}
+    spec = JobSpec.model_validate(body)
+    options = spec_to_engine(spec)
+    plain = plan_for_spec(spec, options, path_config=None, cuda=True).total_bytes
+    doubled = plan_for_spec(
+        spec, replace(options, overlap_calls=True), path_config=None, cuda=True
+    ).total_bytes
+    assert doubled > plain
+    between = f"{(plain + doubled) // 2}"
+    assert _overlap(tmp_path, body, budget=between) == (False, False)
+    assert _overlap(tmp_path, body, budget=f"{doubled}") == (True, True)
+
+
+def test_explicit_overlap_is_refused_where_it_cannot_run_naming_the_field(tmp_path: Path) -> None:
+    assert _overlap(tmp_path, _body(overlap_calls=True)) == (True, True)  # staleness 0 too
+    assert _overlap(tmp_path, _body(overlap_calls=True), gpu_count=0) == (True, True)
+    for body, gpu_count, words in (
+        (_body(overlap_calls=True, gpu_mode="ranks"), 2, "data-parallel ranks"),
+        (_body(overlap_calls=True, train={"objective": "dpo"}), 2, "'dpo'"),
+        (_body(overlap_calls=True, optim_memory="compact"), 2, "compact"),
+    ):
+        if "compact" in words:
+            body["model"]["dtype"] = "bfloat16"
+        with pytest.raises(InvalidRequest) as exc:
+            _overlap(tmp_path, body, gpu_count=gpu_count)
+        assert (
+            exc.value.param == "engine.overlap_calls" and exc.value.code == "overlap_not_possible"
+        )
+        assert words in exc.value.message
+
+
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
     settings = Settings(data_dir=tmp_path, gpus="none", host_memory_budget="64GiB", auth="none")
@@ -126,7 +197,14 @@ def test_the_job_object_says_which_mode_and_why(client: TestClient) -> None:
     client.post(f"/v1/jobs/{job_id}/pause")
     shown = client.get(f"/v1/jobs/{job_id}").json()["gpu_mode"]
     assert shown["mode"] == "pipeline" and "no GPUs" in shown["reason"]
+    assert shown["overlap_calls"] is False
     client.post(f"/v1/jobs/{job_id}/cancel")
+    r = client.post("/v1/jobs", json={**_body(overlap_calls=True), "priority": -5})
+    assert r.status_code == 201, r.text
+    assert r.json()["gpu_mode"]["overlap_calls"] is True
+    client.post(f"/v1/jobs/{r.json()['id']}/cancel")
+    r = client.post("/v1/jobs", json=_body(overlap_calls=True, train={"objective": "dpo"}))
+    assert r.status_code == 422 and r.json()["error"]["param"] == "engine.overlap_calls"
 
 
 def test_each_local_rank_sees_one_gpu_or_one_cpu_device() -> None:
