@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -268,9 +269,16 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         t3 = time.perf_counter()
         tokens = sum(len(s.ids) for s in samples)
         phases.append({"step": t3 - t0, "sampling": t1 - t0, "grading": t2 - t1, "tokens": tokens})
+        # whether the replayed decode step survived its check, and what it cost so far
+        graphs = ""
+        if not streamed:
+            counted = ", ".join(f"{k} {v:.3g}" for k, v in sampler.graph_counters.items())
+            graphs = f"; graphs {'on' if sampler.graphs else 'off'}" + (
+                f": {counted}" if counted else ""
+            )
         progress(
             f"engine: step {step}: {t3 - t0:.1f} s (sampling {t1 - t0:.1f} s, "
-            f"grading {t2 - t1:.2f} s, {tokens} completion tokens)"
+            f"grading {t2 - t1:.2f} s, {tokens} completion tokens{graphs})"
         )
     rp.synchronize()
     out = _summary(args, "engine", phases)
@@ -403,6 +411,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.run is not None:  # a child: one run, one line
+        # the replayed decode step's check (its distance from the eager step) on stderr
+        logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+        logging.getLogger("rp_service.worker.graph_decode").setLevel(logging.INFO)
         try:
             result = run_engine(args) if args.run == "engine" else run_trl(args)
         except torch.OutOfMemoryError as exc:
