@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU device calls for what session 26 left unmeasured (each ~9 minutes; logs to $OUT):
-#   PART=grpo  issue 48: the CUDA-graph decode step's GPU tests, then the 8B engine step
-#              with it (the default), then with the adapters merged into the sampler copy
-#              (`--merged-adapters`; the eager loop's figure is session 25's 56.2 s)
+#   PART=grpo  issue 48: the 8B engine step with the CUDA-graph decode step (the default;
+#              the eager loop's figures: 56.2 s session 25, 43.4 s on the x2 host session
+#              27); each step's line says whether the graph survived its check
 #   PART=trl   issue 48: TRL's 8B step, a warm-up step first (session 26 measured only its
 #              first step, 85.2 s, in the call's time), then the small batch beside the
 #              engine. Needs `WITH_TRL=1 bash bench/fetch_wheels.sh`.
@@ -16,20 +16,12 @@ OUT=${OUT:-/tmp/callopen}
 mkdir -p "$OUT"
 case ${PART:-grpo} in
 grpo)
-    timeout 150 python3 -m pytest -p no:cacheprovider -m gpu -v --tb=short --timeout=120 \
-        "tests/gpu/test_grpo_gpu.py::test_the_replayed_decode_step_gives_the_eager_samplers_rollouts_on_cuda" \
-        "tests/gpu/test_grpo_gpu.py::test_compacted_rows_are_captured_again_on_cuda" \
-        "tests/gpu/test_grpo_gpu.py::test_merged_adapters_give_the_engines_rollouts_on_cuda" \
-        "tests/gpu/test_grpo_gpu.py::test_the_replayed_step_runs_a_half_precision_copy_on_cuda" \
-        >"$OUT/grpo-graphs.log" 2>&1
-    grep -E "PASSED|FAILED|ERROR" "$OUT/grpo-graphs.log" | tail -6
-    timeout 250 python3 bench/grpo.py --model qwen3-8b --runs engine --steps 1 --warmup 1 \
+    # the graph tests passed in session 27; session 28's 8B run ended in its 240 s limit
+    # after the warm-up step (124 s with the capture): give the measured step room
+    timeout 480 python3 bench/grpo.py --model qwen3-8b --runs engine --steps 1 --warmup 1 \
         >"$OUT/grpo-8b-graphs.jsonl" 2>"$OUT/grpo-8b-graphs.err"
-    cat "$OUT/grpo-8b-graphs.jsonl"
-    grep -h "grpo bench\|graph rollouts failed" "$OUT/grpo-8b-graphs.err" | tail -6
-    timeout 170 python3 bench/grpo.py --model qwen3-8b --runs engine --merged-adapters \
-        --steps 1 --warmup 1 >"$OUT/grpo-8b-merged.jsonl" 2>"$OUT/grpo-8b-merged.err"
-    cat "$OUT/grpo-8b-merged.jsonl"
+    cut -c1-1500 "$OUT/grpo-8b-graphs.jsonl"
+    grep -h "grpo bench\|checked\|graph rollouts failed\|decode eagerly" "$OUT/grpo-8b-graphs.err" | tail -8
     ;;
 trl)
     timeout 330 python3 bench/grpo.py --model qwen3-8b --runs trl --steps 1 --warmup 1 \

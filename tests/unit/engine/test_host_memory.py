@@ -281,16 +281,9 @@ def test_overlapped_calls_plan_two_calls_activations_and_the_second_copy() -> No
     overlapped calls peaked at 100.8-104.1 GiB where 68.4 were planned, the difference the
     activations and saved attention (33.4 GiB): a call's backward still holds its own while
     the next call's forward saves new ones."""
-    shape = ModelShape(
-        hidden_size=2048,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=6144,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    )
+    from bench.shapes import SHAPES  # the shape bench/train.py measured
+
+    shape = ModelShape.from_config({**SHAPES["qwen3-1.7b"], "model_type": "qwen3"})
     run = RunShape(
         tokens_per_step=128 * 2048,
         seq_len=2048,
