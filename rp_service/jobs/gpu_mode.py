@@ -142,7 +142,9 @@ def overlap_refusal(spec: JobSpec, mode: GpuMode) -> str | None:
     """Why the job cannot overlap its calls (engine.overlap_calls true is then a 422), or
     None."""
     engine = spec.engine
-    if mode.mode == "ranks" or engine.nodes > 1:
+    if engine.nodes > 1:
+        return f"engine.nodes {engine.nodes}: the nodes' data-parallel ranks run without overlapped calls"
+    if mode.mode == "ranks":
         return "data-parallel ranks run without overlapped calls; set engine.gpu_mode to 'pipeline'"
     if spec.train.objective != "sft":
         return f"train.objective {spec.train.objective!r} runs without overlapped calls (sft only)"

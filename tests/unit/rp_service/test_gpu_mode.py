@@ -166,6 +166,7 @@ def test_explicit_overlap_is_refused_where_it_cannot_run_naming_the_field(tmp_pa
     assert _overlap(tmp_path, _body(overlap_calls=True), gpu_count=0) == (True, True)
     for body, gpu_count, words in (
         (_body(overlap_calls=True, gpu_mode="ranks"), 2, "data-parallel ranks"),
+        (_body(overlap_calls=True, nodes=2), 2, "engine.nodes 2"),
         (_body(overlap_calls=True, train={"objective": "dpo"}), 2, "'dpo'"),
         (_body(overlap_calls=True, optim_memory="compact"), 2, "compact"),
     ):
