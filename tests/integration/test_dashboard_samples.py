@@ -79,6 +79,10 @@ def test_the_samples_panel_lists_each_evaluation_through_pause_and_resume(
 
         page.reload()  # the stored events rebuild the panel
         wait_until("the panel after a reload", lambda: shown(page) == want)
+        # the job's GPU mode and its reason, as `rp status` prints them (a CPU daemon)
+        mode = api.get(f"/v1/jobs/{job['id']}").json()["gpu_mode"]
+        dd = page.locator("#job-summary dt:text-is('GPU mode') + dd")
+        assert dd.inner_text() == f"pipeline: {mode['reason']}"
         page.screenshot(path=str(tmp_path / "samples.png"), full_page=True)
     # the HTML-looking prompt is text: no element came of it, nothing ran
     assert page.query_selector("#samples-table img, #samples-table b") is None

@@ -183,6 +183,7 @@ export function renderJob(view, jobId) {
       ["started", time(job.started_at)],
       ["finished", time(job.finished_at)],
     ];
+    if (job.gpu_mode) rows.push(["GPU mode", gpuMode(job.gpu_mode)]);
     if (job.output_model_path) rows.push(["model", job.output_model_path]);
     if (job.error)
       rows.push(["error", el("span", { class: "error" }, `${job.error.code}: ${job.error.message}`)]);
@@ -407,4 +408,11 @@ export function renderJob(view, jobId) {
     stream.close();
     chat.close();
   };
+}
+
+// How the job runs on its GPUs and why (the job object's gpu_mode), as `rp status` says it.
+function gpuMode(mode) {
+  const ranks = mode.mode === "ranks" ? ` x ${mode.ranks}` : "";
+  const overlap = mode.overlap_calls ? ", calls overlapped" : "";
+  return `${mode.mode}${ranks}${overlap}: ${mode.reason}`;
 }
