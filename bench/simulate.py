@@ -37,7 +37,12 @@ is chosen to fit the runs with the plans they ran (least squares on the log of t
 every prediction on several GPUs then uses it (`handoff_ms`
 in the rows, one `kind: calibration` row per input). The engine still plans with its own
 default handoff (`engine.planning.simulate.default_handoff`): the fit prices the engine's
-plans, it does not change them. `--uniform-plans` adds to each prediction the fastest plan
+plans, it does not change them. A run that overlapped its calls (`overlap_calls` in its line) is checked, and fitted, as
+the steady period of overlapped calls of the plan it ran. `--fit-call-gap` fits, beside the
+handoff, a plain call's gap on several GPUs (`call_gap_ms`: the host issuing the pipeline's
+fill and drain at the call's ends, which overlapped calls hide); it needs plain and
+overlapped multi-GPU runs in the input (`bench/sim_inputs/h200x2-overlap-2026-11-29.jsonl`).
+`--uniform-plans` adds to each prediction the fastest plan
 of evenly sized groups under the simulated costs (`uniform_*` fields): what a plan made for
 the fitted handoff could reach.
 
@@ -104,6 +109,12 @@ class Measured:
     # up to its step (they run back to back, the next job's inputs prefetched), so its
     # prediction keeps the default.
     handoff_ms: float | None = None
+    # What a call on several GPUs costs beyond its jobs when calls run one after the other
+    # (ms): the host issuing the pipeline's fill and drain at the call's ends, which
+    # overlapped calls hide (session 28: +5% on 2 GPUs where the model had predicted
+    # nothing). 0 unless `fit_handoff(..., call_gap=True)` fitted it to plain and
+    # overlapped runs.
+    call_gap_ms: float = 0.0
 
     @classmethod
     def of(cls, run: dict[str, Any], fwd: list[float], bwd: list[float]) -> Measured:
@@ -309,7 +320,7 @@ def predict(
             "fused", meas.fwd, meas.bwd, mem, num_devices=devices, num_microbatch=m
         )
     h = meas.handoff_on(devices)
-    call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m, h) / 1000
+    call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m, h) / 1000 + _gap_s(meas, devices)
     step, bound = _bounded(call_s, overhead, floor, opt)
     row = {
         "devices": devices,
@@ -322,6 +333,7 @@ def predict(
         "optimizer_floor_s": None if opt is None else round(opt, 4),
         "bound": bound,
         "handoff_ms": round(default_handoff(meas.fwd, m) if h is None else h, 3),
+        "call_gap_ms": round(meas.call_gap_ms, 3),
         "plan": repr(plan),
     }
     if uniform:
@@ -373,34 +385,71 @@ def steady_tokens_per_s(run: dict[str, Any]) -> float:
     return float(run.get("tokens_per_s_steps_without_compile") or run["tokens_per_s"])
 
 
-def _step_s(meas: Measured, devices: int, plan: ModelExecutePlan, floor: float | None) -> float:
+def _gap_s(meas: Measured, devices: int) -> float:
+    """The plain call's gap on several GPUs (s; `Measured.call_gap_ms`)."""
+    return meas.call_gap_ms / 1000 if devices > 1 else 0.0
+
+
+def _step_s(
+    meas: Measured,
+    devices: int,
+    plan: ModelExecutePlan,
+    floor: float | None,
+    *,
+    overlapped: bool = False,
+) -> float:
     """`predict`'s step (s) of a given plan, unrounded (the optimizer floor left out: the
-    fit is about the pipeline)."""
-    m = meas.num_microbatch
-    call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m, meas.handoff_on(devices))
-    return _bounded(call_s / 1000, meas.overhead_s, floor)[0]
+    fit is about the pipeline); `overlapped`: the steady period of overlapped calls of it
+    (no call gap)."""
+    m, h = meas.num_microbatch, meas.handoff_on(devices)
+    if overlapped:
+        call_ms = simulate_plan(
+            plan, meas.fwd, meas.bwd, devices, m, h, overlapped=True, publish=meas.publish
+        )
+        return _bounded(call_ms / 1000, meas.overhead_s, floor)[0]
+    call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m, h) / 1000 + _gap_s(meas, devices)
+    return _bounded(call_s, meas.overhead_s, floor)[0]
+
+
+def _overlapped(run: dict[str, Any]) -> bool:
+    """Whether a bench/train.py run overlapped its calls (RoundPipe overlap_calls)."""
+    return bool(run.get("overlap_calls"))
+
+
+# `fit_handoff(..., call_gap=True)` tries call gaps on this grid (ms).
+CALL_GAP_GRID_MS = [5.0 * i for i in range(61)]
 
 
 def fit_handoff(
-    meas: Measured, runs: list[dict[str, Any]], floor: float | None
+    meas: Measured, runs: list[dict[str, Any]], floor: float | None, *, call_gap: bool = False
 ) -> tuple[Measured, float]:
     """`meas` with the handoff between devices that best fits the multi-GPU `runs` (the
-    plans they ran, their steady steps; least squares on the log of the step), and that
-    fit's root mean square relative error. Searched from a quarter to 16 times the
-    default handoff, on a grid, then by golden section between the best point's
-    neighbours (the step grows with the handoff)."""
+    plans they ran, as they ran them: overlapped calls as their steady period; their
+    steady steps; least squares on the log of the step), and that fit's root mean square
+    relative error. Searched from a quarter to 16 times the default handoff, on a grid,
+    then by golden section between the best point's neighbours (the step grows with the
+    handoff). `call_gap`: also the plain call's gap (`Measured.call_gap_ms`, on
+    `CALL_GAP_GRID_MS`), the handoff fitted for each: it needs plain and overlapped runs
+    to be told apart from the handoff."""
+    if call_gap:
+        fits = [fit_handoff(replace(meas, call_gap_ms=g), runs, floor) for g in CALL_GAP_GRID_MS]
+        return min(fits, key=lambda fit: fit[1])
     targets = [
         (
             parse_plan(r["plan"]),
             int(r["num_devices"]),
             r["tokens_per_step"] / steady_tokens_per_s(r),
+            _overlapped(r),
         )
         for r in runs
     ]
 
     def cost(h: float) -> float:
         cand = replace(meas, handoff_ms=h)
-        return sum(math.log(_step_s(cand, d, plan, floor) / step) ** 2 for plan, d, step in targets)
+        return sum(
+            math.log(_step_s(cand, d, plan, floor, overlapped=ov) / step) ** 2
+            for plan, d, step, ov in targets
+        )
 
     base = default_handoff(meas.fwd, meas.num_microbatch)
     grid = [base * 2 ** (i / 8) for i in range(-16, 33)]
@@ -455,6 +504,12 @@ def main(argv: list[str] | None = None) -> None:
         "ran) and predict with it",
     )
     p.add_argument(
+        "--fit-call-gap",
+        action="store_true",
+        help="with --fit-handoff, also fit a plain call's gap on several GPUs, which "
+        "overlapped calls hide (needs plain and overlapped multi-GPU runs in the input)",
+    )
+    p.add_argument(
         "--uniform-plans",
         action="store_true",
         help="also the fastest plan of evenly sized groups on each GPU count (uniform_* "
@@ -473,13 +528,16 @@ def main(argv: list[str] | None = None) -> None:
             if not several:
                 continue
             default_ms = default_handoff(meas.fwd, meas.num_microbatch)
-            measured[key], rms = fit_handoff(meas, several, floors.get(key[1]))
+            measured[key], rms = fit_handoff(
+                meas, several, floors.get(key[1]), call_gap=args.fit_call_gap
+            )
             row = {
                 "kind": "calibration",
                 "input": key[0],
                 "num_microbatch": key[1],
                 "handoff_ms": round(measured[key].handoff_ms or 0.0, 3),
                 "default_handoff_ms": round(default_ms, 3),
+                "call_gap_ms": round(measured[key].call_gap_ms, 3),
                 "fit_runs": [int(r["num_devices"]) for r in several],
                 "fit_rms_error": round(rms, 4),
             }
@@ -524,6 +582,15 @@ def main(argv: list[str] | None = None) -> None:
             parse_plan(r["plan"]),
             optimizer_floor=not args.no_optimizer_floor,
         )
+        if _overlapped(r):  # the run's plan as it ran: overlapped calls' steady period
+            step = _step_s(
+                meas, d, parse_plan(r["plan"]), floors.get(meas.num_microbatch), overlapped=True
+            )
+            row.update(
+                overlapped=True,
+                step_s=round(step, 4),
+                tokens_per_s=round(meas.tokens_per_step / step, 1),
+            )
         measured_rate = steady_tokens_per_s(r)
         row.update(
             kind="check",

@@ -147,3 +147,27 @@ def test_handoff_fitted_to_the_four_h200_runs(capsys: pytest.CaptureFixture[str]
     predicted = {int(r["devices"]): r for r in rows if r["kind"] == "prediction"}  # type: ignore[arg-type]
     assert predicted[1]["tokens_per_s"] == pytest.approx(42_447, rel=1e-3)  # one GPU: the default
     assert predicted[8]["tokens_per_s"] == pytest.approx(147_485, rel=0.01)
+
+
+def test_overlapped_runs_are_checked_as_they_ran_and_fit_a_call_gap(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """2 x H200 (sessions 27-28, 8 micro-batches): a plain 2-GPU run (76,390 tokens/s) and
+    an overlapped one (80,433). Each is checked as it ran, the overlapped one as the steady
+    period of overlapped calls of its plan; one handoff fits both within 1%, and a plain
+    call's gap (which overlapped calls hide) fitted beside it puts both on their
+    measurement."""
+    path = str(INPUTS / "h200x2-overlap-2026-11-29.jsonl")
+    rows = _rows(capsys, path, "--fit-handoff")
+    checks = {bool(r.get("overlapped")): r for r in rows if r["kind"] == "check"}
+    assert checks[True]["measured_tokens_per_s"] == pytest.approx(80_433)
+    assert checks[True]["tokens_per_s"] > checks[False]["tokens_per_s"]  # the gain is modelled
+    assert all(abs(float(r["error"])) < 0.01 for r in checks.values())  # type: ignore[arg-type]
+    rows = _rows(capsys, path, "--fit-handoff", "--fit-call-gap")
+    (fit,) = [r for r in rows if r["kind"] == "calibration"]
+    assert 0 < float(fit["call_gap_ms"]) <= 100  # type: ignore[arg-type]
+    assert float(fit["fit_rms_error"]) < 0.002  # type: ignore[arg-type]
+    predicted = {int(r["devices"]): r for r in rows if r["kind"] == "prediction"}  # type: ignore[arg-type]
+    # the gap is a plain call's on several GPUs: one GPU keeps its measured step
+    assert predicted[1]["tokens_per_s"] == pytest.approx(42_283, rel=1e-3)
+    assert predicted[2]["call_gap_ms"] == fit["call_gap_ms"]
