@@ -18,10 +18,11 @@ from typing import Any
 
 from engine.catalog import FAMILIES, max_lora_rank, projection_shapes
 from engine.options import FP8_MIN_CAPABILITY, EngineOptions, fp8_capable
+from engine.planning.memory_plan import format_gib
 from rp_service.cluster.nodes import ClusterView, check_nodes_request
 from rp_service.data.chat_template import CHOOSE_HINT, folder_has_template
 from rp_service.data.formats import DataFormatError, iter_records
-from rp_service.errors import InvalidRequest, JobFailure
+from rp_service.errors import HostMemoryExceeded, InvalidRequest, JobFailure
 from rp_service.jobs.gpu_mode import (
     GpuMode,
     choose_gpu_mode,
@@ -321,15 +322,15 @@ class SpecResolver:
     def overlap_calls(
         self, spec: JobSpec, options: EngineOptions, mode: GpuMode, *, gpu_count: int
     ) -> tuple[EngineOptions, GpuMode]:
-        """The options and mode with engine.overlap_calls decided (after `gpu_mode`):
-        InvalidRequest when `true` cannot run, HostMemoryExceeded when its second weight
-        copy does not fit; `auto` turns it on only where the copy fits."""
+        """The options and mode with engine.overlap_calls decided (after `gpu_mode`, whose
+        plain plan `check` found within the budget): InvalidRequest when `true` cannot run,
+        HostMemoryExceeded naming engine.overlap_calls when its memory (a second weight
+        copy, a second call's activations) does not fit; `auto` turns it on only where it
+        fits."""
         asked = spec.engine.overlap_calls
         if asked is False:
             return options, mode
-        path_config = self._path_config(spec)
         cuda = gpu_count > 0 and spec.engine.gpus > 0
-        overlapped = replace(options, overlap_calls=True)
         if asked is True:
             refusal = overlap_refusal(spec, mode)
             if refusal is not None:
@@ -339,16 +340,27 @@ class SpecResolver:
                     code="overlap_not_possible",
                     param="engine.overlap_calls",
                 )
-            check_spec(
-                spec, overlapped, path_config=path_config, cuda=cuda, budget=self.host_budget_bytes
-            )
-            return overlapped, replace(mode, overlap_calls=True)
-        if not overlap_by_default(spec, mode, on_gpus=cuda):
+        elif not overlap_by_default(spec, mode, on_gpus=cuda):
             return options, mode
+        overlapped = replace(options, overlap_calls=True)
+        path_config = self._path_config(spec)
         plan = plan_for_spec(spec, overlapped, path_config=path_config, cuda=cuda)
-        if plan is not None and plan.total_bytes > self.host_budget_bytes:
-            return options, mode  # the second copy does not fit: calls one after the other
-        return overlapped, replace(mode, overlap_calls=True)
+        budget = self.host_budget_bytes
+        if plan is None or plan.total_bytes <= budget:
+            return overlapped, replace(mode, overlap_calls=True)
+        if asked == "auto":
+            return options, mode  # calls one after the other fit: they run so
+        raise HostMemoryExceeded(
+            f"engine.overlap_calls: overlapped calls need about {format_gib(plan.total_bytes)} "
+            f"of host memory (a second copy of the weights and a second call's activations), "
+            f"over this daemon's budget of {format_gib(budget)} (RP_HOST_MEMORY_BUDGET); set "
+            "engine.overlap_calls to 'auto' or false",
+            param="engine.overlap_calls",
+            need_bytes=plan.total_bytes,
+            budget_bytes=budget,
+            parts_bytes=plan.parts,
+            options=[{"param": "engine.overlap_calls", "change": "false"}],
+        )
 
     def legacy_options(self, spec: JobSpec) -> dict[str, Any]:
         """The options of a job queued by a daemon from before the store kept them (`check`

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from rp_service.app import create_app
 from rp_service.cluster.follow import RankLost, Signals, follow_ranks
 from rp_service.cluster.local import rank_envs
-from rp_service.errors import InvalidRequest
+from rp_service.errors import HostMemoryExceeded, InvalidRequest
 from rp_service.jobs.resolve import SpecResolver
 from rp_service.schemas import JobSpec
 from rp_service.settings import Settings
@@ -159,6 +159,13 @@ def test_auto_overlaps_only_where_the_second_calls_memory_fits(tmp_path: Path) -
     between = f"{(plain + doubled) // 2}"
     assert _overlap(tmp_path, body, budget=between) == (False, False)
     assert _overlap(tmp_path, body, budget=f"{doubled}") == (True, True)
+    # asked for where it does not fit: the refusal names the field and the figures
+    with pytest.raises(HostMemoryExceeded) as exc:
+        _overlap(
+            tmp_path, {**body, "engine": {**body["engine"], "overlap_calls": True}}, budget=between
+        )
+    assert exc.value.param == "engine.overlap_calls" and exc.value.code == "host_memory_exceeded"
+    assert "set engine.overlap_calls to 'auto' or false" in exc.value.message
 
 
 def test_explicit_overlap_is_refused_where_it_cannot_run_naming_the_field(tmp_path: Path) -> None:
