@@ -13,6 +13,8 @@
 #   PART=service  issue 43: the daemon's 2-GPU job against bench/train.py on the same GPUs
 #                 at staleness one (auto: one process, overlapped calls), then bench/train.py
 #                 at staleness zero
+#   PART=confirm  session 28's untested GPU test (test_local_ranks_gpu.py), then the daemon's
+#                 2-GPU job against the bench again (another host)
 #   source bench/device_env.sh && PART=tests OUT=$OUT bash bench/diag/call_two.sh
 set -u
 OUT=${OUT:-/tmp/calltwo}
@@ -69,5 +71,14 @@ service)
     RP_DEVICES=cuda:0,1 timeout 130 python3 bench/train.py --seqs-per-step 128 --num-microbatch 8 \
         --warmup 3 --steps 4 --step-staleness 0 >"$OUT/bench-s0.jsonl" 2>"$OUT/bench-s0.err"
     python3 bench/diag/train_summary.py "$OUT/bench-s0.jsonl"; tail -3 "$OUT/bench-s0.err" | cut -c1-300
+    ;;
+confirm)
+    # session 28's rewrite of the ranks/auto GPU test (auto: one process, overlapped calls,
+    # the plain process's weights bit for bit), then the daemon's job on a second host
+    timeout 260 "${PYTEST[@]}" --timeout=240 tests/gpu/test_local_ranks_gpu.py >"$OUT/ranks.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/ranks.log" | cut -c1-300 | tail -4
+    timeout 330 python3 bench/service_train.py --gpus 2 --seqs-per-step 128 --num-microbatch 8 \
+        --steps 4 --warmup 3 --step-staleness 1 >"$OUT/service-s1.jsonl" 2>"$OUT/service-s1.err"
+    cut -c1-700 "$OUT/service-s1.jsonl"; grep -v "INFO:" "$OUT/service-s1.err" | tail -4 | cut -c1-300
     ;;
 esac
