@@ -237,7 +237,9 @@ def gloo_worker_threads() -> int:
     for task in Path("/proc/self/task").iterdir():
         try:
             names.append((task / "comm").read_text().strip())
-        except FileNotFoundError:  # the thread ended since the listing: not running
+        except (FileNotFoundError, ProcessLookupError):
+            # the thread ended since the listing (its comm read raises either, depending on
+            # when it went): not running
             continue
     return names.count("pt_gloo_runloop")
 
