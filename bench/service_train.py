@@ -187,13 +187,14 @@ def main() -> None:
     p.add_argument("--step-staleness", type=int, choices=[0, 1], default=0)
     p.add_argument(
         "--overlap-calls",
-        type=lambda v: v if v == "auto" else v == "true",
-        choices=["auto", True, False],
+        choices=["auto", "true", "false"],
         default=None,
         help="the job's engine.overlap_calls (auto, true, false; default: the service's); "
         "bench/train.py then runs as the job did (its gpu_mode.overlap_calls)",
     )
     args = p.parse_args()
+    if args.overlap_calls in ("true", "false"):  # the JobSpec's boolean
+        args.overlap_calls = args.overlap_calls == "true"
     full = {"seq_len": 2048, "seqs_per_step": 64, "steps": 5, "warmup": 3}
     for key, value in full.items():
         if getattr(args, key) is None:

@@ -320,7 +320,7 @@ def predict(
             "fused", meas.fwd, meas.bwd, mem, num_devices=devices, num_microbatch=m
         )
     h = meas.handoff_on(devices)
-    call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m, h) / 1000 + _gap_s(meas, devices)
+    call_s = _plain_call_s(meas, devices, plan)
     step, bound = _bounded(call_s, overhead, floor, opt)
     row = {
         "devices": devices,
@@ -385,9 +385,12 @@ def steady_tokens_per_s(run: dict[str, Any]) -> float:
     return float(run.get("tokens_per_s_steps_without_compile") or run["tokens_per_s"])
 
 
-def _gap_s(meas: Measured, devices: int) -> float:
-    """The plain call's gap on several GPUs (s; `Measured.call_gap_ms`)."""
-    return meas.call_gap_ms / 1000 if devices > 1 else 0.0
+def _plain_call_s(meas: Measured, devices: int, plan: ModelExecutePlan) -> float:
+    """One call of `plan` when calls run one after the other (s): the simulated pipeline,
+    plus the call's gap on several GPUs (`Measured.call_gap_ms`)."""
+    m, h = meas.num_microbatch, meas.handoff_on(devices)
+    gap_ms = meas.call_gap_ms if devices > 1 else 0.0
+    return (simulate_plan(plan, meas.fwd, meas.bwd, devices, m, h) + gap_ms) / 1000
 
 
 def _step_s(
@@ -401,13 +404,16 @@ def _step_s(
     """`predict`'s step (s) of a given plan, unrounded (the optimizer floor left out: the
     fit is about the pipeline); `overlapped`: the steady period of overlapped calls of it
     (no call gap)."""
-    m, h = meas.num_microbatch, meas.handoff_on(devices)
     if overlapped:
-        call_ms = simulate_plan(
-            plan, meas.fwd, meas.bwd, devices, m, h, overlapped=True, publish=meas.publish
+        m, h = meas.num_microbatch, meas.handoff_on(devices)
+        call_s = (
+            simulate_plan(
+                plan, meas.fwd, meas.bwd, devices, m, h, overlapped=True, publish=meas.publish
+            )
+            / 1000
         )
-        return _bounded(call_ms / 1000, meas.overhead_s, floor)[0]
-    call_s = simulate_plan(plan, meas.fwd, meas.bwd, devices, m, h) / 1000 + _gap_s(meas, devices)
+    else:
+        call_s = _plain_call_s(meas, devices, plan)
     return _bounded(call_s, meas.overhead_s, floor)[0]
 
 
@@ -575,17 +581,10 @@ def main(argv: list[str] | None = None) -> None:
         meas = measured.get(_key(r))
         if meas is None:
             continue
-        row = predict(
-            meas,
-            d,
-            floors.get(meas.num_microbatch),
-            parse_plan(r["plan"]),
-            optimizer_floor=not args.no_optimizer_floor,
-        )
+        plan, floor = parse_plan(r["plan"]), floors.get(meas.num_microbatch)
+        row = predict(meas, d, floor, plan, optimizer_floor=not args.no_optimizer_floor)
         if _overlapped(r):  # the run's plan as it ran: overlapped calls' steady period
-            step = _step_s(
-                meas, d, parse_plan(r["plan"]), floors.get(meas.num_microbatch), overlapped=True
-            )
+            step = _step_s(meas, d, plan, floor, overlapped=True)
             row.update(
                 overlapped=True,
                 step_s=round(step, 4),

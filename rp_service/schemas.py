@@ -365,9 +365,10 @@ class EngineSection(_Section):
         "(the engine's overlap_calls: same results, the pipeline's fill and drain hidden; "
         "a second half-precision copy of the trainable weights in host memory). auto: on "
         "for an sft job run as one process on 2 or more GPUs with async_step and "
-        "step_staleness 1, where the copy fits the host memory budget. One process only "
-        "(not with gpu_mode ranks or engine.nodes > 1), sft only, not with optim_memory "
-        "compact. The job's options say what ran (docs/SCALING.md).",
+        "step_staleness 1, where the copy and a second step's activations fit the host "
+        "memory budget. One process only (not with gpu_mode ranks or engine.nodes > 1), "
+        "sft only, not with optim_memory compact. The job object's gpu_mode.overlap_calls "
+        "says what ran (docs/SCALING.md).",
     )
     async_step: bool = Field(
         True,

@@ -122,7 +122,7 @@ def _step_obstacle(spec: JobSpec) -> str | None:
     """Why `auto` keeps one process for this job's step and GPUs (ranks asked for still
     run)."""
     engine = spec.engine
-    if not (engine.async_step and engine.step_staleness == 1):
+    if not _next_forward_skips_the_step(spec):
         step = "step_staleness 0" if engine.async_step else "async_step false"
         return (
             f"with engine.{step} one process is as fast as ranks (measured on 2 GPUs: "
@@ -157,14 +157,19 @@ def overlap_by_default(spec: JobSpec, mode: GpuMode, *, on_gpus: bool) -> bool:
     """Whether `engine.overlap_calls: auto` turns overlapped calls on (before the host
     memory check of their second copy): one process on >= 2 GPUs whose next forward does
     not wait for the step."""
-    engine = spec.engine
     return (
         on_gpus
-        and engine.gpus >= 2
-        and engine.async_step
-        and engine.step_staleness == 1
+        and spec.engine.gpus >= 2
+        and _next_forward_skips_the_step(spec)
         and overlap_refusal(spec, mode) is None
     )
+
+
+def _next_forward_skips_the_step(spec: JobSpec) -> bool:
+    """The asynchronous step at staleness one: the next forward computes with the weights
+    from before it, so it need not wait for the step (what ranks and overlapped calls
+    both want)."""
+    return spec.engine.async_step and spec.engine.step_staleness == 1
 
 
 def _obstacle(spec: JobSpec, options: EngineOptions) -> str | None:

@@ -143,7 +143,7 @@ def _wrap(hf_model: torch.nn.Module, options: EngineOptions, *, frozen: bool = F
         # Nothing trains: no masters, no optimizer memory mode; and no data parallel (each
         # rank scores its own rows, so the reference needs no collective of its own).
         return wrap_model_to_roundpipe(hf_model, process_group=None, **kwargs)
-    # engine.overlap_calls, decided at submission (rp_service.jobs.gpu_mode.overlap_calls)
+    # engine.overlap_calls, decided at submission (rp_service.jobs.resolve's overlap_calls)
     if options.overlap_calls:
         kwargs["overlap_calls"] = True
     if options.optim_memory == "compact":  # the bf16 weights are the masters
